@@ -1,0 +1,289 @@
+// Python bindings: every tensor argument is validated here, before any pointer is
+// formed, so a user's mistake becomes a Python exception (ValueError / TypeError)
+// that names the argument, what it was and what is accepted, never a crash.
+// The kernels themselves (kernels.h) trust their arguments.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "kernels.h"
+
+namespace {
+
+using at::Tensor;
+
+void check_tensor(const Tensor& t, const char* fn, const char* name, int64_t dim, const char* layout) {
+  TORCH_CHECK_VALUE(t.defined(), fn, ": ", name, " is missing");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == dim, fn, ": ", name, " must be a ", dim, "-D tensor ", layout, ", got shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), fn, ": ", name, " must be contiguous (call .contiguous()), got shape ",
+                    t.sizes(), " with strides ", t.strides());
+}
+
+void check_float_input(const Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, fn, ": ", name,
+                   " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+float checked_scale(std::optional<double> scale, int64_t D, const char* fn) {
+  if (!scale) return static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  TORCH_CHECK_VALUE(std::isfinite(*scale) && *scale > 0.0, fn, ": scale must be a finite number > 0, got ",
+                    *scale);
+  return static_cast<float>(*scale);
+}
+
+wbk::CacheDtype cache_dtype(const Tensor& t, const char* fn, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return wbk::CacheDtype::kFloat32;
+    case at::kHalf:
+      return wbk::CacheDtype::kFloat16;
+    case at::kBFloat16:
+      return wbk::CacheDtype::kBFloat16;
+    case at::kChar:
+      return wbk::CacheDtype::kInt8;
+    default:
+      TORCH_CHECK_TYPE(false, fn, ": ", name, " must be int8, float16, bfloat16 or float32, got ",
+                       t.scalar_type());
+  }
+}
+
+// lengths / positions: a 1-D integer tensor of B values in [lo, hi]; returned as contiguous int64.
+Tensor checked_positions(const Tensor& t, const char* fn, const char* name, int64_t B, int64_t lo, int64_t hi,
+                         const char* meaning) {
+  check_tensor(t, fn, name, 1, "[B]");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, fn, ": ", name,
+                   " must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.size(0) == B, fn, ": ", name, " must have one entry per sequence (B = ", B, "), got ",
+                    t.size(0));
+  Tensor r = t.to(at::kLong).contiguous();
+  if (B > 0) {
+    const int64_t mn = r.min().item<int64_t>(), mx = r.max().item<int64_t>();
+    TORCH_CHECK_VALUE(mn >= lo && mx <= hi, fn, ": every entry of ", name, " must be in [", lo, ", ", hi, "] (",
+                      meaning, "), got values in [", mn, ", ", mx, "]");
+  }
+  return r;
+}
+
+Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+               int64_t block_m, int64_t block_n, bool slim) {
+  const char* fn = slim ? "slim_attention" : "flash_attention";
+  check_tensor(q, fn, "q", 4, "[B, H, N, D]");
+  check_tensor(k, fn, "k", 4, "[B, Hkv, Nk, D]");
+  check_tensor(v, fn, "v", 4, "[B, Hkv, Nk, D]");
+  check_float_input(q, fn, "q");
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
+                   ": q, k and v must have the same dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), fn, ": k and v must have the same shape, got ", k.sizes(), " and ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == B, fn, ": k has batch ", k.size(0), " but q has batch ", B);
+  TORCH_CHECK_VALUE(k.size(3) == D, fn, ": k has head dim ", k.size(3), " but q has head dim ", D);
+  TORCH_CHECK_VALUE(D >= 1, fn, ": head dim D must be >= 1, got ", D);
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, fn, ": the number of query heads H (", H,
+                    ") must be a multiple of the number of KV heads Hkv (", Hkv, ")");
+  TORCH_CHECK_VALUE(!causal || Nk >= N, fn, ": causal attention needs at least as many keys as queries ",
+                    "(the queries are the last N of Nk positions), got N = ", N, ", Nk = ", Nk);
+  TORCH_CHECK_VALUE(N == 0 || Nk >= 1, fn, ": k and v have no keys (Nk = 0)");
+  TORCH_CHECK_VALUE(block_m >= 1, fn, ": block_m must be >= 1, got ", block_m);
+  TORCH_CHECK_VALUE(block_n >= 1, fn, ": block_n must be >= 1, got ", block_n);
+  const float s = checked_scale(scale, D, fn);
+
+  Tensor out = at::empty({B, H, N, D}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out.to(q.scalar_type());
+  // bf16 is widened once up front: O(N D) work against the O(N^2 D) of attention.
+  // K is transposed to [B, Hkv, D, Nk] so that S = Q K^T is a row-major product.
+  Tensor qf = q.to(at::kFloat).contiguous();
+  Tensor kt = k.to(at::kFloat).transpose(2, 3).contiguous();
+  Tensor vf = v.to(at::kFloat).contiguous();
+  wbk::PrefillArgs a{qf.data_ptr<float>(), kt.data_ptr<float>(), vf.data_ptr<float>(), out.data_ptr<float>(),
+                     B, H, Hkv, N, Nk, D, causal, s, std::min(block_m, N), block_n};
+  if (slim) {
+    wbk::slim_attention(a);
+  } else {
+    wbk::flash_attention(a);
+  }
+  return out.to(q.scalar_type());
+}
+
+Tensor slim_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                      int64_t block_m) {
+  return prefill(q, k, v, causal, scale, block_m, 1, true);
+}
+
+Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                       std::optional<double> scale, int64_t block_m, int64_t block_n) {
+  return prefill(q, k, v, causal, scale, block_m, block_n, false);
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+                        const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                        std::optional<double> scale, std::optional<int64_t> num_splits) {
+  const char* fn = "decode_attention";
+  check_tensor(q, fn, "q", 3, "[B, H, D]");
+  check_float_input(q, fn, "q");
+  check_tensor(k_cache, fn, "k_cache", 4, "[B, Hkv, Lmax, D]");
+  check_tensor(v_cache, fn, "v_cache", 4, "[B, Hkv, Lmax, D]");
+  const wbk::CacheDtype dtype = cache_dtype(k_cache, fn, "k_cache");
+  TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), fn,
+                   ": k_cache and v_cache must have the same dtype, got ", k_cache.scalar_type(), " and ",
+                   v_cache.scalar_type());
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), fn, ": k_cache and v_cache must have the same shape, got ",
+                    k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), Lmax = k_cache.size(2);
+  TORCH_CHECK_VALUE(k_cache.size(0) == B, fn, ": k_cache has batch ", k_cache.size(0), " but q has batch ", B);
+  TORCH_CHECK_VALUE(k_cache.size(3) == D, fn, ": k_cache has head dim ", k_cache.size(3), " but q has head dim ",
+                    D);
+  TORCH_CHECK_VALUE(D >= 1, fn, ": head dim D must be >= 1, got ", D);
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, fn, ": the number of query heads H (", H,
+                    ") must be a multiple of the number of KV heads Hkv (", Hkv, ")");
+  TORCH_CHECK_VALUE(Lmax >= 1, fn, ": the cache has no positions (Lmax = 0)");
+  Tensor len = checked_positions(lengths, fn, "lengths", B, 1, Lmax, "each sequence attends to 1..Lmax tokens");
+
+  const bool is_int8 = dtype == wbk::CacheDtype::kInt8;
+  if (is_int8) {
+    TORCH_CHECK_VALUE(k_scale.has_value() && v_scale.has_value(), fn,
+                      ": an int8 cache needs k_scale and v_scale [B, Hkv, Lmax] float32");
+    for (auto [t, name] : {std::pair{*k_scale, "k_scale"}, std::pair{*v_scale, "v_scale"}}) {
+      check_tensor(t, fn, name, 3, "[B, Hkv, Lmax]");
+      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ", t.scalar_type());
+      TORCH_CHECK_VALUE(t.sizes() == k_cache.sizes().slice(0, 3), fn, ": ", name, " must have shape ",
+                        k_cache.sizes().slice(0, 3), " (B, Hkv, Lmax of the cache), got ", t.sizes());
+    }
+  } else {
+    TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(), fn,
+                      ": k_scale / v_scale are only used with an int8 cache, but the cache is ",
+                      k_cache.scalar_type());
+  }
+  const float s = checked_scale(scale, D, fn);
+  int64_t splits = num_splits.value_or(0);
+  if (num_splits) {
+    TORCH_CHECK_VALUE(splits >= 1, fn, ": num_splits must be >= 1 (or None for automatic), got ", splits);
+  } else {
+    splits = wbk::decode_default_splits(B, Hkv, B > 0 ? len.max().item<int64_t>() : 1, at::get_num_threads());
+  }
+  splits = std::min(splits, Lmax);
+
+  Tensor out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out.to(q.scalar_type());
+  Tensor qf = q.to(at::kFloat).contiguous();
+  wbk::DecodeArgs a{qf.data_ptr<float>(),
+                    k_cache.data_ptr(),
+                    v_cache.data_ptr(),
+                    is_int8 ? k_scale->data_ptr<float>() : nullptr,
+                    is_int8 ? v_scale->data_ptr<float>() : nullptr,
+                    len.data_ptr<int64_t>(),
+                    out.data_ptr<float>(),
+                    B,
+                    H,
+                    Hkv,
+                    Lmax,
+                    D,
+                    dtype,
+                    s,
+                    splits};
+  wbk::decode_attention(a);
+  return out.to(q.scalar_type());
+}
+
+std::tuple<Tensor, Tensor> quantize_kv_int8(const Tensor& x) {
+  const char* fn = "quantize_kv_int8";
+  TORCH_CHECK_VALUE(x.defined() && x.device().is_cpu(), fn, ": x must be a CPU tensor");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, fn, ": x must have a last dimension D >= 1, got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous(), fn, ": x must be contiguous (call .contiguous()), got strides ",
+                    x.strides());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                       x.scalar_type() == at::kHalf,
+                   fn, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  Tensor scales = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  if (rows > 0) wbk::quantize_int8(xf.data_ptr<float>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, D);
+  return {q, scales};
+}
+
+void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& positions,
+                     const std::optional<Tensor>& scales) {
+  const char* fn = "kv_cache_append";
+  check_tensor(cache, fn, "cache", 4, "[B, Hkv, Lmax, D]");
+  check_tensor(values, fn, "values", 4, "[B, Hkv, T, D]");
+  const wbk::CacheDtype dtype = cache_dtype(cache, fn, "cache");
+  TORCH_CHECK_TYPE(values.scalar_type() == at::kFloat || values.scalar_type() == at::kBFloat16 ||
+                       values.scalar_type() == at::kHalf,
+                   fn, ": values must be float32, bfloat16 or float16, got ", values.scalar_type());
+  const int64_t B = cache.size(0), Hkv = cache.size(1), Lmax = cache.size(2), D = cache.size(3);
+  const int64_t T = values.size(2);
+  TORCH_CHECK_VALUE(values.size(0) == B && values.size(1) == Hkv && values.size(3) == D, fn,
+                    ": values must have shape [B, Hkv, T, D] = [", B, ", ", Hkv, ", T, ", D,
+                    "] to match the cache, got ", values.sizes());
+  Tensor pos = checked_positions(positions, fn, "positions", B, 0, Lmax - T,
+                                 "the T new tokens must fit in the cache's Lmax positions");
+  const bool is_int8 = dtype == wbk::CacheDtype::kInt8;
+  if (is_int8) {
+    TORCH_CHECK_VALUE(scales.has_value(), fn, ": an int8 cache needs scales [B, Hkv, Lmax] float32");
+    check_tensor(*scales, fn, "scales", 3, "[B, Hkv, Lmax]");
+    TORCH_CHECK_TYPE(scales->scalar_type() == at::kFloat, fn, ": scales must be float32, got ",
+                     scales->scalar_type());
+    TORCH_CHECK_VALUE(scales->sizes() == cache.sizes().slice(0, 3), fn, ": scales must have shape ",
+                      cache.sizes().slice(0, 3), ", got ", scales->sizes());
+  } else {
+    TORCH_CHECK_VALUE(!scales.has_value(), fn, ": scales are only used with an int8 cache, but the cache is ",
+                      cache.scalar_type());
+  }
+  if (values.numel() == 0) return;
+  Tensor src = values.to(at::kFloat).contiguous();
+  wbk::AppendArgs a{src.data_ptr<float>(), cache.data_ptr(), is_int8 ? scales->data_ptr<float>() : nullptr,
+                    pos.data_ptr<int64_t>(), B, Hkv, T, Lmax, D, dtype};
+  wbk::kv_cache_append(a);
+}
+
+void check_probe_buffer(const Tensor& t, const char* name) {
+  check_tensor(t, "triad", name, 1, "[n]");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "triad: ", name, " must be float32");
+}
+
+void triad(Tensor& a, const Tensor& b, const Tensor& c, double s) {
+  check_probe_buffer(a, "a");
+  check_probe_buffer(b, "b");
+  check_probe_buffer(c, "c");
+  TORCH_CHECK_VALUE(a.numel() == b.numel() && b.numel() == c.numel(), "triad: a, b, c must have equal sizes");
+  wbk::triad(a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), static_cast<float>(s), a.numel());
+}
+
+double read_sum(const Tensor& x) {
+  check_probe_buffer(x, "x");
+  return wbk::read_sum(x.data_ptr<float>(), x.numel());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "workbench attention and KV-cache kernels (see workbench.kernels for the documented API)";
+  m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
+        py::arg("scale"), py::arg("block_m"));
+  m.def("flash_attention", &flash_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
+        py::arg("scale"), py::arg("block_m"), py::arg("block_n"));
+  m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"));
+  m.def("decode_default_splits", [](int64_t B, int64_t Hkv, int64_t max_length) {
+    return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
+  });
+  m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"));
+  m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),
+        py::arg("scales"));
+  m.def("fma_throughput_gflops", &wbk::fma_throughput_gflops, py::arg("iterations"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
+  m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());
+  m.def("isa", &wbk::isa);
+  m.def("gemm_mr", &wbk::gemm_mr);
+  m.def("gemm_nr", &wbk::gemm_nr);
+}

@@ -1,0 +1,255 @@
+// Decode attention: one new query token per sequence against a KV cache of fp32,
+// fp16, bf16 or int8 (the paper's hybrid-dtype kernel).
+//
+// Layout: q [B, H, D] fp32; k/v caches [B, Hkv, Lmax, D]; int8 scales [B, Hkv, Lmax]
+// (one per head per token); lengths [B] (ragged batches). GQA: the H / Hkv query
+// heads that share a KV head are handled by one task, so each cached token is read
+// from memory once for all of them.
+//
+// Parallel split: one task per (batch, KV head, split), where each sequence's
+// tokens are cut into `num_splits` equal chunks (split-KV) when there are too few
+// (batch, head) pairs to keep every thread busy. A split writes its unnormalised
+// output with its softmax max and sum; a merge pass rescales and adds them.
+//
+// Per task, three passes over the chunk, each touching a token's data once:
+//   1. scores: 4 tokens at a time, K widened to fp32 in registers (int8 -> int32 ->
+//      fp32, fp16/bf16 -> fp32), dotted with each query head; for int8 the token's
+//      scale multiplies the finished dot product once (q.k = s_t (q.k8)).
+//   2. exact softmax over the chunk; for int8 the V scale is folded into the
+//      probabilities (sum_t p_t v_t = sum_t (p_t s_t) v8_t).
+//   3. O += P V, 32 tokens at a time: V rows widened once into an fp32 scratch block
+//      that stays in L1 while every query head and output slice uses it.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace wbk {
+namespace {
+
+constexpr int W = VecF::W;
+constexpr int kTokensPerScoreStep = 4;
+constexpr int kTokensPerValueBlock = 32;
+constexpr int kValueChunkVectors = 4;
+
+template <typename T>
+void widen_row(const T* src, float* dst, int64_t D) {
+  int64_t d = 0;
+  for (; d + W <= D; d += W) Load<T>::full(src + d).store(dst + d);
+  if (d < D) Load<T>::part(src + d, static_cast<int>(D - d)).store(dst + d, static_cast<int>(D - d));
+}
+
+// out[i] = q . rows[i] for 4 rows of length D.
+void dot4(const float* q, const float* const* rows, int64_t D, float* out) {
+  VecF acc[4] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    VecF qv = VecF::load(q + d);
+    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, VecF::load(rows[i] + d), acc[i]);
+  }
+  if (d < D) {
+    int rem = static_cast<int>(D - d);
+    VecF qv = VecF::load(q + d, rem);
+    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, VecF::load(rows[i] + d, rem), acc[i]);
+  }
+  reduce_add4(acc[0], acc[1], acc[2], acc[3], out);
+}
+
+// acc[0:D] += sum_i p[i] * rows[i*D : (i+1)*D] for n rows.
+void accumulate_pv(const float* p, const float* rows, int64_t n, int64_t D, float* acc) {
+  int64_t d = 0;
+  for (; d + kValueChunkVectors * W <= D; d += kValueChunkVectors * W) {
+    VecF o[kValueChunkVectors];
+    for (int v = 0; v < kValueChunkVectors; ++v) o[v] = VecF::load(acc + d + v * W);
+    for (int64_t i = 0; i < n; ++i) {
+      VecF pi = VecF::set1(p[i]);
+      const float* row = rows + i * D + d;
+      for (int v = 0; v < kValueChunkVectors; ++v) o[v] = fmadd(pi, VecF::load(row + v * W), o[v]);
+    }
+    for (int v = 0; v < kValueChunkVectors; ++v) o[v].store(acc + d + v * W);
+  }
+  for (; d < D; d += W) {  // leftover vectors (and a partial one) when D is not a multiple of the chunk
+    int cnt = static_cast<int>(std::min<int64_t>(W, D - d));
+    VecF o = VecF::load(acc + d, cnt);
+    for (int64_t i = 0; i < n; ++i) o = fmadd(VecF::set1(p[i]), VecF::load(rows + i * D + d, cnt), o);
+    o.store(acc + d, cnt);
+  }
+}
+
+template <typename T>
+void decode_impl(const DecodeArgs& a) {
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  constexpr bool kWiden = !std::is_same_v<T, float>;
+  const int64_t G = a.H / a.Hkv, S = a.num_splits, D = a.D;
+  const int64_t max_chunk = (a.Lmax + S - 1) / S;
+
+  // Split-KV partial results: unnormalised outputs and (max, sum) per split.
+  std::vector<float> part_o, part_ml;
+  if (S > 1) {
+    part_o.resize(a.B * a.H * S * D);
+    part_ml.resize(a.B * a.H * S * 2);
+  }
+
+  run_tasks(a.B * a.Hkv * S, [&] {
+    return [&, scores = std::vector<float>(G * max_chunk), kbuf = std::vector<float>(4 * D),
+            vbuf = std::vector<float>(kWiden ? kTokensPerValueBlock * D : 0),
+            acc = std::vector<float>(G * D), stats = std::vector<float>(2 * G)](int64_t task) mutable {
+      const int64_t s = task % S, bk = task / S;  // bk = b * Hkv + kv head
+      const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
+      const int64_t len = a.lengths[b], chunk = (len + S - 1) / S;
+      const int64_t t0 = std::min(len, s * chunk), t1 = std::min(len, t0 + chunk), n = t1 - t0;
+      const T* kbase = k_cache + bk * a.Lmax * D;
+      const T* vbase = v_cache + bk * a.Lmax * D;
+      const float* qbase = a.q + (b * a.H + kvh * G) * D;  // G consecutive query heads
+
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* m_g = stats.data();  // per query head: softmax max and sum over the chunk
+      float* l_g = m_g + G;
+      for (int64_t g = 0; g < G; ++g) {
+        m_g[g] = -std::numeric_limits<float>::infinity();
+        l_g[g] = 0.0f;
+      }
+
+      if (n > 0) {
+        // 1. scores[g][t] = scale * (q_g . k_t), four tokens per step.
+        for (int64_t tb = t0; tb < t1; tb += kTokensPerScoreStep) {
+          const int nt = static_cast<int>(std::min<int64_t>(kTokensPerScoreStep, t1 - tb));
+          const float* rows[4];
+          for (int i = 0; i < 4; ++i) {
+            const int64_t tok = tb + std::min(i, nt - 1);  // a short step repeats its last token
+            if constexpr (kWiden) {
+              widen_row(kbase + tok * D, kbuf.data() + i * D, D);
+              rows[i] = kbuf.data() + i * D;
+            } else {
+              rows[i] = kbase + tok * D;
+            }
+          }
+          float f[4] = {a.scale, a.scale, a.scale, a.scale};
+          if constexpr (kInt8) {
+            for (int i = 0; i < nt; ++i) f[i] *= a.k_scale[bk * a.Lmax + tb + i];
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            float dots[4];
+            dot4(qbase + g * D, rows, D, dots);
+            for (int i = 0; i < nt; ++i) scores[g * max_chunk + (tb - t0) + i] = dots[i] * f[i];
+          }
+        }
+
+        // 2. exact softmax over the chunk; fold the int8 V scales into the probabilities.
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * max_chunk;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+          float sum = 0.0f;
+          {
+            const VecF shift = VecF::set1(-mx);
+            VecF vsum = VecF::zero();
+            int64_t i = 0;
+            for (; i + W <= n; i += W) {
+              VecF e = vexp(VecF::load(sg + i) + shift);
+              e.store(sg + i);
+              vsum = vsum + e;
+            }
+            sum = reduce_add(vsum);
+            for (; i < n; ++i) {
+              sg[i] = std::exp(sg[i] - mx);
+              sum += sg[i];
+            }
+          }
+          if constexpr (kInt8) {
+            const float* vs = a.v_scale + bk * a.Lmax + t0;
+            int64_t i = 0;
+            for (; i + W <= n; i += W) (VecF::load(sg + i) * VecF::load(vs + i)).store(sg + i);
+            for (; i < n; ++i) sg[i] *= vs[i];
+          }
+          m_g[g] = mx;
+          l_g[g] = sum;
+        }
+
+        // 3. acc[g] = sum_t p[g][t] v_t, a block of V rows widened once for all heads.
+        for (int64_t tb = t0; tb < t1; tb += kTokensPerValueBlock) {
+          const int64_t nb = std::min<int64_t>(kTokensPerValueBlock, t1 - tb);
+          const float* rows;
+          if constexpr (kWiden) {
+            for (int64_t i = 0; i < nb; ++i) widen_row(vbase + (tb + i) * D, vbuf.data() + i * D, D);
+            rows = vbuf.data();
+          } else {
+            rows = vbase + tb * D;
+          }
+          for (int64_t g = 0; g < G; ++g)
+            accumulate_pv(scores.data() + g * max_chunk + (tb - t0), rows, nb, D, acc.data() + g * D);
+        }
+      }
+
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        if (S == 1) {
+          float* o = a.out + (b * a.H + h) * D;
+          const float inv = 1.0f / l_g[g];
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+        } else {
+          const int64_t slot = (b * a.H + h) * S + s;
+          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, part_o.begin() + slot * D);
+          part_ml[slot * 2] = m_g[g];
+          part_ml[slot * 2 + 1] = l_g[g];
+        }
+      }
+    };
+  });
+
+  if (S == 1) return;
+  // Merge the splits of each (batch, head): rescale by exp(m_s - m) and normalise.
+  at::parallel_for(0, a.B * a.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < S; ++s)
+        if (part_ml[(bh * S + s) * 2 + 1] > 0.0f) m = std::max(m, part_ml[(bh * S + s) * 2]);
+      float* o = a.out + bh * D;
+      std::fill(o, o + D, 0.0f);
+      float l = 0.0f;
+      for (int64_t s = 0; s < S; ++s) {
+        const float ls = part_ml[(bh * S + s) * 2 + 1];
+        if (ls == 0.0f) continue;  // an empty split (sequence shorter than the split count)
+        const float w = std::exp(part_ml[(bh * S + s) * 2] - m);
+        l += ls * w;
+        const float* os = part_o.data() + (bh * S + s) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * os[d];
+      }
+      const float inv = 1.0f / l;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
+}
+
+}  // namespace
+
+int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int num_threads) {
+  // Enough tasks for two per thread, but never chunks shorter than 256 tokens:
+  // below that the merge and per-task overheads outweigh the parallelism.
+  const int64_t base = std::max<int64_t>(1, B * Hkv);
+  const int64_t wanted = (2 * static_cast<int64_t>(num_threads) + base - 1) / base;
+  const int64_t most = std::max<int64_t>(1, max_length / 256);
+  return std::clamp<int64_t>(wanted, 1, most);
+}
+
+void decode_attention(const DecodeArgs& a) {
+  switch (a.dtype) {
+    case CacheDtype::kFloat32:
+      return decode_impl<float>(a);
+    case CacheDtype::kFloat16:
+      return decode_impl<Half16>(a);
+    case CacheDtype::kBFloat16:
+      return decode_impl<BFloat16>(a);
+    case CacheDtype::kInt8:
+      return decode_impl<int8_t>(a);
+  }
+}
+
+}  // namespace wbk

@@ -1,0 +1,146 @@
+// The one matrix-product building block that both prefill attention algorithms use.
+//
+//   C[M x N] (+)= A[M x K] . B[K x N]      all fp32, row-major, leading dims lda/ldb/ldc
+//
+// Register-blocked micro-kernel: an MR x (NV*W) tile of C lives in registers
+// while the K loop broadcasts one A element per row and loads NV vectors of a B
+// row. Loop order: column chunk (NV*W wide) outside, row panels inside, so one
+// K x NR slice of B stays in L1/L2 while every row panel streams past it.
+//
+// Causal support without a materialised mask: with `diag`, row i of C may only
+// see columns j <= i + diag. `gemm_limit_n` stops each MR-row panel at the last
+// column any of its rows can see (S = Q K^T: invisible keys are never computed,
+// except inside the panel's own MR-wide triangle); `gemm_limit_k` stops the
+// reduction the same way (O = P V: P is zero beyond each row's limit).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace wbk {
+
+#if defined(WBK_ISA_AVX512)
+inline constexpr int kGemmMR = 12;  // 24 accumulators + 2 B vectors + 1 broadcast of 32 zmm
+inline constexpr int kGemmNV = 2;
+#elif defined(WBK_ISA_AVX2)
+inline constexpr int kGemmMR = 6;  // 12 accumulators + 2 B vectors + 1 broadcast of 16 ymm
+inline constexpr int kGemmNV = 2;
+#else
+inline constexpr int kGemmMR = 4;
+inline constexpr int kGemmNV = 4;
+#endif
+inline constexpr int kGemmNR = kGemmNV * VecF::W;
+
+// No causal limit.
+inline constexpr int64_t kNoLimit = INT64_MAX / 4;
+
+template <int MR, bool FullN>
+inline void micro_tile(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                       int64_t ldc, int ncols, bool accumulate) {
+  constexpr int NV = kGemmNV;
+  constexpr int W = VecF::W;
+  int nv_cols[NV];
+  for (int v = 0; v < NV; ++v) nv_cols[v] = FullN ? W : std::clamp(ncols - v * W, 0, W);
+
+  VecF acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = VecF::zero();
+
+  for (int64_t p = 0; p < K; ++p) {
+    const float* brow = B + p * ldb;
+    VecF b[NV];
+    for (int v = 0; v < NV; ++v) {
+      if (FullN) {
+        b[v] = VecF::load(brow + v * W);
+      } else {
+        b[v] = nv_cols[v] > 0 ? VecF::load(brow + v * W, nv_cols[v]) : VecF::zero();
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      VecF a = VecF::set1(A[r * lda + p]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
+    }
+  }
+
+  for (int r = 0; r < MR; ++r) {
+    float* crow = C + r * ldc;
+    for (int v = 0; v < NV; ++v) {
+      if (FullN) {
+        VecF c = accumulate ? acc[r][v] + VecF::load(crow + v * W) : acc[r][v];
+        c.store(crow + v * W);
+      } else if (nv_cols[v] > 0) {
+        VecF c = accumulate ? acc[r][v] + VecF::load(crow + v * W, nv_cols[v]) : acc[r][v];
+        c.store(crow + v * W, nv_cols[v]);
+      }
+    }
+  }
+}
+
+template <bool FullN>
+inline void micro_tile_rows(int mr, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                            float* C, int64_t ldc, int ncols, bool accumulate) {
+  // The row count is a template parameter so the accumulators stay in registers.
+#define WBK_TILE(R)                                                               \
+  case R:                                                                         \
+    if constexpr (R <= kGemmMR)                                                   \
+      micro_tile<R, FullN>(K, A, lda, B, ldb, C, ldc, ncols, accumulate);         \
+    break;
+  switch (mr) {
+    WBK_TILE(1)
+    WBK_TILE(2)
+    WBK_TILE(3)
+    WBK_TILE(4)
+    WBK_TILE(5)
+    WBK_TILE(6)
+    WBK_TILE(7)
+    WBK_TILE(8)
+    WBK_TILE(9)
+    WBK_TILE(10)
+    WBK_TILE(11)
+    WBK_TILE(12)
+    default:
+      break;
+  }
+#undef WBK_TILE
+  static_assert(kGemmMR <= 12, "extend micro_tile_rows for a larger MR");
+}
+
+inline void tile(int mr, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                 int64_t ldc, int ncols, bool accumulate) {
+  if (ncols == kGemmNR) {
+    micro_tile_rows<true>(mr, K, A, lda, B, ldb, C, ldc, ncols, accumulate);
+  } else {
+    micro_tile_rows<false>(mr, K, A, lda, B, ldb, C, ldc, ncols, accumulate);
+  }
+}
+
+// C = A . B (or C += A . B), each row panel stopping at the last column its rows may see.
+inline void gemm_limit_n(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                         int64_t ldb, float* C, int64_t ldc, int64_t diag, bool accumulate) {
+  for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
+    for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
+      int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
+      int64_t n_limit = std::min<int64_t>(N, i0 + mr + diag);  // last row's columns: < i + diag + 1
+      if (j0 >= n_limit) continue;
+      int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, n_limit - j0));
+      tile(mr, K, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, ncols, accumulate);
+    }
+  }
+}
+
+// C = A . B (or C += A . B), each row panel's reduction stopping at the last index its rows may see.
+inline void gemm_limit_k(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                         int64_t ldb, float* C, int64_t ldc, int64_t diag, bool accumulate) {
+  for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
+    int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, N - j0));
+    for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
+      int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
+      int64_t k_limit = std::clamp<int64_t>(i0 + mr + diag, 0, K);
+      tile(mr, k_limit, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, ncols, accumulate);
+    }
+  }
+}
+
+}  // namespace wbk

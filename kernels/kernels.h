@@ -1,0 +1,76 @@
+// Raw-pointer entry points of the kernels. bindings.cpp validates tensors and
+// calls these; nothing here checks its arguments.
+#pragma once
+
+#include <cstdint>
+
+namespace wbk {
+
+// Prefill attention over contiguous fp32 tensors.
+//   q [B, H, N, D], kt [B, Hkv, D, Nk] (keys transposed), v [B, Hkv, Nk, D], out [B, H, N, D].
+// With `causal`, query row i (0-based) sees keys 0 .. i + (Nk - N): the queries are the
+// last N of Nk positions, so Nk == N is ordinary causal prefill.
+struct PrefillArgs {
+  const float* q;
+  const float* kt;
+  const float* v;
+  float* out;
+  int64_t B, H, Hkv, N, Nk, D;
+  bool causal;
+  float scale;
+  int64_t block_m;  // query rows per task
+  int64_t block_n;  // key columns per tile (FlashAttention only)
+};
+
+void slim_attention(const PrefillArgs& a);
+void flash_attention(const PrefillArgs& a);
+
+// Decode attention: one new query token per sequence against a KV cache.
+//   q [B, H, D] fp32; caches [B, Hkv, Lmax, D] of `CacheT`; k_scale / v_scale [B, Hkv, Lmax]
+//   (int8 only); lengths [B] in 1..Lmax; out [B, H, D] fp32.
+enum class CacheDtype { kFloat32, kFloat16, kBFloat16, kInt8 };
+
+struct DecodeArgs {
+  const float* q;
+  const void* k_cache;
+  const void* v_cache;
+  const float* k_scale;
+  const float* v_scale;
+  const int64_t* lengths;
+  float* out;
+  int64_t B, H, Hkv, Lmax, D;
+  CacheDtype dtype;
+  float scale;
+  int64_t num_splits;  // KV-length splits per (batch, kv head); >= 1
+};
+
+void decode_attention(const DecodeArgs& a);
+int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int num_threads);
+
+// Symmetric per-vector int8 quantization of `rows` vectors of length D:
+//   scale = max|x| / 127, q = round(x / scale); an all-zero vector gets scale 0.
+void quantize_int8(const float* x, int8_t* q, float* scales, int64_t rows, int64_t D);
+
+// Append T new tokens per sequence into a preallocated cache at per-sequence positions.
+//   src [B, Hkv, T, D] fp32; cache [B, Hkv, Lmax, D]; scales [B, Hkv, Lmax] (int8 only).
+struct AppendArgs {
+  const float* src;
+  void* cache;
+  float* scales;
+  const int64_t* positions;
+  int64_t B, Hkv, T, Lmax, D;
+  CacheDtype dtype;
+};
+
+void kv_cache_append(const AppendArgs& a);
+
+// Machine-peak probes used by the benchmarks (bench/peaks.py).
+double fma_throughput_gflops(int64_t iterations_per_thread);  // all torch threads
+void triad(float* a, const float* b, const float* c, float s, int64_t n);
+double read_sum(const float* x, int64_t n);
+
+const char* isa();
+int gemm_mr();
+int gemm_nr();
+
+}  // namespace wbk

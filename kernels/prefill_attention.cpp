@@ -1,0 +1,199 @@
+// Prefill attention: SlimAttention and the FlashAttention-2 baseline.
+//
+// Layout: q [B, H, N, D], kt [B, Hkv, D, Nk] (keys transposed once by the caller so
+// that S = Q K^T is a plain row-major product), v [B, Hkv, Nk, D], all fp32.
+// GQA: query head h reads KV head h / (H / Hkv).
+//
+// Parallel split (both): one task per (batch, head, block of block_m query rows),
+// pulled dynamically by the torch threads, most expensive (last, for causal) first.
+//
+// SlimAttention (one-dimensional split, the paper's section on SlimAttention):
+//   S[block_m x kvis] = Q_blk K^T over only the keys the block can see, into one
+//   fp32 score buffer per thread, reused from task to task; an exact softmax per row
+//   (max, exp, sum: no running statistics); O_blk = P V; rows scaled by 1/sum.
+//
+// FlashAttention-2 (two-dimensional tiles): for each block_n-wide key tile,
+//   S_tile = Q_blk K_tile^T, a running max and sum per row, rescale of the output
+//   accumulator when the max grows, O += P_tile V_tile; divide by the sum at the end.
+//
+// Both use the same micro-kernel (gemm.h) and the same vector exp (simd.h), and both
+// skip the keys a causal row cannot see, so a comparison measures the algorithms.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "gemm.h"
+#include "kernels.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace wbk {
+namespace {
+
+constexpr int W = VecF::W;
+
+float row_max(const float* x, int64_t n) {
+  VecF m = VecF::set1(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + W <= n; j += W) m = vmax(m, VecF::load(x + j));
+  float r = reduce_max(m);
+  for (; j < n; ++j) r = std::max(r, x[j]);
+  return r;
+}
+
+// x[j] = exp(x[j] * scale - shift) for j < n; returns the sum.
+float exp_and_sum(float* x, int64_t n, float scale, float shift) {
+  const VecF vs = VecF::set1(scale), vshift = VecF::set1(-shift);
+  VecF acc = VecF::zero();
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    VecF e = vexp(fmadd(VecF::load(x + j), vs, vshift));
+    e.store(x + j);
+    acc = acc + e;
+  }
+  if (j < n) {
+    int rem = static_cast<int>(n - j);
+    VecF e = vexp(fmadd(VecF::load(x + j, rem), vs, vshift));
+    e.store(x + j, rem);
+    float tail[VecF::W];
+    e.store(tail, rem);
+    float s = reduce_add(acc);
+    for (int i = 0; i < rem; ++i) s += tail[i];
+    return s;
+  }
+  return reduce_add(acc);
+}
+
+void scale_row(float* x, int64_t n, float f) {
+  const VecF vf = VecF::set1(f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (VecF::load(x + j) * vf).store(x + j);
+  for (; j < n; ++j) x[j] *= f;
+}
+
+void zero_row(float* x, int64_t n) { std::fill(x, x + n, 0.0f); }
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Task t -> (batch*head, query block), most expensive query block first.
+struct TaskMap {
+  int64_t BH, num_blocks;
+  void at(int64_t t, int64_t* bh, int64_t* blk) const {
+    *blk = num_blocks - 1 - t / BH;
+    *bh = t % BH;
+  }
+};
+
+struct HeadView {
+  const float* q;   // [m, D] rows of this block
+  const float* kt;  // [D, Nk]
+  const float* v;   // [Nk, D]
+  float* out;       // [m, D]
+  int64_t i0, m;    // first query row, rows in block
+  int64_t kvis;     // keys visible to the block's last row
+  int64_t diag;     // row r (local) sees keys j <= r + diag
+};
+
+HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
+  const int64_t b = bh / a.H, h = bh % a.H, group = a.H / a.Hkv;
+  const int64_t kvh = b * a.Hkv + h / group;
+  HeadView hv;
+  hv.i0 = blk * a.block_m;
+  hv.m = std::min(a.block_m, a.N - hv.i0);
+  hv.q = a.q + (bh * a.N + hv.i0) * a.D;
+  hv.out = a.out + (bh * a.N + hv.i0) * a.D;
+  hv.kt = a.kt + kvh * a.D * a.Nk;
+  hv.v = a.v + kvh * a.Nk * a.D;
+  hv.diag = a.causal ? hv.i0 + (a.Nk - a.N) : kNoLimit;
+  hv.kvis = a.causal ? std::min(a.Nk, hv.i0 + hv.m + (a.Nk - a.N)) : a.Nk;
+  return hv;
+}
+
+}  // namespace
+
+void slim_attention(const PrefillArgs& a) {
+  const int64_t num_blocks = (a.N + a.block_m - 1) / a.block_m;
+  const TaskMap tasks{a.B * a.H, num_blocks};
+  const int64_t ld_s = round_up(a.Nk, 16);
+
+  run_tasks(a.B * a.H * num_blocks, [&] {
+    // Per-thread score buffer, reused by every task this thread runs.
+    return [&a, &tasks, ld_s, scores = std::vector<float>(a.block_m * ld_s),
+            inv_sum = std::vector<float>(a.block_m)](int64_t t) mutable {
+      int64_t bh, blk;
+      tasks.at(t, &bh, &blk);
+      const HeadView hv = view(a, bh, blk);
+      float* S = scores.data();
+
+      // S = Q_blk K^T, visible columns only.
+      gemm_limit_n(hv.m, hv.kvis, a.D, hv.q, a.D, hv.kt, a.Nk, S, ld_s, hv.diag, false);
+
+      // Exact softmax of each row in one pass over its visible columns.
+      for (int64_t r = 0; r < hv.m; ++r) {
+        float* s = S + r * ld_s;
+        const int64_t lim = std::min(hv.kvis, r + hv.diag + 1);
+        const float mx = row_max(s, lim);
+        const float sum = exp_and_sum(s, lim, a.scale, mx * a.scale);
+        zero_row(s + lim, hv.kvis - lim);  // the P V product reads up to the panel's limit
+        inv_sum[r] = 1.0f / sum;
+      }
+
+      // O_blk = P V, then normalise each row.
+      gemm_limit_k(hv.m, a.D, hv.kvis, S, ld_s, hv.v, a.D, hv.out, a.D, hv.diag, false);
+      for (int64_t r = 0; r < hv.m; ++r) scale_row(hv.out + r * a.D, a.D, inv_sum[r]);
+    };
+  });
+}
+
+void flash_attention(const PrefillArgs& a) {
+  const int64_t num_blocks = (a.N + a.block_m - 1) / a.block_m;
+  const TaskMap tasks{a.B * a.H, num_blocks};
+  const int64_t bn = a.block_n;
+  const int64_t ld_s = round_up(bn, 16);
+
+  run_tasks(a.B * a.H * num_blocks, [&] {
+    // Per-thread score tile and running (max, sum) per row.
+    return [&a, &tasks, bn, ld_s, tile = std::vector<float>(a.block_m * ld_s),
+            stats = std::vector<float>(2 * a.block_m)](int64_t t) mutable {
+      int64_t bh, blk;
+      tasks.at(t, &bh, &blk);
+      const HeadView hv = view(a, bh, blk);
+      float* S = tile.data();
+      float* row_m = stats.data();
+      float* row_l = row_m + a.block_m;
+      std::fill(row_m, row_m + hv.m, -std::numeric_limits<float>::infinity());
+      std::fill(row_l, row_l + hv.m, 0.0f);
+      for (int64_t r = 0; r < hv.m; ++r) zero_row(hv.out + r * a.D, a.D);
+
+      for (int64_t j0 = 0; j0 < hv.kvis; j0 += bn) {
+        const int64_t n = std::min(bn, hv.kvis - j0);
+        const int64_t diag = hv.diag == kNoLimit ? kNoLimit : hv.diag - j0;
+        gemm_limit_n(hv.m, n, a.D, hv.q, a.D, hv.kt + j0, a.Nk, S, ld_s, diag, false);
+
+        // Online softmax: update running max and sum, rescale the accumulator.
+        for (int64_t r = 0; r < hv.m; ++r) {
+          float* s = S + r * ld_s;
+          const int64_t lim = std::clamp<int64_t>(r + diag + 1, 0, n);
+          if (lim == 0) {
+            zero_row(s, n);
+            continue;
+          }
+          const float m_new = std::max(row_m[r], row_max(s, lim) * a.scale);
+          const float alpha = std::exp(row_m[r] - m_new);
+          const float sum = exp_and_sum(s, lim, a.scale, m_new);
+          zero_row(s + lim, n - lim);
+          row_l[r] = row_l[r] * alpha + sum;
+          if (alpha != 1.0f) scale_row(hv.out + r * a.D, a.D, alpha);
+          row_m[r] = m_new;
+        }
+
+        // O += P_tile V_tile
+        gemm_limit_k(hv.m, a.D, n, S, ld_s, hv.v + j0 * a.D, a.D, hv.out, a.D, diag, true);
+      }
+      for (int64_t r = 0; r < hv.m; ++r) scale_row(hv.out + r * a.D, a.D, 1.0f / row_l[r]);
+    };
+  });
+}
+
+}  // namespace wbk

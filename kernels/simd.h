@@ -1,0 +1,333 @@
+// SIMD building blocks shared by every kernel in this folder.
+//
+// One vector type, `VecF` (W fp32 lanes), with the handful of operations the
+// attention kernels need: loads that widen int8 / fp16 / bf16 to fp32 in
+// registers, FMA, reductions and a polynomial exp. The instruction set is chosen
+// at compile time from the compiler's target macros:
+//
+//   AVX-512 (F+BW+VL)  W = 16, masked tails
+//   AVX2 + FMA + F16C  W = 8,  masked tails via maskload / scalar tails
+//   scalar             W = 1,  the portable fallback (any CPU)
+//
+// The kernels are written once against this interface, so the three builds run
+// the same algorithm; the tests build and run each path that the host can execute.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace wbk {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define WBK_ISA_AVX512 1
+inline constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define WBK_ISA_AVX2 1
+inline constexpr const char* kIsa = "avx2";
+#else
+#define WBK_ISA_SCALAR 1
+inline constexpr const char* kIsa = "scalar";
+#endif
+
+// Scalar conversions, used by the tails of every path and by the scalar path.
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  // IEEE binary16 -> binary32, including subnormals, inf and NaN.
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400u) == 0);
+      u = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+#if defined(WBK_ISA_AVX512)
+
+struct VecF {
+  static constexpr int W = 16;
+  __m512 v;
+
+  static inline __mmask16 mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static inline VecF zero() { return {_mm512_setzero_ps()}; }
+  static inline VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static inline VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static inline VecF load(const float* p, int n) { return {_mm512_maskz_loadu_ps(mask(n), p)}; }
+  static inline VecF load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static inline VecF load(const int8_t* p, int n) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask(n), p)))};
+  }
+  static inline VecF load_f16(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  static inline VecF load_f16(const uint16_t* p, int n) {
+    return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask(n), p))};
+  }
+  static inline VecF load_bf16(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static inline VecF load_bf16(const uint16_t* p, int n) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask(n), p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+  inline void store(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
+};
+
+// Upper 8 lanes, with AVX512F alone (_mm512_extractf32x8_ps needs DQ, and GCC 12's
+// extract intrinsics warn about an uninitialised temporary).
+inline __m256 hi256(VecF a) {
+  return _mm512_castps512_ps256(_mm512_shuffle_f32x4(a.v, a.v, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VecF fmadd(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline VecF vabs(VecF a) { return {_mm512_abs_ps(a.v)}; }
+inline float reduce_add(VecF a) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v), hi256(a));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(VecF a) {
+  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a.v), hi256(a));
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline VecF round_nearest(VecF a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline VecF exp2_int(VecF n) {  // 2^n for integral n in [-126, 127]
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+  return {_mm512_castsi512_ps(e)};
+}
+// Sums of four vectors, returned as four floats (out[i] = reduce_add(x_i)).
+inline void reduce_add4(VecF a, VecF b, VecF c, VecF d, float* out) {
+  __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), hi256(a));
+  __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b.v), hi256(b));
+  __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c.v), hi256(c));
+  __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d.v), hi256(d));
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+// Store W floats as int8 after rounding to nearest (values already in [-127, 127]).
+inline void store_i8(int8_t* p, VecF a, int n) {
+  __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a.v));
+  _mm_mask_storeu_epi8(p, VecF::mask(n), q);
+}
+
+#elif defined(WBK_ISA_AVX2)
+
+struct VecF {
+  static constexpr int W = 8;
+  __m256 v;
+
+  static inline __m256i mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static inline VecF zero() { return {_mm256_setzero_ps()}; }
+  static inline VecF set1(float x) { return {_mm256_set1_ps(x)}; }
+  static inline VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static inline VecF load(const float* p, int n) { return {_mm256_maskload_ps(p, mask(n))}; }
+  static inline VecF load(const int8_t* p) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+  }
+  static inline VecF load(const int8_t* p, int n) {
+    alignas(16) int8_t tmp[16] = {0};
+    std::memcpy(tmp, p, n);
+    return load(tmp);
+  }
+  static inline VecF load_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static inline VecF load_f16(const uint16_t* p, int n) {
+    alignas(16) uint16_t tmp[8] = {0};
+    std::memcpy(tmp, p, n * sizeof(uint16_t));
+    return load_f16(tmp);
+  }
+  static inline VecF load_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+  }
+  static inline VecF load_bf16(const uint16_t* p, int n) {
+    alignas(16) uint16_t tmp[8] = {0};
+    std::memcpy(tmp, p, n * sizeof(uint16_t));
+    return load_bf16(tmp);
+  }
+  inline void store(float* p) const { _mm256_storeu_ps(p, v); }
+  inline void store(float* p, int n) const { _mm256_maskstore_ps(p, mask(n), v); }
+};
+
+inline VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline VecF fmadd(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline VecF vabs(VecF a) {
+  return {_mm256_and_ps(a.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)))};
+}
+inline float reduce_add(VecF a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(VecF a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline VecF round_nearest(VecF a) {
+  return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline VecF exp2_int(VecF n) {
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
+  return {_mm256_castsi256_ps(e)};
+}
+inline void reduce_add4(VecF a, VecF b, VecF c, VecF d, float* out) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a.v, b.v), _mm256_hadd_ps(c.v, d.v));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+inline void store_i8(int8_t* p, VecF a, int n) {
+  __m256i i = _mm256_cvtps_epi32(a.v);
+  __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  __m128i b = _mm_packs_epi16(w, w);
+  alignas(16) int8_t tmp[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), b);
+  std::memcpy(p, tmp, n);
+}
+
+#else  // scalar fallback
+
+struct VecF {
+  static constexpr int W = 1;
+  float v;
+
+  static inline VecF zero() { return {0.0f}; }
+  static inline VecF set1(float x) { return {x}; }
+  static inline VecF load(const float* p) { return {*p}; }
+  static inline VecF load(const float* p, int) { return {*p}; }
+  static inline VecF load(const int8_t* p) { return {static_cast<float>(*p)}; }
+  static inline VecF load(const int8_t* p, int) { return load(p); }
+  static inline VecF load_f16(const uint16_t* p) { return {half_to_float(*p)}; }
+  static inline VecF load_f16(const uint16_t* p, int) { return load_f16(p); }
+  static inline VecF load_bf16(const uint16_t* p) { return {bf16_to_float(*p)}; }
+  static inline VecF load_bf16(const uint16_t* p, int) { return load_bf16(p); }
+  inline void store(float* p) const { *p = v; }
+  inline void store(float* p, int) const { *p = v; }
+};
+
+inline VecF operator+(VecF a, VecF b) { return {a.v + b.v}; }
+inline VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
+inline VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
+inline VecF fmadd(VecF a, VecF b, VecF c) { return {std::fma(a.v, b.v, c.v)}; }
+inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
+inline VecF vabs(VecF a) { return {std::fabs(a.v)}; }
+inline float reduce_add(VecF a) { return a.v; }
+inline float reduce_max(VecF a) { return a.v; }
+inline VecF round_nearest(VecF a) { return {std::nearbyint(a.v)}; }
+inline VecF exp2_int(VecF n) { return {std::ldexp(1.0f, static_cast<int>(n.v))}; }
+inline void reduce_add4(VecF a, VecF b, VecF c, VecF d, float* out) {
+  out[0] = a.v;
+  out[1] = b.v;
+  out[2] = c.v;
+  out[3] = d.v;
+}
+inline void store_i8(int8_t* p, VecF a, int) { *p = static_cast<int8_t>(std::nearbyint(a.v)); }
+
+#endif
+
+// exp(x) for a vector: Cody-Waite range reduction x = n ln2 + r, a degree-6
+// polynomial for exp(r) on |r| <= ln2/2 (relative error ~1e-7), then scaling by
+// 2^n built in the exponent bits. Inputs are clamped to [-87.3, 88.37] so 2^n is
+// a normal float: exp(-inf) comes out as ~1e-38, which is 0 for softmax purposes.
+inline VecF vexp(VecF x) {
+  const VecF hi = VecF::set1(88.3762626647949f), lo = VecF::set1(-87.3365447504f);
+  x = vmax(x, lo);
+  x = VecF{x.v} - vmax(x - hi, VecF::zero());  // min(x, hi) with the same ops on every path
+  VecF n = round_nearest(x * VecF::set1(1.44269504088896341f));
+  VecF r = fmadd(n, VecF::set1(-0.693359375f), x);
+  r = fmadd(n, VecF::set1(2.12194440e-4f), r);
+  VecF p = VecF::set1(1.9875691500e-4f);
+  p = fmadd(p, r, VecF::set1(1.3981999507e-3f));
+  p = fmadd(p, r, VecF::set1(8.3334519073e-3f));
+  p = fmadd(p, r, VecF::set1(4.1665795894e-2f));
+  p = fmadd(p, r, VecF::set1(1.6666665459e-1f));
+  p = fmadd(p, r, VecF::set1(5.0000001201e-1f));
+  p = fmadd(p, r * r, r + VecF::set1(1.0f));
+  return p * exp2_int(n);
+}
+
+// Typed loads for templated kernels: load_as<T>(p) widens T to fp32.
+template <typename T>
+struct Load;
+template <>
+struct Load<float> {
+  static inline VecF full(const float* p) { return VecF::load(p); }
+  static inline VecF part(const float* p, int n) { return VecF::load(p, n); }
+};
+template <>
+struct Load<int8_t> {
+  static inline VecF full(const int8_t* p) { return VecF::load(p); }
+  static inline VecF part(const int8_t* p, int n) { return VecF::load(p, n); }
+};
+struct Half16 {  // tag type: IEEE fp16 bits
+  uint16_t bits;
+};
+struct BFloat16 {  // tag type: bfloat16 bits
+  uint16_t bits;
+};
+template <>
+struct Load<Half16> {
+  static inline VecF full(const Half16* p) { return VecF::load_f16(reinterpret_cast<const uint16_t*>(p)); }
+  static inline VecF part(const Half16* p, int n) {
+    return VecF::load_f16(reinterpret_cast<const uint16_t*>(p), n);
+  }
+};
+template <>
+struct Load<BFloat16> {
+  static inline VecF full(const BFloat16* p) { return VecF::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+  static inline VecF part(const BFloat16* p, int n) {
+    return VecF::load_bf16(reinterpret_cast<const uint16_t*>(p), n);
+  }
+};
+
+}  // namespace wbk

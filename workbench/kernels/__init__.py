@@ -1,0 +1,168 @@
+"""The workbench's C++ kernels: prefill attention, decode attention, KV-cache quantization.
+
+Module-level functions run the host-native build. `KernelSet(variant)` gives the same
+API on another build (the tests run every instruction-set path the host can execute).
+
+Layouts (all tensors contiguous, on the CPU):
+
+    q [B, H, N, D], k / v [B, Hkv, Nk, D]         prefill; H a multiple of Hkv (GQA)
+    q [B, H, D], caches [B, Hkv, Lmax, D]          decode, one new token per sequence
+    int8 scales [B, Hkv, Lmax] fp32                one per head per token
+
+Inputs are fp32 or bf16; every kernel accumulates in fp32 and returns q's dtype.
+Shapes, dtypes and values are checked before any pointer is touched; a mistake raises
+ValueError or TypeError naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants
+from workbench.machine import machine_info
+
+__all__ = [
+    "KernelBuildError",
+    "KernelSet",
+    "build_info",
+    "decode_attention",
+    "dequantize_kv_int8",
+    "flash_attention",
+    "kv_cache_append",
+    "quantize_kv_int8",
+    "runnable_variants",
+    "slim_attention",
+]
+
+# FlashAttention tile defaults, chosen by the sweep in bench/prefill_attention.py on a
+# 2-core Zen host; both are overridable per call.
+FLASH_BLOCK_M = 64
+FLASH_BLOCK_N = 256
+
+
+def _round_down(x: int, m: int) -> int:
+    return max(m, x // m * m)
+
+
+class KernelSet:
+    """The kernel API bound to one build variant ("native", "avx2" or "scalar")."""
+
+    def __init__(self, variant: str = "native"):
+        self.variant = variant
+
+    @property
+    def ext(self):
+        return load_extension(self.variant)
+
+    @property
+    def isa(self) -> str:
+        return self.ext.isa()
+
+    # -- prefill ---------------------------------------------------------------------
+
+    def default_block_m(self, n_queries: int, n_keys: int, head_dim: int, tasks_per_block: int) -> int:
+        """SlimAttention's query block: the largest multiple of the micro-kernel's row tile
+        whose fp32 score buffer (block_m x n_keys) and query block (block_m x D) fill half of
+        the detected L2, capped at 256 rows, and small enough that there are at least four
+        tasks per thread (tasks_per_block = B * H tasks for each query block)."""
+        mr = self.ext.gemm_mr()
+        budget = machine_info().l2_bytes // 2
+        block = budget // (4 * (n_keys + head_dim))
+        block = _round_down(min(block, 256), mr)
+        threads = torch.get_num_threads()
+        while block > mr and tasks_per_block * -(-n_queries // block) < 4 * threads:
+            block = _round_down(block // 2, mr)
+        return max(1, min(block, n_queries)) if n_queries else block
+
+    def slim_attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+                       block_m: int | None = None) -> torch.Tensor:
+        """SlimAttention prefill: split along queries only, exact one-pass softmax per row.
+
+        q [B, H, N, D], k / v [B, Hkv, Nk, D] (fp32 or bf16) -> [B, H, N, D] like q.
+        causal: query i sees keys 0 .. i + (Nk - N) (needs Nk >= N); only those are computed.
+        scale: softmax scale, default 1/sqrt(D). block_m: query rows per task (default from L2).
+        """
+        _check_tensor_args(q=q, k=k, v=v)
+        if block_m is None:
+            block_m = self.default_block_m(q.shape[2], k.shape[2], q.shape[3], q.shape[0] * q.shape[1])
+        return self.ext.slim_attention(q, k, v, causal=bool(causal), scale=scale,
+                                       block_m=_positive_int("block_m", block_m))
+
+    def flash_attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+                        block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+        """FlashAttention-2 prefill: block_m x block_n tiles, online softmax with rescaling.
+
+        Same contract as slim_attention; built from the same micro-kernel and exp.
+        """
+        _check_tensor_args(q=q, k=k, v=v)
+        block_m = FLASH_BLOCK_M if block_m is None else block_m
+        block_n = FLASH_BLOCK_N if block_n is None else block_n
+        return self.ext.flash_attention(q, k, v, causal=bool(causal), scale=scale,
+                                        block_m=_positive_int("block_m", block_m),
+                                        block_n=_positive_int("block_n", block_n))
+
+    # -- decode ----------------------------------------------------------------------
+
+    def decode_attention(self, q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
+                         scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+        """Attention of one new token per sequence over a KV cache.
+
+        q [B, H, D] fp32/bf16; k_cache / v_cache [B, Hkv, Lmax, D] int8, fp16, bf16 or fp32;
+        lengths [B] ints in 1..Lmax (ragged batches allowed); k_scale / v_scale [B, Hkv, Lmax]
+        fp32 for an int8 cache. num_splits: split-KV chunks per (batch, KV head); default
+        picks enough for every thread when B * Hkv is small.
+        """
+        _check_tensor_args(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)
+        if num_splits is not None:
+            num_splits = _positive_int("num_splits", num_splits)
+        return self.ext.decode_attention(q, k_cache, v_cache, lengths, k_scale=k_scale, v_scale=v_scale,
+                                         scale=scale, num_splits=num_splits)
+
+    def default_num_splits(self, batch: int, kv_heads: int, max_length: int) -> int:
+        return self.ext.decode_default_splits(batch, kv_heads, max_length)
+
+    # -- KV cache --------------------------------------------------------------------
+
+    def quantize_kv_int8(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D] -> (int8 values [..., D], fp32 scales [...]), one symmetric scale per vector:
+        scale = max|x| / 127, q = round(x / scale), so |x - q * scale| <= scale / 2."""
+        _check_tensor_args(x=x)
+        return self.ext.quantize_kv_int8(x)
+
+    def kv_cache_append(self, cache, values, positions, *, scales=None) -> None:
+        """Write values [B, Hkv, T, D] into cache [B, Hkv, Lmax, D] at positions[b] .. +T, in place.
+
+        The cache may be int8 (then scales [B, Hkv, Lmax] fp32 receives the per-token scales),
+        fp16, bf16 or fp32; values are converted (round to nearest even)."""
+        _check_tensor_args(cache=cache, values=values, positions=positions)
+        self.ext.kv_cache_append(cache, values, positions, scales)
+
+
+def dequantize_kv_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The inverse of quantize_kv_int8: values [..., D] int8, scales [...] -> fp32 [..., D]."""
+    if values.dtype != torch.int8:
+        raise TypeError(f"dequantize_kv_int8: values must be int8, got {values.dtype}")
+    if scales.shape != values.shape[:-1]:
+        raise ValueError(f"dequantize_kv_int8: scales must have shape {tuple(values.shape[:-1])}, "
+                         f"got {tuple(scales.shape)}")
+    return values.float() * scales.float().unsqueeze(-1)
+
+
+def _check_tensor_args(**tensors) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+native = KernelSet("native")
+slim_attention = native.slim_attention
+flash_attention = native.flash_attention
+decode_attention = native.decode_attention
+quantize_kv_int8 = native.quantize_kv_int8
+kv_cache_append = native.kv_cache_append

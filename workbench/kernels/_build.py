@@ -1,0 +1,143 @@
+"""Building the C++ kernels in `kernels/` as a torch extension, on first use.
+
+The extension is compiled for the host (`-O3 -march=native`) through
+`torch.utils.cpp_extension.load`, which caches the build and rebuilds when a source
+or a flag changes. Variants exist so the tests can run every instruction-set path the
+host can execute:
+
+    native   -march=native            (AVX-512 on hosts that have it, else AVX2, ...)
+    avx2     -march=native -mno-avx512f  (the AVX2 path on an AVX-512 host)
+    scalar   -march=x86-64            (the portable fallback)
+
+Builds live under $WORKBENCH_CACHE_DIR (default ~/.cache/workbench)/kernels, one folder
+per variant and CPU, so a home directory shared by different machines stays correct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from workbench.machine import machine_info
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels"
+SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "kv_cache.cpp", "peaks.cpp")
+# GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
+# (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.
+BASE_FLAGS = ("-O3", "-Wall", "-Wno-unused-function", "-Wno-uninitialized", "-Wno-maybe-uninitialized")
+
+_X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",) if _X86 else ("-mcpu=native",),
+    "avx2": ("-march=native", "-mno-avx512f"),
+    "scalar": ("-march=x86-64", "-mtune=generic") if _X86 else (),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be built (no compiler, no ninja, or a compile error)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WORKBENCH_CACHE_DIR", Path.home() / ".cache" / "workbench"))
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def compiler_version() -> str:
+    exe = shutil.which(compiler())
+    if exe is None:
+        return "not found"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout
+    return out.splitlines()[0] if out else exe
+
+
+def runnable_variants() -> list[str]:
+    """The variants whose instructions this host can execute."""
+    info = machine_info()
+    variants = ["native"]
+    if _X86 and info.has_avx2:
+        variants.append("avx2")
+    if _X86:
+        variants.append("scalar")
+    return variants
+
+
+def _build_dir(variant: str) -> Path:
+    # Key the folder by the CPU as well: -march=native code from another machine may not run here.
+    info = machine_info()
+    cpu_key = hashlib.sha1(f"{info.cpu_model}|{sorted(info.flags)}".encode()).hexdigest()[:10]
+    return cache_dir() / "kernels" / f"{variant}-{cpu_key}"
+
+
+def _check_toolchain() -> None:
+    if shutil.which(compiler()) is None:
+        raise KernelBuildError(
+            f"no C++ compiler found (looked for {compiler()!r} on PATH; set CXX to choose another). "
+            "The kernels are compiled on first use: install g++ (Debian/Ubuntu: apt-get install g++)."
+        )
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        raise KernelBuildError("the ninja build tool is missing: pip install ninja")
+    missing = [s for s in SOURCES if not (SOURCE_DIR / s).is_file()]
+    if missing:
+        raise KernelBuildError(
+            f"kernel sources {missing} not found in {SOURCE_DIR}; install the project from its "
+            "source tree with `pip install -e .`"
+        )
+
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType] = {}
+
+
+def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType:
+    """Compile (if needed) and import the extension for `variant`."""
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"variant must be one of {sorted(VARIANT_FLAGS)}, got {variant!r}")
+    with _lock:
+        if variant in _modules:
+            return _modules[variant]
+        _check_toolchain()
+        from torch.utils.cpp_extension import load
+
+        build_dir = _build_dir(variant)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            module = load(
+                name=f"workbench_kernels_{variant}",
+                sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                extra_cflags=[*BASE_FLAGS, *VARIANT_FLAGS[variant]],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+            raise KernelBuildError(
+                f"building the {variant!r} kernels in {build_dir} failed: {e}. "
+                f"Run `python -m workbench.kernels --info --verbose` to see the compiler output."
+            ) from e
+        _modules[variant] = module
+        return module
+
+
+def build_info(variant: str = "native") -> dict:
+    """What was built: ISA path, compiler, flags, micro-kernel tile, where it lives."""
+    module = load_extension(variant)
+    return {
+        "variant": variant,
+        "isa": module.isa(),
+        "compiler": compiler_version(),
+        "flags": [*BASE_FLAGS, *VARIANT_FLAGS[variant]],
+        "gemm_tile": f"{module.gemm_mr()} x {module.gemm_nr()}",
+        "build_dir": str(_build_dir(variant)),
+        "sources": [str(SOURCE_DIR / s) for s in SOURCES],
+    }
