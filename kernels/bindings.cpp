@@ -97,12 +97,15 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
   Tensor out = at::empty({B, H, N, D}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return out.to(q.scalar_type());
   // bf16 is widened once up front: O(N D) work against the O(N^2 D) of attention.
-  // K is transposed to [B, Hkv, D, Nk] so that S = Q K^T is a row-major product.
+  // Keys are packed into the micro-kernel's panels of K^T (and widened) in one pass.
   Tensor qf = q.to(at::kFloat).contiguous();
-  Tensor kt = k.to(at::kFloat).transpose(2, 3).contiguous();
   Tensor vf = v.to(at::kFloat).contiguous();
-  wbk::PrefillArgs a{qf.data_ptr<float>(), kt.data_ptr<float>(), vf.data_ptr<float>(), out.data_ptr<float>(),
-                     B, H, Hkv, N, Nk, D, causal, s, std::min(block_m, N), block_n};
+  Tensor kp = at::empty({B * Hkv * wbk::packed_keys_floats(Nk, D)}, q.options().dtype(at::kFloat));
+  wbk::pack_keys(k.data_ptr(), k.scalar_type() == at::kBFloat16, kp.data_ptr<float>(), B * Hkv, Nk, D);
+  // Key tiles start on micro-kernel panels: block_n rounds up to a multiple of gemm_nr().
+  const int64_t nr = wbk::gemm_nr();
+  wbk::PrefillArgs a{qf.data_ptr<float>(), kp.data_ptr<float>(), vf.data_ptr<float>(), out.data_ptr<float>(),
+                     B, H, Hkv, N, Nk, D, causal, s, std::min(block_m, N), (block_n + nr - 1) / nr * nr};
   if (slim) {
     wbk::slim_attention(a);
   } else {
@@ -279,7 +282,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"));
   m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),
         py::arg("scales"));
-  m.def("fma_throughput_gflops", &wbk::fma_throughput_gflops, py::arg("iterations"),
+  m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
         py::call_guard<py::gil_scoped_release>());
   m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());

@@ -8,7 +8,7 @@
 // K x NR slice of B stays in L1/L2 while every row panel streams past it.
 //
 // Causal support without a materialised mask: with `diag`, row i of C may only
-// see columns j <= i + diag. `gemm_limit_n` stops each MR-row panel at the last
+// see columns j <= i + diag. `gemm_packed_limit_n` stops each MR-row panel at the last
 // column any of its rows can see (S = Q K^T: invisible keys are never computed,
 // except inside the panel's own MR-wide triangle); `gemm_limit_k` stops the
 // reduction the same way (O = P V: P is zero beyond each row's limit).
@@ -116,29 +116,57 @@ inline void tile(int mr, int64_t K, const float* A, int64_t lda, const float* B,
   }
 }
 
-// C = A . B (or C += A . B), each row panel stopping at the last column its rows may see.
-inline void gemm_limit_n(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                         int64_t ldb, float* C, int64_t ldc, int64_t diag, bool accumulate) {
+// C = A . Bp (or C += A . Bp) with B packed in NR-wide column panels: panel p holds
+// columns [p NR, p NR + NR) as K rows of NR floats (layout [ceil(N / NR)][K][NR], zero
+// padded), so the micro-kernel streams it sequentially. Each row panel of C stops at
+// the last column its rows may see.
+inline void gemm_packed_limit_n(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bp,
+                                float* C, int64_t ldc, int64_t diag, bool accumulate) {
   for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
+    const float* panel = Bp + (j0 / kGemmNR) * K * kGemmNR;
     for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
       int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
       int64_t n_limit = std::min<int64_t>(N, i0 + mr + diag);  // last row's columns: < i + diag + 1
       if (j0 >= n_limit) continue;
       int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, n_limit - j0));
-      tile(mr, K, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, ncols, accumulate);
+      tile(mr, K, A + i0 * lda, lda, panel, kGemmNR, C + i0 * ldc + j0, ldc, ncols, accumulate);
+    }
+  }
+}
+
+// Pack rows x K row-major `src` (one row per output column, e.g. keys [Nk, D]) into the
+// panel layout gemm_packed_limit_n reads: dst[p][k][j] = src[p NR + j][k], zero padded.
+template <typename T, typename ToFloat>
+inline void pack_b_panel(const T* src, int64_t rows, int64_t K, int64_t panel, float* dst, ToFloat to_float) {
+  const int64_t j_begin = panel * kGemmNR;
+  const int64_t n = std::min<int64_t>(kGemmNR, rows - j_begin);
+  for (int64_t j = 0; j < kGemmNR; ++j) {
+    if (j < n) {
+      const T* row = src + (j_begin + j) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * kGemmNR + j] = to_float(row[k]);
+    } else {
+      for (int64_t k = 0; k < K; ++k) dst[k * kGemmNR + j] = 0.0f;
     }
   }
 }
 
 // C = A . B (or C += A . B), each row panel's reduction stopping at the last index its rows may see.
+// The reduction is cut into kGemmKC-long blocks so the block of B in use (kGemmKC x N)
+// stays in L2 while every row panel and column chunk passes over it.
+inline constexpr int64_t kGemmKC = 256;
+
 inline void gemm_limit_k(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                          int64_t ldb, float* C, int64_t ldc, int64_t diag, bool accumulate) {
-  for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
-    int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, N - j0));
-    for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
-      int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
-      int64_t k_limit = std::clamp<int64_t>(i0 + mr + diag, 0, K);
-      tile(mr, k_limit, A + i0 * lda, lda, B + j0, ldb, C + i0 * ldc + j0, ldc, ncols, accumulate);
+  for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kGemmKC) {
+    for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
+      int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, N - j0));
+      for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
+        int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
+        int64_t k_end = std::min({k0 + kGemmKC, K, std::max<int64_t>(0, i0 + mr + diag)});
+        if (k_end <= k0 && k0 > 0) continue;  // nothing visible in this block; C already written
+        tile(mr, std::max<int64_t>(0, k_end - k0), A + i0 * lda + k0, lda, B + k0 * ldb + j0, ldb,
+             C + i0 * ldc + j0, ldc, ncols, accumulate || k0 > 0);
+      }
     }
   }
 }

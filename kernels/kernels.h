@@ -7,20 +7,25 @@
 namespace wbk {
 
 // Prefill attention over contiguous fp32 tensors.
-//   q [B, H, N, D], kt [B, Hkv, D, Nk] (keys transposed), v [B, Hkv, Nk, D], out [B, H, N, D].
+//   q [B, H, N, D], kp: keys packed by pack_keys, v [B, Hkv, Nk, D], out [B, H, N, D].
 // With `causal`, query row i (0-based) sees keys 0 .. i + (Nk - N): the queries are the
 // last N of Nk positions, so Nk == N is ordinary causal prefill.
 struct PrefillArgs {
   const float* q;
-  const float* kt;
+  const float* kp;
   const float* v;
   float* out;
   int64_t B, H, Hkv, N, Nk, D;
   bool causal;
   float scale;
   int64_t block_m;  // query rows per task
-  int64_t block_n;  // key columns per tile (FlashAttention only)
+  int64_t block_n;  // key columns per tile (FlashAttention only), a multiple of gemm_nr()
 };
+
+// Keys k [B*Hkv, Nk, D] (fp32, or bf16 bits when `bf16`) -> kp, per KV head the
+// micro-kernel's NR-wide panels of K^T: [ceil(Nk / NR)][D][NR], zero padded.
+int64_t packed_keys_floats(int64_t Nk, int64_t D);  // per KV head
+void pack_keys(const void* k, bool bf16, float* kp, int64_t BHkv, int64_t Nk, int64_t D);
 
 void slim_attention(const PrefillArgs& a);
 void flash_attention(const PrefillArgs& a);
@@ -65,7 +70,9 @@ struct AppendArgs {
 void kv_cache_append(const AppendArgs& a);
 
 // Machine-peak probes used by the benchmarks (bench/peaks.py).
-double fma_throughput_gflops(int64_t iterations_per_thread);  // all torch threads
+// fma_loop runs `iterations` steps of independent FMA chains on every torch thread and
+// returns the flops executed; the caller times it (a clock read here could be reordered).
+double fma_loop(int64_t iterations_per_thread);
 void triad(float* a, const float* b, const float* c, float s, int64_t n);
 double read_sum(const float* x, int64_t n);
 

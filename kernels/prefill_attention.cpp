@@ -1,7 +1,7 @@
 // Prefill attention: SlimAttention and the FlashAttention-2 baseline.
 //
-// Layout: q [B, H, N, D], kt [B, Hkv, D, Nk] (keys transposed once by the caller so
-// that S = Q K^T is a plain row-major product), v [B, Hkv, Nk, D], all fp32.
+// Layout: q [B, H, N, D], kp [B, Hkv] x packed keys (pack_keys: NR-wide panels of K^T, so
+// that S = Q K^T streams them sequentially), v [B, Hkv, Nk, D], all fp32.
 // GQA: query head h reads KV head h / (H / Hkv).
 //
 // Parallel split (both): one task per (batch, head, block of block_m query rows),
@@ -74,7 +74,9 @@ void scale_row(float* x, int64_t n, float f) {
 
 void zero_row(float* x, int64_t n) { std::fill(x, x + n, 0.0f); }
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Row stride for a buffer of n floats per row: a multiple of 16 floats (64 bytes), plus
+// 16 so that a power-of-two n does not put every row of a panel in the same cache set.
+int64_t padded_ld(int64_t n) { return (n + 15) / 16 * 16 + 16; }
 
 // Task t -> (batch*head, query block), most expensive query block first.
 struct TaskMap {
@@ -87,7 +89,7 @@ struct TaskMap {
 
 struct HeadView {
   const float* q;   // [m, D] rows of this block
-  const float* kt;  // [D, Nk]
+  const float* kp;  // packed K^T of this KV head
   const float* v;   // [Nk, D]
   float* out;       // [m, D]
   int64_t i0, m;    // first query row, rows in block
@@ -103,7 +105,7 @@ HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
   hv.m = std::min(a.block_m, a.N - hv.i0);
   hv.q = a.q + (bh * a.N + hv.i0) * a.D;
   hv.out = a.out + (bh * a.N + hv.i0) * a.D;
-  hv.kt = a.kt + kvh * a.D * a.Nk;
+  hv.kp = a.kp + kvh * packed_keys_floats(a.Nk, a.D);
   hv.v = a.v + kvh * a.Nk * a.D;
   hv.diag = a.causal ? hv.i0 + (a.Nk - a.N) : kNoLimit;
   hv.kvis = a.causal ? std::min(a.Nk, hv.i0 + hv.m + (a.Nk - a.N)) : a.Nk;
@@ -112,10 +114,29 @@ HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
 
 }  // namespace
 
+int64_t packed_keys_floats(int64_t Nk, int64_t D) { return (Nk + kGemmNR - 1) / kGemmNR * kGemmNR * D; }
+
+void pack_keys(const void* k, bool bf16, float* kp, int64_t BHkv, int64_t Nk, int64_t D) {
+  const int64_t panels = (Nk + kGemmNR - 1) / kGemmNR;
+  at::parallel_for(0, BHkv * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / panels, p = t % panels;
+      float* dst = kp + bh * packed_keys_floats(Nk, D) + p * D * kGemmNR;
+      if (bf16) {
+        const auto* src = static_cast<const uint16_t*>(k) + bh * Nk * D;
+        pack_b_panel(src, Nk, D, p, dst, bf16_to_float);
+      } else {
+        const auto* src = static_cast<const float*>(k) + bh * Nk * D;
+        pack_b_panel(src, Nk, D, p, dst, [](float x) { return x; });
+      }
+    }
+  });
+}
+
 void slim_attention(const PrefillArgs& a) {
   const int64_t num_blocks = (a.N + a.block_m - 1) / a.block_m;
   const TaskMap tasks{a.B * a.H, num_blocks};
-  const int64_t ld_s = round_up(a.Nk, 16);
+  const int64_t ld_s = padded_ld(a.Nk);
 
   run_tasks(a.B * a.H * num_blocks, [&] {
     // Per-thread score buffer, reused by every task this thread runs.
@@ -127,7 +148,7 @@ void slim_attention(const PrefillArgs& a) {
       float* S = scores.data();
 
       // S = Q_blk K^T, visible columns only.
-      gemm_limit_n(hv.m, hv.kvis, a.D, hv.q, a.D, hv.kt, a.Nk, S, ld_s, hv.diag, false);
+      gemm_packed_limit_n(hv.m, hv.kvis, a.D, hv.q, a.D, hv.kp, S, ld_s, hv.diag, false);
 
       // Exact softmax of each row in one pass over its visible columns.
       for (int64_t r = 0; r < hv.m; ++r) {
@@ -150,7 +171,7 @@ void flash_attention(const PrefillArgs& a) {
   const int64_t num_blocks = (a.N + a.block_m - 1) / a.block_m;
   const TaskMap tasks{a.B * a.H, num_blocks};
   const int64_t bn = a.block_n;
-  const int64_t ld_s = round_up(bn, 16);
+  const int64_t ld_s = padded_ld(bn);
 
   run_tasks(a.B * a.H * num_blocks, [&] {
     // Per-thread score tile and running (max, sum) per row.
@@ -169,7 +190,8 @@ void flash_attention(const PrefillArgs& a) {
       for (int64_t j0 = 0; j0 < hv.kvis; j0 += bn) {
         const int64_t n = std::min(bn, hv.kvis - j0);
         const int64_t diag = hv.diag == kNoLimit ? kNoLimit : hv.diag - j0;
-        gemm_limit_n(hv.m, n, a.D, hv.q, a.D, hv.kt + j0, a.Nk, S, ld_s, diag, false);
+        gemm_packed_limit_n(hv.m, n, a.D, hv.q, a.D, hv.kp + (j0 / kGemmNR) * a.D * kGemmNR, S, ld_s, diag,
+                            false);
 
         // Online softmax: update running max and sum, rescale the accumulator.
         for (int64_t r = 0; r < hv.m; ++r) {

@@ -34,10 +34,12 @@ __all__ = [
     "slim_attention",
 ]
 
-# FlashAttention tile defaults, chosen by the sweep in bench/prefill_attention.py on a
-# 2-core Zen host; both are overridable per call.
-FLASH_BLOCK_M = 64
-FLASH_BLOCK_N = 256
+# FlashAttention tile defaults: the best of the block sweep in bench/prefill_attention.py
+# on the 2-core Zen development host at Llama-2-7B shapes; overridable per call.
+FLASH_BLOCK_M = 192
+FLASH_BLOCK_N = 512
+# SlimAttention's query block is capped here (the sweep flattens out beyond it).
+SLIM_MAX_BLOCK_M = 384
 
 
 def _round_down(x: int, m: int) -> int:
@@ -61,18 +63,23 @@ class KernelSet:
     # -- prefill ---------------------------------------------------------------------
 
     def default_block_m(self, n_queries: int, n_keys: int, head_dim: int, tasks_per_block: int) -> int:
-        """SlimAttention's query block: the largest multiple of the micro-kernel's row tile
-        whose fp32 score buffer (block_m x n_keys) and query block (block_m x D) fill half of
-        the detected L2, capped at 256 rows, and small enough that there are at least four
-        tasks per thread (tasks_per_block = B * H tasks for each query block)."""
+        """SlimAttention's query block, from the detected L2 size.
+
+        Each task streams the K and V rows its block can see, so its arithmetic intensity
+        grows with block_m; its score buffer (block_m x n_keys fp32) grows too. The sweep in
+        bench/prefill_attention.py shows K/V streaming dominating long before the buffer
+        leaves L2, so the budget is four L2s of scores (the buffer is walked row by row, and
+        the hardware prefetcher keeps up), capped at SLIM_MAX_BLOCK_M rows, a multiple of the
+        micro-kernel's row tile, and small enough to leave four tasks per thread
+        (tasks_per_block = B * H tasks for each query block)."""
         mr = self.ext.gemm_mr()
-        budget = machine_info().l2_bytes // 2
+        budget = 4 * machine_info().l2_bytes
         block = budget // (4 * (n_keys + head_dim))
-        block = _round_down(min(block, 256), mr)
+        block = _round_down(min(block, SLIM_MAX_BLOCK_M), mr)
         threads = torch.get_num_threads()
         while block > mr and tasks_per_block * -(-n_queries // block) < 4 * threads:
             block = _round_down(block // 2, mr)
-        return max(1, min(block, n_queries)) if n_queries else block
+        return max(1, min(block, n_queries))
 
     def slim_attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
                        block_m: int | None = None) -> torch.Tensor:

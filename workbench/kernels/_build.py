@@ -30,7 +30,10 @@ SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels"
 SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "kv_cache.cpp", "peaks.cpp")
 # GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
 # (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.
-BASE_FLAGS = ("-O3", "-Wall", "-Wno-unused-function", "-Wno-uninitialized", "-Wno-maybe-uninitialized")
+# -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
+# it silently runs on one thread. The process already has torch's libgomp loaded.
+BASE_FLAGS = ("-O3", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-uninitialized",
+              "-Wno-maybe-uninitialized")
 
 _X86 = platform.machine() in ("x86_64", "AMD64", "i686")
 VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -117,6 +120,7 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
                 name=f"workbench_kernels_{variant}",
                 sources=[str(SOURCE_DIR / s) for s in SOURCES],
                 extra_cflags=[*BASE_FLAGS, *VARIANT_FLAGS[variant]],
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=verbose,
             )
