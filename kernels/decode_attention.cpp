@@ -17,8 +17,10 @@
 //      scale multiplies the finished dot product once (q.k = s_t (q.k8)).
 //   2. exact softmax over the chunk; for int8 the V scale is folded into the
 //      probabilities (sum_t p_t v_t = sum_t (p_t s_t) v8_t).
-//   3. O += P V, 32 tokens at a time: V rows widened once into an fp32 scratch block
-//      that stays in L1 while every query head and output slice uses it.
+//   3. O += P V, 32 tokens at a time.
+// Widening: int8 is widened in registers; fp16 / bf16 blocks (and int8 ones shared by
+// many query heads) are widened once into an fp32 scratch block in L1 that every
+// query head reads.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -36,6 +38,10 @@ constexpr int W = VecF::W;
 constexpr int kTokensPerScoreStep = 4;
 constexpr int kTokensPerValueBlock = 32;
 constexpr int kValueChunkVectors = 4;
+// fp16 / bf16 blocks are widened once into an fp32 scratch block in L1 that every query
+// head then reads (measured faster than widening in registers); int8 is widened in
+// registers unless more than this many query heads share the KV head.
+constexpr int64_t kInt8WidenOnceGroup = 2;
 
 template <typename T>
 void widen_row(const T* src, float* dst, int64_t D) {
@@ -44,39 +50,41 @@ void widen_row(const T* src, float* dst, int64_t D) {
   if (d < D) Load<T>::part(src + d, static_cast<int>(D - d)).store(dst + d, static_cast<int>(D - d));
 }
 
-// out[i] = q . rows[i] for 4 rows of length D.
-void dot4(const float* q, const float* const* rows, int64_t D, float* out) {
+// out[i] = q . rows[i] for 4 rows of length D, rows widened to fp32 in registers.
+template <typename T>
+void dot4(const float* q, const T* const* rows, int64_t D, float* out) {
   VecF acc[4] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
   int64_t d = 0;
   for (; d + W <= D; d += W) {
     VecF qv = VecF::load(q + d);
-    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, VecF::load(rows[i] + d), acc[i]);
+    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, Load<T>::full(rows[i] + d), acc[i]);
   }
   if (d < D) {
     int rem = static_cast<int>(D - d);
     VecF qv = VecF::load(q + d, rem);
-    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, VecF::load(rows[i] + d, rem), acc[i]);
+    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, Load<T>::part(rows[i] + d, rem), acc[i]);
   }
   reduce_add4(acc[0], acc[1], acc[2], acc[3], out);
 }
 
-// acc[0:D] += sum_i p[i] * rows[i*D : (i+1)*D] for n rows.
-void accumulate_pv(const float* p, const float* rows, int64_t n, int64_t D, float* acc) {
+// acc[0:D] += sum_i p[i] * rows[i*D : (i+1)*D] for n rows, widened to fp32 in registers.
+template <typename T>
+void accumulate_pv(const float* p, const T* rows, int64_t n, int64_t D, float* acc) {
   int64_t d = 0;
   for (; d + kValueChunkVectors * W <= D; d += kValueChunkVectors * W) {
     VecF o[kValueChunkVectors];
     for (int v = 0; v < kValueChunkVectors; ++v) o[v] = VecF::load(acc + d + v * W);
     for (int64_t i = 0; i < n; ++i) {
       VecF pi = VecF::set1(p[i]);
-      const float* row = rows + i * D + d;
-      for (int v = 0; v < kValueChunkVectors; ++v) o[v] = fmadd(pi, VecF::load(row + v * W), o[v]);
+      const T* row = rows + i * D + d;
+      for (int v = 0; v < kValueChunkVectors; ++v) o[v] = fmadd(pi, Load<T>::full(row + v * W), o[v]);
     }
     for (int v = 0; v < kValueChunkVectors; ++v) o[v].store(acc + d + v * W);
   }
   for (; d < D; d += W) {  // leftover vectors (and a partial one) when D is not a multiple of the chunk
     int cnt = static_cast<int>(std::min<int64_t>(W, D - d));
     VecF o = VecF::load(acc + d, cnt);
-    for (int64_t i = 0; i < n; ++i) o = fmadd(VecF::set1(p[i]), VecF::load(rows + i * D + d, cnt), o);
+    for (int64_t i = 0; i < n; ++i) o = fmadd(VecF::set1(p[i]), Load<T>::part(rows + i * D + d, cnt), o);
     o.store(acc + d, cnt);
   }
 }
@@ -88,6 +96,7 @@ void decode_impl(const DecodeArgs& a) {
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   constexpr bool kWiden = !std::is_same_v<T, float>;
   const int64_t G = a.H / a.Hkv, S = a.num_splits, D = a.D;
+  const bool widen_once = kWiden && (!kInt8 || G > kInt8WidenOnceGroup);
   const int64_t max_chunk = (a.Lmax + S - 1) / S;
 
   // Split-KV partial results: unnormalised outputs and (max, sum) per split.
@@ -98,8 +107,8 @@ void decode_impl(const DecodeArgs& a) {
   }
 
   run_tasks(a.B * a.Hkv * S, [&] {
-    return [&, scores = std::vector<float>(G * max_chunk), kbuf = std::vector<float>(4 * D),
-            vbuf = std::vector<float>(kWiden ? kTokensPerValueBlock * D : 0),
+    return [&, scores = std::vector<float>(G * max_chunk), kbuf = std::vector<float>(widen_once ? 4 * D : 0),
+            vbuf = std::vector<float>(widen_once ? kTokensPerValueBlock * D : 0),
             acc = std::vector<float>(G * D), stats = std::vector<float>(2 * G)](int64_t task) mutable {
       const int64_t s = task % S, bk = task / S;  // bk = b * Hkv + kv head
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
@@ -121,14 +130,13 @@ void decode_impl(const DecodeArgs& a) {
         // 1. scores[g][t] = scale * (q_g . k_t), four tokens per step.
         for (int64_t tb = t0; tb < t1; tb += kTokensPerScoreStep) {
           const int nt = static_cast<int>(std::min<int64_t>(kTokensPerScoreStep, t1 - tb));
-          const float* rows[4];
+          const T* rows[4];
+          const float* wide[4];
           for (int i = 0; i < 4; ++i) {
-            const int64_t tok = tb + std::min(i, nt - 1);  // a short step repeats its last token
-            if constexpr (kWiden) {
-              widen_row(kbase + tok * D, kbuf.data() + i * D, D);
-              rows[i] = kbuf.data() + i * D;
-            } else {
-              rows[i] = kbase + tok * D;
+            rows[i] = kbase + (tb + std::min(i, nt - 1)) * D;  // a short step repeats its last token
+            if (widen_once) {
+              widen_row(rows[i], kbuf.data() + i * D, D);
+              wide[i] = kbuf.data() + i * D;
             }
           }
           float f[4] = {a.scale, a.scale, a.scale, a.scale};
@@ -137,7 +145,11 @@ void decode_impl(const DecodeArgs& a) {
           }
           for (int64_t g = 0; g < G; ++g) {
             float dots[4];
-            dot4(qbase + g * D, rows, D, dots);
+            if (widen_once) {
+              dot4<float>(qbase + g * D, wide, D, dots);
+            } else {
+              dot4<T>(qbase + g * D, rows, D, dots);
+            }
             for (int i = 0; i < nt; ++i) scores[g * max_chunk + (tb - t0) + i] = dots[i] * f[i];
           }
         }
@@ -173,18 +185,18 @@ void decode_impl(const DecodeArgs& a) {
           l_g[g] = sum;
         }
 
-        // 3. acc[g] = sum_t p[g][t] v_t, a block of V rows widened once for all heads.
+        // 3. acc[g] = sum_t p[g][t] v_t, a block of 32 tokens at a time.
         for (int64_t tb = t0; tb < t1; tb += kTokensPerValueBlock) {
           const int64_t nb = std::min<int64_t>(kTokensPerValueBlock, t1 - tb);
-          const float* rows;
-          if constexpr (kWiden) {
+          const float* p = scores.data() + (tb - t0);
+          if (widen_once) {
             for (int64_t i = 0; i < nb; ++i) widen_row(vbase + (tb + i) * D, vbuf.data() + i * D, D);
-            rows = vbuf.data();
+            for (int64_t g = 0; g < G; ++g)
+              accumulate_pv<float>(p + g * max_chunk, vbuf.data(), nb, D, acc.data() + g * D);
           } else {
-            rows = vbase + tb * D;
+            for (int64_t g = 0; g < G; ++g)
+              accumulate_pv<T>(p + g * max_chunk, vbase + tb * D, nb, D, acc.data() + g * D);
           }
-          for (int64_t g = 0; g < G; ++g)
-            accumulate_pv(scores.data() + g * max_chunk + (tb - t0), rows, nb, D, acc.data() + g * D);
         }
       }
 
