@@ -14,13 +14,15 @@ namespace {
 
 using at::Tensor;
 
-void check_tensor(const Tensor& t, const char* fn, const char* name, int64_t dim, const char* layout) {
+void check_tensor(const Tensor& t, const char* fn, const char* name, int64_t dim, const char* layout,
+                  bool need_contiguous = true) {
   TORCH_CHECK_VALUE(t.defined(), fn, ": ", name, " is missing");
   TORCH_CHECK_VALUE(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor, got device ", t.device());
   TORCH_CHECK_VALUE(t.dim() == dim, fn, ": ", name, " must be a ", dim, "-D tensor ", layout, ", got shape ",
                     t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), fn, ": ", name, " must be contiguous (call .contiguous()), got shape ",
-                    t.sizes(), " with strides ", t.strides());
+  TORCH_CHECK_VALUE(!need_contiguous || t.is_contiguous(), fn, ": ", name,
+                    " must be contiguous (call .contiguous()), got shape ", t.sizes(), " with strides ",
+                    t.strides());
 }
 
 void check_float_input(const Tensor& t, const char* fn, const char* name) {
@@ -217,7 +219,9 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
                      const std::optional<Tensor>& scales) {
   const char* fn = "kv_cache_append";
   check_tensor(cache, fn, "cache", 4, "[B, Hkv, Lmax, D]");
-  check_tensor(values, fn, "values", 4, "[B, Hkv, T, D]");
+  // values are converted to fp32 on the way in anyway, so any strides are accepted
+  // (new K / V usually arrive as views of a projection's output).
+  check_tensor(values, fn, "values", 4, "[B, Hkv, T, D]", /*need_contiguous=*/false);
   const wbk::CacheDtype dtype = cache_dtype(cache, fn, "cache");
   TORCH_CHECK_TYPE(values.scalar_type() == at::kFloat || values.scalar_type() == at::kBFloat16 ||
                        values.scalar_type() == at::kHalf,

@@ -140,7 +140,8 @@ class KernelSet:
         """Write values [B, Hkv, T, D] into cache [B, Hkv, Lmax, D] at positions[b] .. +T, in place.
 
         The cache may be int8 (then scales [B, Hkv, Lmax] fp32 receives the per-token scales),
-        fp16, bf16 or fp32; values are converted (round to nearest even)."""
+        fp16, bf16 or fp32; values (any strides, fp32/bf16/fp16) are converted, rounding to
+        nearest even. The cache and scales must be contiguous: they are written in place."""
         _check_tensor_args(cache=cache, values=values, positions=positions)
         self.ext.kv_cache_append(cache, values, positions, scales)
 

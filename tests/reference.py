@@ -1,0 +1,45 @@
+"""Plain float64 PyTorch references that the kernels are tested against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_reference(q, k, v, *, causal: bool, scale: float | None = None) -> torch.Tensor:
+    """q [B, H, N, D], k / v [B, Hkv, Nk, D] -> float64 [B, H, N, D].
+    Causal: query i sees keys 0 .. i + (Nk - N)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, N, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, dim=1)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(D))
+    if causal:
+        i = torch.arange(N)[:, None]
+        j = torch.arange(Nk)[None, :]
+        s = s.masked_fill(j > i + (Nk - N), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def decode_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
+                     scale: float | None = None) -> torch.Tensor:
+    """q [B, H, D], caches [B, Hkv, Lmax, D] (any dtype; int8 with per-token scales)
+    -> float64 [B, H, D], each sequence b attending to its first lengths[b] tokens."""
+    k = k_cache.double()
+    v = v_cache.double()
+    if k_scale is not None:
+        k = k * k_scale.double().unsqueeze(-1)
+        v = v * v_scale.double().unsqueeze(-1)
+    B, H, D = q.shape
+    group = H // k.shape[1]
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    sm = scale if scale is not None else 1.0 / math.sqrt(D)
+    for b in range(B):
+        n = int(lengths[b])
+        kb = k[b, :, :n].repeat_interleave(group, dim=0)  # [H, n, D]
+        vb = v[b, :, :n].repeat_interleave(group, dim=0)
+        s = torch.einsum("hd,hnd->hn", q[b].double(), kb) * sm
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), vb)
+    return out
