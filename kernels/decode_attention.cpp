@@ -107,9 +107,9 @@ void decode_impl(const DecodeArgs& a) {
   }
 
   run_tasks(a.B * a.Hkv * S, [&] {
-    return [&, scores = std::vector<float>(G * max_chunk), kbuf = std::vector<float>(widen_once ? 4 * D : 0),
-            vbuf = std::vector<float>(widen_once ? kTokensPerValueBlock * D : 0),
-            acc = std::vector<float>(G * D), stats = std::vector<float>(2 * G)](int64_t task) mutable {
+    return [&, scores = Scratch(0, G * max_chunk), kbuf = Scratch(1, widen_once ? 4 * D : 0),
+            vbuf = Scratch(2, widen_once ? kTokensPerValueBlock * D : 0),
+            acc = Scratch(3, G * D), stats = Scratch(4, 2 * G)](int64_t task) mutable {
       const int64_t s = task % S, bk = task / S;  // bk = b * Hkv + kv head
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
       const int64_t len = a.lengths[b], chunk = (len + S - 1) / S;
@@ -118,7 +118,7 @@ void decode_impl(const DecodeArgs& a) {
       const T* vbase = v_cache + bk * a.Lmax * D;
       const float* qbase = a.q + (b * a.H + kvh * G) * D;  // G consecutive query heads
 
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc.data(), acc.data() + G * D, 0.0f);
       float* m_g = stats.data();  // per query head: softmax max and sum over the chunk
       float* l_g = m_g + G;
       for (int64_t g = 0; g < G; ++g) {
@@ -208,7 +208,7 @@ void decode_impl(const DecodeArgs& a) {
           for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
         } else {
           const int64_t slot = (b * a.H + h) * S + s;
-          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, part_o.begin() + slot * D);
+          std::copy(acc.data() + g * D, acc.data() + (g + 1) * D, part_o.begin() + slot * D);
           part_ml[slot * 2] = m_g[g];
           part_ml[slot * 2 + 1] = l_g[g];
         }

@@ -12,8 +12,35 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 
 namespace wbk {
+
+// Per-thread scratch floats that live as long as the thread (torch's pool threads are
+// reused from call to call), so a kernel call does not allocate, page-fault and free
+// megabytes of buffers each time. Deliberately uninitialised: every kernel writes a
+// buffer before reading it. `slot` keeps the buffers of one worker apart; a buffer only
+// grows, to the largest size any call on this thread asked for.
+class Scratch {
+ public:
+  Scratch(int slot, int64_t n) {
+    thread_local std::unique_ptr<float[]> buffers[kSlots];
+    thread_local int64_t sizes[kSlots] = {};
+    n = std::max<int64_t>(n, 1);
+    if (sizes[slot] < n) {
+      buffers[slot].reset(new float[static_cast<size_t>(n)]);
+      sizes[slot] = n;
+    }
+    p_ = buffers[slot].get();
+  }
+  float* data() { return p_; }
+  float& operator[](int64_t i) { return p_[i]; }
+
+  static constexpr int kSlots = 6;
+
+ private:
+  float* p_;
+};
 
 // make_worker() is called once per participating thread and returns a callable
 // `worker(task_index)` that may own per-thread scratch buffers.

@@ -140,8 +140,8 @@ void slim_attention(const PrefillArgs& a) {
 
   run_tasks(a.B * a.H * num_blocks, [&] {
     // Per-thread score buffer, reused by every task this thread runs.
-    return [&a, &tasks, ld_s, scores = std::vector<float>(a.block_m * ld_s),
-            inv_sum = std::vector<float>(a.block_m)](int64_t t) mutable {
+    return [&a, &tasks, ld_s, scores = Scratch(0, a.block_m * ld_s),
+            inv_sum = Scratch(1, a.block_m)](int64_t t) mutable {
       int64_t bh, blk;
       tasks.at(t, &bh, &blk);
       const HeadView hv = view(a, bh, blk);
@@ -175,8 +175,8 @@ void flash_attention(const PrefillArgs& a) {
 
   run_tasks(a.B * a.H * num_blocks, [&] {
     // Per-thread score tile and running (max, sum) per row.
-    return [&a, &tasks, bn, ld_s, tile = std::vector<float>(a.block_m * ld_s),
-            stats = std::vector<float>(2 * a.block_m)](int64_t t) mutable {
+    return [&a, &tasks, bn, ld_s, tile = Scratch(2, a.block_m * ld_s),
+            stats = Scratch(3, 2 * a.block_m)](int64_t t) mutable {
       int64_t bh, blk;
       tasks.at(t, &bh, &blk);
       const HeadView hv = view(a, bh, blk);

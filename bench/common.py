@@ -1,0 +1,93 @@
+"""Shared benchmark machinery: interleaved timing, summaries, tables, JSON results.
+
+Machines here are shared and noisy, so every comparison is measured in one run with the
+cases interleaved (round-robin, the order rotated each round) and reported as medians
+with min-max; ratios are taken between medians of the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "results"
+
+
+def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time each case `repeats` times, round-robin; returns seconds per case."""
+    names = list(cases)
+    for name in names:
+        for _ in range(warmup):
+            cases[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        rotated = names[r % len(names):] + names[:r % len(names)]
+        for name in rotated:
+            t0 = time.perf_counter()
+            cases[name]()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def summarize(seconds: list[float]) -> dict:
+    return {
+        "median_ms": statistics.median(seconds) * 1e3,
+        "min_ms": min(seconds) * 1e3,
+        "max_ms": max(seconds) * 1e3,
+        "repeats": len(seconds),
+    }
+
+
+def fmt_ms(s: dict) -> str:
+    return f"{s['median_ms']:.2f} ({s['min_ms']:.2f}-{s['max_ms']:.2f})"
+
+
+def print_table(rows: list[dict], columns: list[str], title: str | None = None) -> None:
+    if title:
+        print(f"\n{title}")
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def environment() -> dict:
+    from workbench.kernels import build_info
+    from workbench.machine import machine_info
+    from workbench.peaks import measured_peaks
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git_commit": commit,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": machine_info().as_dict(),
+        "kernels": build_info(),
+        "peaks": measured_peaks().as_dict(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_results(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    print(f"\nwrote {path}")
+    return path

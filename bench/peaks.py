@@ -1,0 +1,38 @@
+"""Measure (or re-measure) the machine's peaks: triad / read bandwidth and FMA throughput.
+
+    python bench/peaks.py [--refresh] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import print_table, write_results  # noqa: E402
+from workbench.peaks import measured_peaks  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    p = measured_peaks(refresh=args.refresh)
+    rows = [
+        {"peak": "triad bandwidth", "value": f"{p.triad_gbps:.1f} GB/s", "threads": p.threads},
+        {"peak": "read bandwidth", "value": f"{p.read_gbps:.1f} GB/s", "threads": p.threads},
+        {"peak": "fp32 FMA", "value": f"{p.fma_gflops:.0f} GFLOP/s", "threads": p.threads},
+        {"peak": "fp32 FMA", "value": f"{p.fma_gflops_1t:.0f} GFLOP/s", "threads": 1},
+    ]
+    print_table(rows, ["peak", "value", "threads"], title=f"Machine peaks (measured {p.measured_at})")
+    write_results("peaks", {"peaks": p.as_dict()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The machine's measured peaks: memory bandwidth and fp32 FMA throughput.
+
+Every benchmark divides its result by one of these, which makes numbers comparable
+across machines. They are measured once with the kernels' own probes (kernels/peaks.cpp)
+and cached per CPU and thread count under the workbench cache directory.
+
+    triad_gbps        a[i] = b[i] + s * c[i] over arrays far larger than the caches,
+                      counting 12 bytes per element (STREAM's convention: no write-allocate)
+    read_gbps         a sum over one such array (4 bytes per element): the pattern of decode
+    fma_gflops        independent FMA chains in registers, all threads
+    fma_gflops_1t     the same on one thread
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from workbench.machine import machine_info
+
+
+@dataclass(frozen=True)
+class Peaks:
+    threads: int
+    triad_gbps: float
+    read_gbps: float
+    fma_gflops: float
+    fma_gflops_1t: float
+    measured_at: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm up: page faults, thread pool start
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_triad_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
+    """Triad bandwidth over three arrays of n_floats fp32 (default 3 x 256 MiB)."""
+    from workbench.kernels import native
+
+    a, b, c = torch.empty(n_floats), torch.rand(n_floats), torch.rand(n_floats)
+    return 12 * n_floats / _best(lambda: native.ext.triad(a, b, c, 3.0), repeats) / 1e9
+
+
+def measure_read_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
+    from workbench.kernels import native
+
+    x = torch.rand(n_floats)
+    return 4 * n_floats / _best(lambda: native.ext.read_sum(x), repeats) / 1e9
+
+
+def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3) -> float:
+    from workbench.kernels import native
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = native.ext.fma_loop(iterations)  # also the warm-up
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            native.ext.fma_loop(iterations)
+            rates.append(flops / (time.perf_counter() - t0) / 1e9)
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cache_path():
+    from workbench.kernels._build import cache_dir
+
+    info = machine_info()
+    key = hashlib.sha1(f"{info.cpu_model}|{sorted(info.flags)}".encode()).hexdigest()[:10]
+    return cache_dir() / f"peaks-{key}-{torch.get_num_threads()}threads.json"
+
+
+def measured_peaks(refresh: bool = False) -> Peaks:
+    """The cached peaks for this machine and thread count, measuring them if needed (~10 s)."""
+    path = _cache_path()
+    if not refresh and path.is_file():
+        try:
+            return Peaks(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # an old or damaged cache file: measure again
+    threads = torch.get_num_threads()
+    peaks = Peaks(
+        threads=threads,
+        triad_gbps=measure_triad_gbps(),
+        read_gbps=measure_read_gbps(),
+        fma_gflops=measure_fma_gflops(threads),
+        fma_gflops_1t=measure_fma_gflops(1),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(peaks.as_dict(), indent=2))
+    return peaks
