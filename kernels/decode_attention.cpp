@@ -12,7 +12,7 @@
 // output with its softmax max and sum; a merge pass rescales and adds them.
 //
 // Per task, three passes over the chunk, each touching a token's data once:
-//   1. scores: 4 tokens at a time, K widened to fp32 in registers (int8 -> int32 ->
+//   1. scores: 8 tokens at a time, K widened to fp32 in registers (int8 -> int32 ->
 //      fp32, fp16/bf16 -> fp32), dotted with each query head; for int8 the token's
 //      scale multiplies the finished dot product once (q.k = s_t (q.k8)).
 //   2. exact softmax over the chunk; for int8 the V scale is folded into the
@@ -30,15 +30,16 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "rows.h"
 #include "simd.h"
 
 namespace wbk {
 namespace {
 
 constexpr int W = VecF::W;
-constexpr int kTokensPerScoreStep = 4;
+constexpr int kTokensPerScoreStep = 8;  // a multiple of 4 (reduce_add4)
 constexpr int kTokensPerValueBlock = 32;
-constexpr int kValueChunkVectors = 4;
+constexpr int kValueChunkVectors = 8;
 
 // Software prefetch of the cache rows a few kilobytes ahead of the one being read: one
 // thread's stream of K or V otherwise waits on memory latency (profiled: the widening
@@ -50,21 +51,24 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
 }
 
-// out[i] = q . rows[i] for 4 rows of length D, rows widened to fp32 in registers.
+// out[i] = q . rows[i] for kTokensPerScoreStep rows of length D, widened to fp32 in
+// registers; one accumulator per row, so as many independent FMA chains as rows.
 template <typename T>
-void dot4(const float* q, const T* const* rows, int64_t D, float* out) {
-  VecF acc[4] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+void dot_rows(const float* q, const T* const* rows, int64_t D, float* out) {
+  constexpr int R = kTokensPerScoreStep;
+  VecF acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = VecF::zero();
   int64_t d = 0;
   for (; d + W <= D; d += W) {
     VecF qv = VecF::load(q + d);
-    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, Load<T>::full(rows[i] + d), acc[i]);
+    for (int i = 0; i < R; ++i) acc[i] = fmadd(qv, Load<T>::full(rows[i] + d), acc[i]);
   }
   if (d < D) {
     int rem = static_cast<int>(D - d);
     VecF qv = VecF::load(q + d, rem);
-    for (int i = 0; i < 4; ++i) acc[i] = fmadd(qv, Load<T>::part(rows[i] + d, rem), acc[i]);
+    for (int i = 0; i < R; ++i) acc[i] = fmadd(qv, Load<T>::part(rows[i] + d, rem), acc[i]);
   }
-  reduce_add4(acc[0], acc[1], acc[2], acc[3], out);
+  for (int i = 0; i < R; i += 4) reduce_add4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], out + i);
 }
 
 // acc[0:D] += sum_i p[i] * rows[i*D : (i+1)*D] for n rows, widened to fp32 in registers.
@@ -124,53 +128,33 @@ void decode_impl(const DecodeArgs& a) {
       }
 
       if (n > 0) {
-        // 1. scores[g][t] = scale * (q_g . k_t), four tokens per step.
+        // 1. scores[g][t] = q_g . k_t (for int8, q_g . k8_t), eight tokens per step.
         for (int64_t tb = t0; tb < t1; tb += kTokensPerScoreStep) {
           const int nt = static_cast<int>(std::min<int64_t>(kTokensPerScoreStep, t1 - tb));
           const int64_t ahead = tb + kPrefetchBytes / static_cast<int64_t>(D * sizeof(T));
           if (ahead < t1) prefetch_range(kbase + ahead * D, std::min<int64_t>(nt, t1 - ahead) * D * sizeof(T));
-          const T* rows[4];
-          for (int i = 0; i < 4; ++i) rows[i] = kbase + (tb + std::min(i, nt - 1)) * D;  // short step: repeat
-          float f[4] = {a.scale, a.scale, a.scale, a.scale};
-          if constexpr (kInt8) {
-            for (int i = 0; i < nt; ++i) f[i] *= a.k_scale[bk * a.Lmax + tb + i];
-          }
+          const T* rows[kTokensPerScoreStep];
+          for (int i = 0; i < kTokensPerScoreStep; ++i)
+            rows[i] = kbase + (tb + std::min(i, nt - 1)) * D;  // a short step repeats its last token
           for (int64_t g = 0; g < G; ++g) {
-            float dots[4];
-            dot4<T>(qbase + g * D, rows, D, dots);
-            for (int i = 0; i < nt; ++i) scores[g * max_chunk + (tb - t0) + i] = dots[i] * f[i];
+            float dots[kTokensPerScoreStep];
+            dot_rows<T>(qbase + g * D, rows, D, dots);
+            std::copy(dots, dots + nt, scores.data() + g * max_chunk + (tb - t0));
           }
         }
 
-        // 2. exact softmax over the chunk; fold the int8 V scales into the probabilities.
+        // 2. exact softmax over the chunk of scale * q.k (times the token's scale for int8);
+        //    then fold the int8 V scales into the probabilities.
         for (int64_t g = 0; g < G; ++g) {
           float* sg = scores.data() + g * max_chunk;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
-          float sum = 0.0f;
-          {
-            const VecF shift = VecF::set1(-mx);
-            VecF vsum = VecF::zero();
-            int64_t i = 0;
-            for (; i + W <= n; i += W) {
-              VecF e = vexp(VecF::load(sg + i) + shift);
-              e.store(sg + i);
-              vsum = vsum + e;
-            }
-            sum = reduce_add(vsum);
-            for (; i < n; ++i) {
-              sg[i] = std::exp(sg[i] - mx);
-              sum += sg[i];
-            }
-          }
           if constexpr (kInt8) {
-            const float* vs = a.v_scale + bk * a.Lmax + t0;
-            int64_t i = 0;
-            for (; i + W <= n; i += W) (VecF::load(sg + i) * VecF::load(vs + i)).store(sg + i);
-            for (; i < n; ++i) sg[i] *= vs[i];
+            mul_rows_scaled(sg, a.k_scale + bk * a.Lmax + t0, a.scale, n);
+          } else {
+            scale_row(sg, n, a.scale);
           }
-          m_g[g] = mx;
-          l_g[g] = sum;
+          m_g[g] = row_max(sg, n);
+          l_g[g] = exp_and_sum(sg, n, 1.0f, m_g[g]);
+          if constexpr (kInt8) mul_rows(sg, a.v_scale + bk * a.Lmax + t0, n);
         }
 
         // 3. acc[g] = sum_t p[g][t] v_t, a block of 32 tokens at a time.

@@ -26,51 +26,13 @@
 #include "gemm.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "rows.h"
 #include "simd.h"
 
 namespace wbk {
 namespace {
 
 constexpr int W = VecF::W;
-
-float row_max(const float* x, int64_t n) {
-  VecF m = VecF::set1(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + W <= n; j += W) m = vmax(m, VecF::load(x + j));
-  float r = reduce_max(m);
-  for (; j < n; ++j) r = std::max(r, x[j]);
-  return r;
-}
-
-// x[j] = exp(x[j] * scale - shift) for j < n; returns the sum.
-float exp_and_sum(float* x, int64_t n, float scale, float shift) {
-  const VecF vs = VecF::set1(scale), vshift = VecF::set1(-shift);
-  VecF acc = VecF::zero();
-  int64_t j = 0;
-  for (; j + W <= n; j += W) {
-    VecF e = vexp(fmadd(VecF::load(x + j), vs, vshift));
-    e.store(x + j);
-    acc = acc + e;
-  }
-  if (j < n) {
-    int rem = static_cast<int>(n - j);
-    VecF e = vexp(fmadd(VecF::load(x + j, rem), vs, vshift));
-    e.store(x + j, rem);
-    float tail[VecF::W];
-    e.store(tail, rem);
-    float s = reduce_add(acc);
-    for (int i = 0; i < rem; ++i) s += tail[i];
-    return s;
-  }
-  return reduce_add(acc);
-}
-
-void scale_row(float* x, int64_t n, float f) {
-  const VecF vf = VecF::set1(f);
-  int64_t j = 0;
-  for (; j + W <= n; j += W) (VecF::load(x + j) * vf).store(x + j);
-  for (; j < n; ++j) x[j] *= f;
-}
 
 void zero_row(float* x, int64_t n) { std::fill(x, x + n, 0.0f); }
 
