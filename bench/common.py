@@ -1,14 +1,16 @@
 """Shared benchmark machinery: interleaved timing, summaries, tables, JSON results.
 
 Machines here are shared and noisy, so every comparison is measured in one run with the
-cases interleaved (round-robin, the order rotated each round) and reported as medians
-with min-max; ratios are taken between medians of the same run.
+cases interleaved (every round runs each case once, in a fresh random order, so no case
+always follows the same neighbour, e.g. one that flushes the caches) and reported as
+medians with min-max; ratios are taken between medians of the same run.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -22,16 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "results"
 
 
-def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Time each case `repeats` times, round-robin; returns seconds per case."""
+def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                seed: int = 0) -> dict[str, list[float]]:
+    """Time each case `repeats` times, one round per repeat in a shuffled order; returns
+    seconds per case."""
     names = list(cases)
     for name in names:
         for _ in range(warmup):
             cases[name]()
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        rotated = names[r % len(names):] + names[:r % len(names)]
-        for name in rotated:
+    order = random.Random(seed)
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
             t0 = time.perf_counter()
             cases[name]()
             samples[name].append(time.perf_counter() - t0)
