@@ -8,6 +8,13 @@ medians with min-max; ratios are taken between medians of the same run.
 
 from __future__ import annotations
 
+import os
+
+# numpy (imported by torch) bundles OpenBLAS, whose idle worker threads were seen spinning
+# in profiles of these benchmarks; on a 2-core machine that steals a core. The workbench
+# never calls numpy's BLAS, so keep its pool to one thread. Must precede `import torch`.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import json
 import platform
 import random

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import available_memory_bytes, fmt_ms, interleaved, print_table, summarize, write_results  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import available_memory_bytes, fmt_ms, interleaved, print_table, summarize, write_results  # noqa: E402
 from workbench import kernels  # noqa: E402
 
 H, D = 32, 128

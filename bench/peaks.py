@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import print_table, write_results  # noqa: E402
 import torch  # noqa: E402
 
-from common import print_table, write_results  # noqa: E402
 from workbench.peaks import measured_peaks  # noqa: E402
 
 

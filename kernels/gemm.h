@@ -119,17 +119,17 @@ inline void tile(int mr, int64_t K, const float* A, int64_t lda, const float* B,
 // C = A . Bp (or C += A . Bp) with B packed in NR-wide column panels: panel p holds
 // columns [p NR, p NR + NR) as K rows of NR floats (layout [ceil(N / NR)][K][NR], zero
 // padded), so the micro-kernel streams it sequentially. Each row panel of C stops at
-// the last column its rows may see.
+// the last NR-wide column panel its rows may see, and always computes whole column
+// panels: up to NR - 1 columns past a row's limit (or past N) are computed and stored,
+// which costs less than a masked tile. C must have room for round_up(N, NR) columns.
 inline void gemm_packed_limit_n(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bp,
                                 float* C, int64_t ldc, int64_t diag, bool accumulate) {
   for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
     const float* panel = Bp + (j0 / kGemmNR) * K * kGemmNR;
     for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
       int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
-      int64_t n_limit = std::min<int64_t>(N, i0 + mr + diag);  // last row's columns: < i + diag + 1
-      if (j0 >= n_limit) continue;
-      int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, n_limit - j0));
-      tile(mr, K, A + i0 * lda, lda, panel, kGemmNR, C + i0 * ldc + j0, ldc, ncols, accumulate);
+      if (j0 >= std::min<int64_t>(N, i0 + mr + diag)) continue;  // last row's columns: < i + diag + 1
+      micro_tile_rows<true>(mr, K, A + i0 * lda, lda, panel, kGemmNR, C + i0 * ldc + j0, ldc, kGemmNR, accumulate);
     }
   }
 }

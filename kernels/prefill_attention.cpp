@@ -36,9 +36,10 @@ constexpr int W = VecF::W;
 
 void zero_row(float* x, int64_t n) { std::fill(x, x + n, 0.0f); }
 
-// Row stride for a buffer of n floats per row: a multiple of 16 floats (64 bytes), plus
-// 16 so that a power-of-two n does not put every row of a panel in the same cache set.
-int64_t padded_ld(int64_t n) { return (n + 15) / 16 * 16 + 16; }
+// Row stride for a score buffer of n columns: room for whole micro-kernel panels
+// (gemm_packed_limit_n writes round_up(n, NR) columns), plus 16 floats so that a
+// power-of-two n does not put every row of a panel in the same cache set.
+int64_t padded_ld(int64_t n) { return (n + kGemmNR - 1) / kGemmNR * kGemmNR + 16; }
 
 // Task t -> (batch*head, query block), most expensive query block first.
 struct TaskMap {
