@@ -26,6 +26,7 @@ def main() -> None:
     p = measured_peaks(refresh=args.refresh)
     rows = [
         {"peak": "triad bandwidth", "value": f"{p.triad_gbps:.1f} GB/s", "threads": p.threads},
+        {"peak": "triad bandwidth", "value": f"{p.triad_gbps_1t:.1f} GB/s", "threads": 1},
         {"peak": "read bandwidth", "value": f"{p.read_gbps:.1f} GB/s", "threads": p.threads},
         {"peak": "fp32 FMA", "value": f"{p.fma_gflops:.0f} GFLOP/s", "threads": p.threads},
         {"peak": "fp32 FMA", "value": f"{p.fma_gflops_1t:.0f} GFLOP/s", "threads": 1},

@@ -6,6 +6,7 @@ and cached per CPU and thread count under the workbench cache directory.
 
     triad_gbps        a[i] = b[i] + s * c[i] over arrays far larger than the caches,
                       counting 12 bytes per element (STREAM's convention: no write-allocate)
+    triad_gbps_1t     the same on one thread
     read_gbps         a sum over one such array (4 bytes per element): the pattern of decode
     fma_gflops        independent FMA chains in registers, all threads
     fma_gflops_1t     the same on one thread
@@ -28,6 +29,7 @@ from workbench.machine import machine_info
 class Peaks:
     threads: int
     triad_gbps: float
+    triad_gbps_1t: float
     read_gbps: float
     fma_gflops: float
     fma_gflops_1t: float
@@ -47,12 +49,17 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def measure_triad_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
+def measure_triad_gbps(n_floats: int = 1 << 26, repeats: int = 5, threads: int | None = None) -> float:
     """Triad bandwidth over three arrays of n_floats fp32 (default 3 x 256 MiB)."""
     from workbench.kernels import native
 
     a, b, c = torch.empty(n_floats), torch.rand(n_floats), torch.rand(n_floats)
-    return 12 * n_floats / _best(lambda: native.ext.triad(a, b, c, 3.0), repeats) / 1e9
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return 12 * n_floats / _best(lambda: native.ext.triad(a, b, c, 3.0), repeats) / 1e9
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_read_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
@@ -99,6 +106,7 @@ def measured_peaks(refresh: bool = False) -> Peaks:
     peaks = Peaks(
         threads=threads,
         triad_gbps=measure_triad_gbps(),
+        triad_gbps_1t=measure_triad_gbps(threads=1),
         read_gbps=measure_read_gbps(),
         fma_gflops=measure_fma_gflops(threads),
         fma_gflops_1t=measure_fma_gflops(1),
