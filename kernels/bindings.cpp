@@ -279,6 +279,34 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
   wbk::kv_cache_append(a);
 }
 
+Tensor linear_bf16(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
+  const char* fn = "linear_bf16";
+  check_tensor(x, fn, "x", 2, "[M, K]");
+  check_tensor(w, fn, "w", 2, "[N, K]");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16, fn, ": w must be bfloat16, got ", w.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK_VALUE(w.size(1) == K, fn, ": x has K = ", K, " columns but w has ", w.size(1),
+                    " (w is [out_features, in_features])");
+  Tensor y = at::empty({M, N}, x.options());
+  if (y.numel() == 0) return y;
+  if (K == 0) return y.zero_();
+  if (M <= matvec_max_rows) {
+    wbk::linear_bf16_matvec(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                            y.data_ptr<float>(), M, N, K);
+    return y;
+  }
+  // Compute-bound: widen a panel of W rows to fp32 once (about 2 MB), then torch's fp32
+  // GEMM writes the panel's output columns in place (row stride N is BLAS-compatible).
+  const int64_t panel = std::max<int64_t>(64, (int64_t{1} << 19) / K);
+  for (int64_t n0 = 0; n0 < N; n0 += panel) {
+    const int64_t p = std::min(panel, N - n0);
+    Tensor out = y.narrow(1, n0, p);
+    at::mm_out(out, x, w.narrow(0, n0, p).to(at::kFloat).t());
+  }
+  return y;
+}
+
 void check_probe_buffer(const Tensor& t, const char* name) {
   check_tensor(t, "triad", name, 1, "[n]");
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "triad: ", name, " must be float32");
@@ -302,18 +330,25 @@ double read_sum(const Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "workbench attention and KV-cache kernels (see workbench.kernels for the documented API)";
   m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
-        py::arg("scale"), py::arg("block_m"));
+        py::arg("scale"), py::arg("block_m"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("flash_attention", &flash_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
-        py::arg("scale"), py::arg("block_m"), py::arg("block_n"));
+        py::arg("scale"), py::arg("block_m"), py::arg("block_n"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"));
+        py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_default_splits", [](int64_t B, int64_t Hkv, int64_t max_length) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
   });
-  m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"));
+  m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),
-        py::arg("scales"));
+        py::arg("scales"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16", &linear_bf16, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"),
         py::call_guard<py::gil_scoped_release>());
   m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());

@@ -29,6 +29,7 @@ __all__ = [
     "dequantize_kv_int8",
     "flash_attention",
     "kv_cache_append",
+    "linear_bf16",
     "quantize_kv_int8",
     "runnable_variants",
     "slim_attention",
@@ -68,12 +69,12 @@ class KernelSet:
         Each task streams the K and V rows its block can see, so its arithmetic intensity
         grows with block_m; its score buffer (block_m x n_keys fp32) grows too. The sweep in
         bench/prefill_attention.py shows K/V streaming dominating long before the buffer
-        leaves L2, so the budget is four L2s of scores (the buffer is walked row by row, and
+        leaves L2, so the budget is eight L2s of scores (the buffer is walked row by row, and
         the hardware prefetcher keeps up), capped at SLIM_MAX_BLOCK_M rows, a multiple of the
         micro-kernel's row tile, and small enough to leave four tasks per thread
         (tasks_per_block = B * H tasks for each query block)."""
         mr = self.ext.gemm_mr()
-        budget = 4 * machine_info().l2_bytes
+        budget = 8 * machine_info().l2_bytes
         block = budget // (4 * (n_keys + head_dim))
         block = _round_down(min(block, SLIM_MAX_BLOCK_M), mr)
         threads = torch.get_num_threads()
@@ -130,6 +131,21 @@ class KernelSet:
     def default_num_splits(self, batch: int, kv_heads: int, max_length: int) -> int:
         return self.ext.decode_default_splits(batch, kv_heads, max_length)
 
+    # -- linear layers -----------------------------------------------------------------
+
+    def linear_bf16(self, x, w, *, matvec_max_rows: int = 16) -> torch.Tensor:
+        """y = x @ w.T for bf16 weights w [N, K] (nn.Linear layout) and fp32 x [..., K] -> fp32 [..., N].
+
+        Up to matvec_max_rows rows of x (decode) run our memory-bound matrix-vector kernel,
+        which reads each weight byte once; more rows (prefill) widen a panel of w to fp32 at
+        a time and use torch's fp32 GEMM on it."""
+        _check_tensor_args(x=x, w=w)
+        if x.dim() < 1:
+            raise ValueError(f"linear_bf16: x must have a last dimension K, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        y = self.ext.linear_bf16(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows))
+        return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
+
     # -- KV cache --------------------------------------------------------------------
 
     def quantize_kv_int8(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,3 +192,4 @@ flash_attention = native.flash_attention
 decode_attention = native.decode_attention
 quantize_kv_int8 = native.quantize_kv_int8
 kv_cache_append = native.kv_cache_append
+linear_bf16 = native.linear_bf16

@@ -1,0 +1,80 @@
+"""Model configurations: one dataclass, and the exact public configurations as presets.
+
+The presets are the single source of truth for shapes: random-weight models for speed
+work (`load_model("llama2-7b", random=True)`) are built from them, and the loaders check
+real files against the fields they share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int  # SwiGLU intermediate size
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF-style: {"rope_type": "linear" | "llama3", "factor": ...}
+    max_seq_len: int = 4096
+    tied_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def with_layers(self, n_layers: int) -> ModelConfig:
+        if not 1 <= n_layers <= self.n_layers:
+            raise ValueError(f"layers must be in [1, {self.n_layers}] for {self.name}, got {n_layers}")
+        return replace(self, n_layers=n_layers)
+
+    def parameter_count(self) -> int:
+        d, f, hd = self.dim, self.ffn_dim, self.head_dim
+        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tied_embeddings else self.vocab_size * d
+        return self.n_layers * layer + self.vocab_size * d + head + d
+
+    def weight_bytes(self, bytes_per_param: int) -> int:
+        return self.parameter_count() * bytes_per_param
+
+    def kv_cache_bytes(self, batch: int, max_seq_len: int, bytes_per_elem: float) -> int:
+        per_token = 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_elem
+        if bytes_per_elem == 1:  # int8: one fp32 scale per head per token for K and for V
+            per_token += 2 * self.n_layers * self.n_kv_heads * 4
+        return int(batch * max_seq_len * per_token)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Public configurations (the models' config.json files), by the names users type.
+PRESETS: dict[str, ModelConfig] = {
+    "llama2-7b": ModelConfig("llama2-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
+                             vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
+    "llama2-13b": ModelConfig("llama2-13b", dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824,
+                              vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
+    "llama2-70b": ModelConfig("llama2-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
+    "tinyllama-1.1b": ModelConfig("tinyllama-1.1b", dim=2048, n_layers=22, n_heads=32, n_kv_heads=4,
+                                  ffn_dim=5632, vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0,
+                                  max_seq_len=2048),
+    "smollm2-135m": ModelConfig("smollm2-135m", dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                                vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
+                                tied_embeddings=True, bos_token_id=1, eos_token_id=2),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
