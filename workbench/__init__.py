@@ -5,3 +5,8 @@ Sub-packages: `workbench.kernels` (C++ attention / KV-cache kernels), `workbench
 """
 
 __version__ = "0.1.0"
+
+from workbench.loaders import ModelLoadError  # noqa: E402
+from workbench.runtime import GenerationResult, Model, load_model  # noqa: E402
+
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "load_model"]

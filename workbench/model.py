@@ -265,10 +265,12 @@ class LlamaModel:
         return self.lm_head(rms_norm(x, self.final_norm, self.cfg.norm_eps))
 
     def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
-                record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+                record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         """tokens [T] packed prompts (sequence b has seq_lens[b] tokens, starting at position 0)
-        -> logits of each sequence's last token [B, vocab] (and the step's record)."""
-        cfg, clock = self.cfg, _Clock(record, cfg.n_layers)
+        -> logits of each sequence's last token [B, vocab], or of every token [T, vocab] with
+        all_logits (and the step's record)."""
+        cfg = self.cfg
+        clock = _Clock(record, cfg.n_layers)
         t_start = clock.t()
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         offsets = [0]
@@ -313,7 +315,7 @@ class LlamaModel:
 
         t5 = clock.t()
         last = torch.tensor([o_ - 1 for o_ in offsets[1:]])
-        logits = self._head(x[last])
+        logits = self._head(x if all_logits else x[last])
         cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
         rec = None
         if record:
@@ -326,7 +328,8 @@ class LlamaModel:
     def decode(self, tokens: torch.Tensor, cache: KVCache, switches: Switches,
                record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         """tokens [B], one per sequence, at positions cache.lengths -> logits [B, vocab]."""
-        cfg, clock = self.cfg, _Clock(record, cfg.n_layers)
+        cfg = self.cfg
+        clock = _Clock(record, cfg.n_layers)
         t_start = clock.t()
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         positions = cache.lengths.clone()

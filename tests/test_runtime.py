@@ -1,0 +1,217 @@
+"""The runtime end to end: the bundled model against Hugging Face transformers, batched
+ragged prompts against the plain reference, the int8 KV cache's quality, and every way
+loading can fail.
+
+Tolerances: our model and transformers compute the same fp32 network with different
+summation orders over 30 layers; measured max |logit difference| is ~5e-5 with logits up
+to ~30, so 5e-4 absolute leaves room for other BLAS builds while still catching any real
+divergence (a wrong RoPE layout or norm shows up as differences of order 1).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.loaders import ModelLoadError, bundled_gguf_path
+from workbench.model import KVCache, Switches
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Licensed under the Apache License, Version 2.0, you may not use this file except",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return wb.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    path = bundled_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("attention", ["slim", "flash", "sdpa", "naive"])
+def test_logits_match_transformers(model, hf_model, attention):
+    for prompt in PROMPTS:
+        ids = model.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([ids])).logits[0]
+        ours = model.logits(ids, attention=attention)
+        torch.testing.assert_close(ours, ref, atol=5e-4, rtol=0)
+
+
+def test_greedy_continuation_matches_transformers(model, hf_model):
+    for prompt in PROMPTS[:2]:
+        ids = model.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
+        out = model.generate(ids, max_new_tokens=32, attention="slim", kv_cache="fp32", stop_at_eos=False)
+        ref = ref.tolist()  # transformers stops early at an end-of-text token; compare what it made
+        assert len(ref) >= 16
+        assert out.token_ids[:len(ref)] == ref
+
+
+def test_generate_text_and_timings(model):
+    out = model.generate("The capital of France is", max_new_tokens=8)
+    assert "Paris" in out.text
+    t = out.timings
+    assert t.prefill is not None and len(t.decode_steps) == len(out.token_ids) - 1
+    assert len(t.per_layer("decode")) == model.config.n_layers
+    s = t.summary()
+    assert s["decode_tokens_per_s"] > 0 and s["time_to_first_token_ms"] > 0 and s["decode_gbps"] > 0
+
+
+def test_switches_change_without_reloading(model):
+    weights_before = model.llama.layers[0].wq.weight
+    out_int8 = model.generate("Hello", max_new_tokens=4, attention="flash", kv_cache="int8")
+    assert out_int8.switches == Switches("flash", "int8")
+    model.attention, model.kv_cache = "sdpa", "bf16"
+    assert model.generate("Hello", max_new_tokens=4).switches == Switches("sdpa", "bf16")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        model.attention = "fast"
+    assert model.attention == "sdpa"  # a bad value leaves the switch as it was
+    model.attention, model.kv_cache = "slim", "fp32"
+    assert model.llama.layers[0].wq.weight is weights_before
+
+
+def test_sampling_is_seeded(model):
+    a = model.generate("Once upon a time", max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    b = model.generate("Once upon a time", max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids
+
+
+def test_chat_template_and_eos(model):
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+    out = model.generate(text, max_new_tokens=64)
+    # The instruct model ends its answer with <|im_end|> (EOS): generation stops there.
+    assert out.token_ids[-1] == model.tokenizer.eos_id or len(out.token_ids) == 64
+
+
+def teacher_forced_logits(llama, seqs, follow, switches, batched: bool):
+    """Prefill the prompts, then decode the `follow` tokens (teacher forcing); returns
+    [steps + 1] logits per sequence."""
+    def run(group):
+        cache = KVCache(llama.cfg, len(group), max(len(seqs[i]) for i in group) + follow.shape[1], switches.kv_cache)
+        tokens = torch.tensor([t for i in group for t in seqs[i]])
+        logits, _ = llama.prefill(tokens, [len(seqs[i]) for i in group], cache, switches)
+        out = [logits]
+        for step in range(follow.shape[1]):
+            logits, _ = llama.decode(follow[group, step], cache, switches)
+            out.append(logits)
+        return torch.stack(out, dim=1)  # [len(group), steps + 1, vocab]
+
+    with torch.inference_mode():
+        if batched:
+            return run(list(range(len(seqs))))
+        return torch.cat([run([i]) for i in range(len(seqs))])
+
+
+@pytest.mark.parametrize("attention", ["slim", "flash", "sdpa"])
+def test_random_gqa_model_batched_ragged_matches_naive(attention):
+    """A random-weight preset with GQA (32 query / 4 KV heads), three prompts of different
+    lengths in one batch, against the plain-PyTorch reference run one sequence at a time."""
+    m = wb.load_model("tinyllama-1.1b", random=True, layers=2, seed=3)
+    assert m.config.n_heads // m.config.n_kv_heads == 8
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (5, 37, 18)]
+    follow = torch.randint(3, 32000, (3, 6), generator=gen)
+    ours = teacher_forced_logits(m.llama, seqs, follow, Switches(attention, "fp32"), batched=True)
+    ref = teacher_forced_logits(m.llama, seqs, follow, Switches("naive", "fp32"), batched=False)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_cache_quality_against_fp32(model):
+    """Teacher-forced over real text: the int8 KV cache's next-token distribution stays
+    close to the fp32 cache's. Thresholds: top-1 agreement >= 0.95 and mean KL <= 0.02
+    nats (measured on this text: agreement 1.0, KL ~3e-4)."""
+    text = Path("/usr/share/common-licenses/Apache-2.0").read_text()[:3000]
+    ids = model.tokenizer.encode(text)[:160]
+    prompt, follow = [ids[:32]], torch.tensor([ids[32:]])
+    ref = teacher_forced_logits(model.llama, prompt, follow, Switches("slim", "fp32"), batched=True)[0]
+    q8 = teacher_forced_logits(model.llama, prompt, follow, Switches("slim", "int8"), batched=True)[0]
+    agree = (ref.argmax(-1) == q8.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(q8.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1).mean().item()
+    assert agree >= 0.95, agree
+    assert kl <= 0.02, kl
+
+
+# -- failures -----------------------------------------------------------------------------
+
+def test_named_model_without_weights_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_MODELS", str(tmp_path))
+    with pytest.raises(ModelLoadError) as e:
+        wb.load_model("llama2-7b")
+    msg = str(e.value)
+    assert "no local weights for llama2-7b" in msg and str(tmp_path) in msg and "--random" in msg
+
+
+def test_unknown_model_lists_presets():
+    with pytest.raises(ModelLoadError, match="llama2-7b"):
+        wb.load_model("gpt-17")
+
+
+def test_memory_estimate_refuses_before_allocating():
+    with pytest.raises(ModelLoadError, match="GiB is available"):
+        wb.load_model("llama2-70b", random=True, dtype="fp32")
+
+
+def test_bad_arguments():
+    with pytest.raises(ModelLoadError, match="dtype must be one of"):
+        wb.load_model("smollm2-135m", dtype="fp8")
+    with pytest.raises(ModelLoadError, match="layers must be a positive integer"):
+        wb.load_model("llama2-7b", random=True, layers=0)
+    with pytest.raises(ValueError, match=r"layers must be in \[1, 32\]"):
+        wb.load_model("llama2-7b", random=True, layers=99)
+
+
+def test_corrupt_and_truncated_files_fail_cleanly_and_the_loaded_model_survives(model, tmp_path):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\x00\xff" * 100)
+    truncated = tmp_path / "truncated.gguf"
+    with open(bundled_gguf_path(), "rb") as f:
+        truncated.write_bytes(f.read(5_000_000))
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"1234")
+    for path in (garbage, truncated, not_gguf):
+        with pytest.raises(ModelLoadError):
+            wb.load_model(str(path))
+    assert "Paris" in model.generate("The capital of France is", max_new_tokens=4).text
+
+
+def test_unsupported_architecture(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        wb.load_model(str(path))
+
+
+def test_generate_rejects_bad_arguments(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate("hi", max_new_tokens=0)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        model.generate([1, 2, 10**6])
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        model.generate("hi", kv_cache="int4")
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        model.generate("hi", max_new_tokens=10**5)

@@ -1,0 +1,253 @@
+"""The user-facing model: load once, then logits and generation with switchable
+attention backend, KV-cache dtype and thread count, with per-layer timings built in.
+
+    import workbench as wb
+    model = wb.load_model("smollm2-135m")
+    out = model.generate("The capital of France is", max_new_tokens=32, attention="slim", kv_cache="int8")
+    out.text, out.token_ids, out.timings
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from workbench.loaders import ModelLoadError, check_memory, resolve
+from workbench.model import ATTENTION_BACKENDS, KV_DTYPES, KVCache, LlamaModel, StepRecord, Switches
+
+
+@dataclass
+class Timings:
+    """Per-step records of one generation, with the summaries people ask for."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    time_to_first_token_s: float = 0.0
+    decode_s: float = 0.0  # wall time of all decode steps
+    decode_tokens: int = 0  # tokens produced by decode steps (all sequences)
+
+    @property
+    def prefill(self) -> StepRecord | None:
+        return next((s for s in self.steps if s.phase == "prefill"), None)
+
+    @property
+    def decode_steps(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.phase == "decode"]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first token (all sequences of the batch)."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def step_gbps(self, step: StepRecord) -> float:
+        """Achieved bandwidth of one step: weight and KV bytes it had to read / its time."""
+        return (sum(step.weight_bytes) + sum(step.kv_bytes)) / step.total_s / 1e9 if step.total_s else 0.0
+
+    def per_layer(self, phase: str = "decode") -> list[dict]:
+        """Mean seconds per step in attention / MLP / other for each layer, over the phase's steps."""
+        steps = [s for s in self.steps if s.phase == phase]
+        if not steps:
+            return []
+        n = len(steps)
+        return [{"layer": i,
+                 "attention_ms": 1e3 * sum(s.attention_s[i] for s in steps) / n,
+                 "mlp_ms": 1e3 * sum(s.mlp_s[i] for s in steps) / n,
+                 "other_ms": 1e3 * sum(s.other_s[i] for s in steps) / n}
+                for i in range(len(steps[0].attention_s))]
+
+    def summary(self) -> dict:
+        decode = self.decode_steps
+        return {
+            "prefill_ms": 1e3 * self.prefill.total_s if self.prefill else 0.0,
+            "time_to_first_token_ms": 1e3 * self.time_to_first_token_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "decode_gbps": (sum(self.step_gbps(s) for s in decode) / len(decode)) if decode else 0.0,
+        }
+
+
+@dataclass
+class GenerationResult:
+    text: str | list[str]
+    token_ids: list[int] | list[list[int]]
+    prompt_token_ids: list[list[int]]
+    timings: Timings
+    switches: Switches
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+           generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+
+
+class Model:
+    """A loaded model and its switches. Create with workbench.load_model()."""
+
+    def __init__(self, llama: LlamaModel, tokenizer, description: str):
+        self.llama = llama
+        self.tokenizer = tokenizer
+        self.description = description
+        self.switches = Switches()
+
+    @property
+    def config(self):
+        return self.llama.cfg
+
+    # -- switches (validated; changing them never touches the weights) --------------------
+
+    @property
+    def attention(self) -> str:
+        return self.switches.attention
+
+    @attention.setter
+    def attention(self, value: str) -> None:
+        self.switches = Switches(value, self.switches.kv_cache)
+
+    @property
+    def kv_cache(self) -> str:
+        return self.switches.kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value: str) -> None:
+        self.switches = Switches(self.switches.attention, value)
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"threads must be a positive integer, got {n!r}")
+        torch.set_num_threads(n)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<workbench.Model {self.description}: {c.n_layers} layers, dim {c.dim}, {c.n_heads} heads "
+                f"({c.n_kv_heads} KV), vocab {c.vocab_size}, weights {self.llama.weight_dtype}, "
+                f"attention={self.attention}, kv_cache={self.kv_cache}>")
+
+    # -- inference --------------------------------------------------------------------------
+
+    def _encode(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self.tokenizer.encode(p) for p in prompt]
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (list, tuple)) for p in prompt):
+            return [list(p) for p in prompt]
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    def _check_ids(self, seqs: list[list[int]]) -> None:
+        vocab = self.config.vocab_size
+        for s in seqs:
+            if not s:
+                raise ValueError("a prompt encodes to no tokens; give at least one token")
+            bad = [t for t in s if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:5]}")
+
+    def logits(self, token_ids, *, attention: str | None = None) -> torch.Tensor:
+        """Prefill logits of every position: token_ids [len] -> fp32 [len, vocab]."""
+        seqs = self._encode(token_ids if not isinstance(token_ids, str) else [token_ids])
+        if len(seqs) != 1:
+            raise ValueError("logits() takes one sequence of token ids")
+        self._check_ids(seqs)
+        sw = Switches(attention or self.attention, "fp32")
+        n = len(seqs[0])
+        cache = KVCache(self.config, 1, n, "fp32")
+        with torch.inference_mode():
+            out, _ = self.llama.prefill(torch.tensor(seqs[0]), [n], cache, sw, all_logits=True)
+        return out
+
+    def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
+                 kv_cache: str | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
+                 on_token: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
+        """Generate up to max_new_tokens for one prompt or a batch of prompts of any lengths.
+
+        attention / kv_cache override the model's switches for this call. temperature 0 is
+        greedy; otherwise top_k / top_p sampling with `seed`. on_token(step, ids) is called
+        after every step with the new token of each sequence (for streaming)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sw = Switches(attention or self.attention, kv_cache or self.kv_cache)
+        seqs = self._encode(prompt)
+        self._check_ids(seqs)
+        lens = [len(s) for s in seqs]
+        max_len = max(lens) + max_new_tokens
+        if max_len > self.config.max_seq_len:
+            raise ValueError(f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's context of {self.config.max_seq_len} tokens")
+        try:
+            check_memory(self.config, self.llama.weight_dtype, len(seqs), max_len, sw.kv_cache)
+        except ModelLoadError as e:
+            raise ValueError(str(e)) from None
+        gen = torch.Generator().manual_seed(seed)
+        cache = KVCache(self.config, len(seqs), max_len, sw.kv_cache)
+        timings = Timings()
+        eos = self.tokenizer.eos_id
+        out: list[list[int]] = [[] for _ in seqs]
+        done = [False] * len(seqs)
+
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            logits, rec = self.llama.prefill(torch.tensor([t for s in seqs for t in s]), lens, cache, sw, record)
+            token = sample(logits, temperature, top_k, top_p, gen)
+            timings.time_to_first_token_s = time.perf_counter() - t0
+            if rec:
+                timings.steps.append(rec)
+            t_decode = time.perf_counter()
+            for step in range(max_new_tokens):
+                ids = token.tolist()
+                for b, t in enumerate(ids):
+                    if not done[b]:
+                        out[b].append(t)
+                        done[b] = stop_at_eos and t == eos
+                if on_token:
+                    on_token(step, ids)
+                if all(done) or step == max_new_tokens - 1:
+                    break
+                logits, rec = self.llama.decode(token, cache, sw, record)
+                token = sample(logits, temperature, top_k, top_p, gen)
+                timings.decode_tokens += len(seqs)
+                if rec:
+                    timings.steps.append(rec)
+            timings.decode_s = time.perf_counter() - t_decode
+
+        texts = [self.tokenizer.decode([t for t in o if t != eos]) for o in out]
+        single = isinstance(prompt, str) or (seqs and len(seqs) == 1 and not isinstance(prompt[0], (list, str)))
+        return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw)
+
+
+def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,
+               dtype: str = "fp32", seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None) -> Model:
+    """Load a model by preset name or path (see workbench.loaders). Raises ModelLoadError."""
+    llama, tokenizer, description = resolve(name_or_path, random=random, layers=layers, dtype=dtype, seed=seed,
+                                            max_batch=max_batch, max_seq_len=max_seq_len)
+    return Model(llama, tokenizer, description)
+
+
+__all__ = ["ATTENTION_BACKENDS", "KV_DTYPES", "GenerationResult", "Model", "Timings", "load_model", "sample"]
