@@ -279,23 +279,25 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
   wbk::kv_cache_append(a);
 }
 
-Tensor linear_bf16(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
-  const char* fn = "linear_bf16";
+Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
+  const char* fn = "linear";
   check_tensor(x, fn, "x", 2, "[M, K]");
   check_tensor(w, fn, "w", 2, "[N, K]");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16, fn, ": w must be bfloat16, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, fn,
+                   ": w must be float32 or bfloat16, got ", w.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK_VALUE(w.size(1) == K, fn, ": x has K = ", K, " columns but w has ", w.size(1),
                     " (w is [out_features, in_features])");
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
   Tensor y = at::empty({M, N}, x.options());
   if (y.numel() == 0) return y;
   if (K == 0) return y.zero_();
   if (M <= matvec_max_rows) {
-    wbk::linear_bf16_matvec(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
-                            y.data_ptr<float>(), M, N, K);
+    wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), bf16, y.data_ptr<float>(), M, N, K);
     return y;
   }
+  if (!bf16) return at::mm_out(y, x, w.t());
   // Compute-bound: widen a panel of W rows to fp32 once (about 2 MB), then torch's fp32
   // GEMM writes the panel's output columns in place (row stride N is BLAS-compatible).
   const int64_t panel = std::max<int64_t>(64, (int64_t{1} << 19) / K);
@@ -348,7 +350,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear_bf16", &linear_bf16, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"),
+  m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"),
         py::call_guard<py::gil_scoped_release>());
   m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());

@@ -74,7 +74,7 @@ def test_generate_text_and_timings(model):
 
 
 def test_switches_change_without_reloading(model):
-    weights_before = model.llama.layers[0].wq.weight
+    weights_before = model.llama.layers[0].wqkv.weight
     out_int8 = model.generate("Hello", max_new_tokens=4, attention="flash", kv_cache="int8")
     assert out_int8.switches == Switches("flash", "int8")
     model.attention, model.kv_cache = "sdpa", "bf16"
@@ -83,7 +83,7 @@ def test_switches_change_without_reloading(model):
         model.attention = "fast"
     assert model.attention == "sdpa"  # a bad value leaves the switch as it was
     model.attention, model.kv_cache = "slim", "fp32"
-    assert model.llama.layers[0].wq.weight is weights_before
+    assert model.llama.layers[0].wqkv.weight is weights_before
 
 
 def test_sampling_is_seeded(model):

@@ -76,15 +76,14 @@ class _Clock:
 # -- building blocks ---------------------------------------------------------------------
 
 class Linear:
-    """y = x W^T with W [out, in] kept in fp32 (torch's GEMM) or bf16 (our kernel)."""
+    """y = x W^T with W [out, in] in fp32 or bf16: our matrix-vector kernel for decode's few
+    rows, a GEMM for prefill (workbench.kernels.linear)."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.bfloat16:
-            return kernels.linear_bf16(x, self.weight)
-        return F.linear(x, self.weight)
+        return kernels.linear(x.contiguous(), self.weight)
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +91,7 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)  # one fused op: x / rms(x) * weight, in fp32
 
 
 def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,19 +220,31 @@ def decode_attention(backend: str, q, cache: KVCache, layer: int, lengths: torch
 # -- the model ---------------------------------------------------------------------------
 
 class Layer:
+    """One decoder layer's weights. Q, K and V are stored as one [q; k; v] matrix and the
+    MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
+    and two, which matters in decode where every product is a separate pass over memory."""
+
     def __init__(self, w: dict[str, torch.Tensor]):
         self.attn_norm = w["attn_norm"]
-        self.wq, self.wk, self.wv, self.wo = (Linear(w[n]) for n in ("wq", "wk", "wv", "wo"))
+        self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
+        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]))
+        self.wo = Linear(w["wo"])
         self.mlp_norm = w["mlp_norm"]
-        self.w_gate, self.w_up, self.w_down = (Linear(w[n]) for n in ("w_gate", "w_up", "w_down"))
+        self.ffn_dim = w["w_gate"].shape[0]
+        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]))
+        self.w_down = Linear(w["w_down"])
 
     @property
     def weight_bytes(self) -> int:
-        linears = (self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down)
+        linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         return sum(lin.nbytes for lin in linears) + 4 * (self.attn_norm.numel() + self.mlp_norm.numel())
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.wqkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).split([self.ffn_dim, self.ffn_dim], dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
 class LlamaModel:
@@ -245,8 +256,13 @@ class LlamaModel:
         self.cfg = cfg
         self.weight_dtype = weight_dtype
         self.embedding = weights["embedding"]  # [vocab, dim], fp32 or bf16 (rows widened on lookup)
-        self.layers = [Layer({k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
-                       for i in range(cfg.n_layers)]
+        # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
+        # layer: a 7B model never exists twice in memory.
+        self.layers = []
+        for i in range(cfg.n_layers):
+            prefix = f"layers.{i}."
+            keys = [k for k in weights if k.startswith(prefix)]
+            self.layers.append(Layer({k[len(prefix):]: weights.pop(k) for k in keys}))
         self.final_norm = weights["final_norm"]
         self.lm_head = Linear(weights["lm_head"] if "lm_head" in weights else self.embedding)
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
@@ -286,9 +302,10 @@ class LlamaModel:
             t0 = clock.t()
             h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
             t1 = clock.t()
-            q = apply_rope(layer.wq(h).view(-1, H, D), cos, sin)
-            k = apply_rope(layer.wk(h).view(-1, Hkv, D), cos, sin)
-            v = layer.wv(h).view(-1, Hkv, D)
+            q, k, v = layer.qkv(h)
+            q = apply_rope(q.reshape(-1, H, D), cos, sin)
+            k = apply_rope(k.reshape(-1, Hkv, D), cos, sin)
+            v = v.reshape(-1, Hkv, D)
             attn = torch.empty(q.shape[0], H, D)
             for b, n in enumerate(seq_lens):
                 s = slice(offsets[b], offsets[b + 1])
@@ -346,9 +363,10 @@ class LlamaModel:
             t0 = clock.t()
             h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
             t1 = clock.t()
-            q = apply_rope(layer.wq(h).view(-1, 1, H, D), cos[:, None], sin[:, None])[:, 0]  # [B, H, D]
-            k = apply_rope(layer.wk(h).view(-1, 1, Hkv, D), cos[:, None], sin[:, None])  # [B, 1, Hkv, D]
-            v = layer.wv(h).view(-1, 1, Hkv, D)
+            q, k, v = layer.qkv(h)
+            q = apply_rope(q.reshape(-1, 1, H, D), cos[:, None], sin[:, None])[:, 0]  # [B, H, D]
+            k = apply_rope(k.reshape(-1, 1, Hkv, D), cos[:, None], sin[:, None])  # [B, 1, Hkv, D]
+            v = v.reshape(-1, 1, Hkv, D)
             cache.append(i, k.transpose(1, 2), v.transpose(1, 2), positions)
             attn = decode_attention(switches.attention, q.contiguous(), cache, i, lengths)
             o = layer.wo(attn.reshape(-1, H * D))

@@ -29,7 +29,7 @@ __all__ = [
     "dequantize_kv_int8",
     "flash_attention",
     "kv_cache_append",
-    "linear_bf16",
+    "linear",
     "quantize_kv_int8",
     "runnable_variants",
     "slim_attention",
@@ -133,17 +133,18 @@ class KernelSet:
 
     # -- linear layers -----------------------------------------------------------------
 
-    def linear_bf16(self, x, w, *, matvec_max_rows: int = 16) -> torch.Tensor:
-        """y = x @ w.T for bf16 weights w [N, K] (nn.Linear layout) and fp32 x [..., K] -> fp32 [..., N].
+    def linear(self, x, w, *, matvec_max_rows: int = 16) -> torch.Tensor:
+        """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32 or bf16 and fp32 x [..., K]
+        -> fp32 [..., N].
 
         Up to matvec_max_rows rows of x (decode) run our memory-bound matrix-vector kernel,
-        which reads each weight byte once; more rows (prefill) widen a panel of w to fp32 at
-        a time and use torch's fp32 GEMM on it."""
+        which reads each weight byte once, widening bf16 in registers; more rows (prefill) use
+        torch's fp32 GEMM, on panels of w widened to fp32 once when w is bf16."""
         _check_tensor_args(x=x, w=w)
         if x.dim() < 1:
-            raise ValueError(f"linear_bf16: x must have a last dimension K, got shape {tuple(x.shape)}")
+            raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        y = self.ext.linear_bf16(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows))
+        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows))
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
     # -- KV cache --------------------------------------------------------------------
@@ -192,4 +193,4 @@ flash_attention = native.flash_attention
 decode_attention = native.decode_attention
 quantize_kv_int8 = native.quantize_kv_int8
 kv_cache_append = native.kv_cache_append
-linear_bf16 = native.linear_bf16
+linear = native.linear

@@ -1,0 +1,178 @@
+"""End-to-end generation benchmarks, each comparison interleaved in one run.
+
+    peer        the bundled SmolLM2-135M, batch 1, a 128-token prompt, 128 new tokens, greedy:
+                ours (slim attention, fp32 cache, fp32 weights) vs Hugging Face transformers on
+                the same GGUF (fp32, its sdpa attention). Decode tokens/s excludes the first
+                token (ours: from the per-step timings; theirs: t(128 new) - t(1 new)).
+    kv          batch 16 with a 1024-token context: int8 vs fp16 KV cache, decode tokens/s
+                (fp32 and bf16 weights).
+    record      the cost of per-layer recording: record=True vs record=False.
+    llama2-7b   the exact Llama-2-7B shapes with random bf16 weights, all 32 layers: load it,
+                generate, and set decode time per token against weight bytes / measured triad.
+
+    python bench/generation.py [--only peer,kv,record,llama2-7b] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import print_table, write_results  # noqa: E402
+import torch  # noqa: E402
+
+import workbench as wb  # noqa: E402
+from workbench.demo import sample_text  # noqa: E402
+from workbench.loaders import bundled_gguf_path  # noqa: E402
+from workbench.peaks import measured_peaks  # noqa: E402
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def bench_peer(repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = wb.load_model("smollm2-135m")
+    path = bundled_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                              attn_implementation="sdpa").eval()
+    prompt = model.tokenizer.encode(sample_text())[:128]
+    ids = torch.tensor([prompt])
+
+    def ours():
+        out = model.generate(prompt, max_new_tokens=128, attention="slim", kv_cache="fp32", stop_at_eos=False,
+                             record=False)
+        return out.timings.time_to_first_token_s, out.timings.decode_tokens_per_s
+
+    def theirs(n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+
+    ours()
+    theirs(2)
+    o_ttft, o_tps, h_t1, h_t128 = [], [], [], []
+    for _ in range(repeats):
+        a, b = ours()
+        o_ttft.append(a)
+        o_tps.append(b)
+        h_t1.append(theirs(1))
+        h_t128.append(theirs(128))
+    h_tps = 127 / (med(h_t128) - med(h_t1))
+    r = {"ours_prefill_ms": 1e3 * med(o_ttft), "ours_decode_tokens_per_s": med(o_tps),
+         "hf_prefill_ms": 1e3 * med(h_t1), "hf_decode_tokens_per_s": h_tps,
+         "decode_speedup": med(o_tps) / h_tps, "prefill_speedup": med(h_t1) / med(o_ttft),
+         "samples": {"ours_ttft_s": o_ttft, "ours_tps": o_tps, "hf_t1_s": h_t1, "hf_t128_s": h_t128}}
+    print(f"peer: ours prefill {r['ours_prefill_ms']:.1f} ms, decode {r['ours_decode_tokens_per_s']:.1f} tok/s; "
+          f"HF prefill {r['hf_prefill_ms']:.1f} ms, decode {h_tps:.1f} tok/s -> decode {r['decode_speedup']:.2f}x, "
+          f"prefill {r['prefill_speedup']:.2f}x", flush=True)
+    return r
+
+
+def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int = 16) -> dict:
+    results = {}
+    text_ids = None
+    for dtype in ("fp32", "bf16"):
+        model = wb.load_model("smollm2-135m", dtype=dtype, max_batch=batch)
+        if text_ids is None:
+            text_ids = model.tokenizer.encode(sample_text() * 4)
+        prompts = [text_ids[i * 7:i * 7 + context] for i in range(batch)]
+        tps = {"int8": [], "fp16": []}
+        for _ in range(repeats):
+            for kv in ("int8", "fp16"):
+                out = model.generate(prompts, max_new_tokens=new_tokens, kv_cache=kv, stop_at_eos=False)
+                tps[kv].append(out.timings.decode_tokens_per_s)
+        ratio = med(tps["int8"]) / med(tps["fp16"])
+        results[dtype] = {"int8_tokens_per_s": med(tps["int8"]), "fp16_tokens_per_s": med(tps["fp16"]),
+                          "int8_over_fp16": ratio, "samples": tps}
+        print(f"kv (weights {dtype}, batch {batch}, context {context}): int8 {med(tps['int8']):.1f} tok/s, "
+              f"fp16 {med(tps['fp16']):.1f} tok/s -> {ratio:.2f}x", flush=True)
+        del model
+        gc.collect()
+    return results
+
+
+def bench_record(repeats: int) -> dict:
+    model = wb.load_model("smollm2-135m")
+    prompt = model.tokenizer.encode(sample_text())[:64]
+    times = {True: [], False: []}
+    model.generate(prompt, max_new_tokens=8)
+    for _ in range(repeats * 2):
+        for rec in (True, False):
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=48, stop_at_eos=False, record=rec)
+            times[rec].append(time.perf_counter() - t0)
+    overhead = med(times[True]) / med(times[False]) - 1
+    print(f"record: with {1e3 * med(times[True]):.1f} ms, without {1e3 * med(times[False]):.1f} ms "
+          f"-> overhead {100 * overhead:.1f}%", flush=True)
+    return {"with_ms": 1e3 * med(times[True]), "without_ms": 1e3 * med(times[False]), "overhead": overhead}
+
+
+def bench_llama2_7b(new_tokens: int = 8) -> dict:
+    t0 = time.perf_counter()
+    model = wb.load_model("llama2-7b", random=True, dtype="bf16", max_seq_len=256)
+    load_s = time.perf_counter() - t0
+    out = model.generate("The workbench measures", max_new_tokens=new_tokens, stop_at_eos=False)
+    per_token_s = 1 / out.timings.decode_tokens_per_s
+    weight_bytes = model.llama.weight_bytes
+    triad = measured_peaks().triad_gbps
+    bound_s = weight_bytes / (triad * 1e9)
+    r = {"load_s": load_s, "weight_gib": weight_bytes / 2**30, "decode_ms_per_token": 1e3 * per_token_s,
+         "bandwidth_bound_ms": 1e3 * bound_s, "fraction_of_bound": bound_s / per_token_s,
+         "prefill_ms": out.timings.summary()["prefill_ms"]}
+    print(f"llama2-7b random bf16: loaded {r['weight_gib']:.1f} GiB in {load_s:.0f} s; decode "
+          f"{r['decode_ms_per_token']:.0f} ms/token vs {r['bandwidth_bound_ms']:.0f} ms bound "
+          f"(weights / triad {triad:.0f} GB/s) = {100 * r['fraction_of_bound']:.0f}% of the bound", flush=True)
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="peer,kv,record,llama2-7b")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    parts = args.only.split(",")
+    payload = {}
+    if "peer" in parts:
+        payload["peer"] = bench_peer(args.repeats)
+    if "kv" in parts:
+        payload["kv"] = bench_kv(args.repeats)
+    if "record" in parts:
+        payload["record"] = bench_record(args.repeats)
+    if "llama2-7b" in parts:
+        payload["llama2_7b"] = bench_llama2_7b()
+    rows = []
+    if "peer" in payload:
+        p = payload["peer"]
+        rows.append({"benchmark": "decode tok/s, ours vs HF", "value": f"{p['ours_decode_tokens_per_s']:.1f} vs "
+                     f"{p['hf_decode_tokens_per_s']:.1f}", "ratio": f"{p['decode_speedup']:.2f}x"})
+        rows.append({"benchmark": "prefill ms (128 tok), ours vs HF", "value": f"{p['ours_prefill_ms']:.1f} vs "
+                     f"{p['hf_prefill_ms']:.1f}", "ratio": f"{p['prefill_speedup']:.2f}x"})
+    for dtype, k in payload.get("kv", {}).items():
+        rows.append({"benchmark": f"B=16 ctx 1024 decode, int8 vs fp16 KV ({dtype} weights)",
+                     "value": f"{k['int8_tokens_per_s']:.1f} vs {k['fp16_tokens_per_s']:.1f}",
+                     "ratio": f"{k['int8_over_fp16']:.2f}x"})
+    if "record" in payload:
+        rows.append({"benchmark": "recording overhead", "value": f"{payload['record']['with_ms']:.0f} vs "
+                     f"{payload['record']['without_ms']:.0f} ms", "ratio": f"{100 * payload['record']['overhead']:.1f}%"})
+    if "llama2_7b" in payload:
+        q = payload["llama2_7b"]
+        rows.append({"benchmark": "llama2-7b bf16 decode ms/token vs bound", "value":
+                     f"{q['decode_ms_per_token']:.0f} vs {q['bandwidth_bound_ms']:.0f}",
+                     "ratio": f"{100 * q['fraction_of_bound']:.0f}%"})
+    print_table(rows, ["benchmark", "value", "ratio"], title=f"Generation, {torch.get_num_threads()} threads")
+    write_results("generation", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()

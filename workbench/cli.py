@@ -1,0 +1,143 @@
+"""`workbench` command line: generate, demo (the main job), bench.
+
+    workbench generate "The capital of France is" --max-new-tokens 32 --attention slim --kv-cache int8
+    workbench demo                      # every attention x KV dtype on the bundled model, table + JSON
+    workbench bench attention|generation|peaks [args...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="preset name or path (default: the bundled model)")
+    p.add_argument("--random", action="store_true", help="random weights with the preset's exact shapes")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _load(args):
+    import torch
+
+    import workbench as wb
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return wb.load_model(args.model, random=args.random, layers=args.layers, dtype=args.dtype)
+
+
+def cmd_generate(args) -> int:
+    model = _load(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    printed = []
+
+    def stream(step, ids):
+        printed.append(ids[0])
+        if ids[0] != model.tokenizer.eos_id:
+            text = model.tokenizer.decode(printed)
+            sys.stdout.write(text[len(stream.shown):])
+            stream.shown = text
+            sys.stdout.flush()
+
+    stream.shown = ""
+    out = model.generate(prompt, max_new_tokens=args.max_new_tokens, attention=args.attention,
+                         kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed, on_token=stream)
+    s = out.timings.summary()
+    print(f"\n\n[{len(out.token_ids)} tokens; prefill {s['prefill_ms']:.1f} ms, "
+          f"decode {s['decode_tokens_per_s']:.1f} tokens/s, {s['decode_gbps']:.2f} GB/s; "
+          f"attention={out.switches.attention} kv_cache={out.switches.kv_cache}]")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from workbench.demo import format_table, run_demo
+
+    model = _load(args)
+    print(f"{model!r}\nthreads {torch.get_num_threads()}; reference: naive attention with an fp32 KV cache\n",
+          flush=True)
+
+    def progress(done, total, row):
+        print(f"  [{done}/{total}] {row['prompt']:5s} {row['attention']:5s} {row['kv_cache']:4s} "
+              f"prefill {row['prefill_ms']:.1f} ms, {row['decode_tokens_per_s']:.1f} tok/s", flush=True)
+
+    t0 = time.perf_counter()
+    rows = run_demo(model, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
+                    new_tokens=args.new_tokens, progress=progress)
+    print()
+    print(format_table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": model.description, "config": model.config.as_dict(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(), "seconds": time.perf_counter() - t0,
+        "command": " ".join(sys.argv), "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    script = ROOT / "bench" / {"attention": "all.py", "generation": "generation.py", "peaks": "peaks.py"}[args.which]
+    if not script.is_file():
+        print(f"error: {script} not found (the benchmarks live in the source tree)", file=sys.stderr)
+        return 1
+    return subprocess.run([sys.executable, str(script), *args.rest]).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, streaming it, then a timing summary")
+    _model_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--attention", default="slim", choices=["slim", "flash", "sdpa", "naive"])
+    g.add_argument("--kv-cache", default="fp32", choices=["int8", "fp16", "bf16", "fp32"])
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="every attention backend x KV dtype: a table and JSON")
+    _model_args(d)
+    d.add_argument("--short-tokens", type=int, default=16)
+    d.add_argument("--long-tokens", type=int, default=512)
+    d.add_argument("--new-tokens", type=int, default=32)
+    d.add_argument("--out", default=str(ROOT / "results" / "demo.json"))
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="run a benchmark script from bench/")
+    b.add_argument("which", choices=["attention", "generation", "peaks"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    from workbench.loaders import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
