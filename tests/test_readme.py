@@ -25,8 +25,8 @@ def test_ci_runs_the_test_command_that_readme_gives():
     assert "bash scripts/bootstrap" in ci and test_command in ci
 
 
-def test_main_job_script_exists_and_has_help():
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "all.py"), "--help"], capture_output=True, text=True,
+def test_main_job_is_the_demo_command():
+    assert "bash scripts/bootstrap && .venv/bin/workbench demo" in README
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--help"], capture_output=True, text=True,
                        cwd=ROOT)
-    assert r.returncode == 0 and "--quick" in r.stdout
-    assert "bench/all.py --quick" in README
+    assert r.returncode == 0 and "--long-tokens" in r.stdout

@@ -1,0 +1,39 @@
+"""The `workbench` command, run as a user runs it: a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_streams_text_and_reports_timings():
+    r = run("generate", "The capital of France is", "--max-new-tokens", "6", "--kv-cache", "int8")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tokens/s" in r.stdout and "kv_cache=int8" in r.stdout
+
+
+def test_demo_writes_a_row_per_configuration(tmp_path):
+    out = tmp_path / "demo.json"
+    r = run("demo", "--short-tokens", "8", "--long-tokens", "40", "--new-tokens", "4", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 4 * 4  # two prompts x four backends x four KV dtypes
+    assert {r["attention"] for r in rows} == {"slim", "flash", "sdpa", "naive"}
+    assert all(0.0 <= r["top1_agreement"] <= 1.0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    naive_fp32 = [r for r in rows if r["attention"] == "naive" and r["kv_cache"] == "fp32"]
+    assert all(r["top1_agreement"] == 1.0 for r in naive_fp32)  # the reference agrees with itself
+    assert "top1_agreement" in r.stdout
+
+
+def test_user_mistakes_exit_with_a_message():
+    r = run("generate", "hi", "--model", "llama2-7b")
+    assert r.returncode == 2 and "no local weights for llama2-7b" in r.stderr and "Traceback" not in r.stderr
+    r = run("generate", "hi", "--attention", "warp")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
