@@ -73,17 +73,6 @@ def print_table(rows: list[dict], columns: list[str], title: str | None = None) 
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
 def environment() -> dict:
     from workbench.kernels import build_info
     from workbench.machine import machine_info

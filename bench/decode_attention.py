@@ -23,11 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import available_memory_bytes, fmt_ms, interleaved, print_table, summarize, write_results  # noqa: E402
+from common import fmt_ms, interleaved, print_table, summarize, write_results  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workbench import kernels  # noqa: E402
+from workbench.loaders import available_memory_bytes  # noqa: E402
 
 H, D = 32, 128
 DTYPES = {"int8": torch.int8, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -10,8 +10,7 @@ divergence (a wrong RoPE layout or norm shows up as differences of order 1).
 
 from __future__ import annotations
 
-import math
-import struct
+import json
 from pathlib import Path
 
 import pytest
@@ -215,3 +214,73 @@ def test_generate_rejects_bad_arguments(model):
         model.generate("hi", kv_cache="int4")
     with pytest.raises(ValueError, match="exceeds the model's context"):
         model.generate("hi", max_new_tokens=10**5)
+
+
+def test_hf_directory_and_gguf_path_load_the_same_model(model, tmp_path):
+    """Write the bundled model as a Hugging Face directory (config.json, safetensors in HF
+    naming and Q/K layout, tokenizer.json), load it back, and get the same logits; load the
+    GGUF by path too."""
+    from safetensors.torch import save_file
+
+    cfg, llama = model.config, model.llama
+    tensors = {"model.embed_tokens.weight": llama.embedding, "model.norm.weight": llama.final_norm}
+    for i, layer in enumerate(llama.layers):
+        q, k, v = layer.wqkv.weight.split([layer.q_dim, layer.kv_dim, layer.kv_dim])
+        gate, up = layer.w_gate_up.weight.split([layer.ffn_dim, layer.ffn_dim])
+        p = f"model.layers.{i}."
+        tensors.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.wo.weight,
+                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                        p + "mlp.down_proj.weight": layer.w_down.weight,
+                        p + "input_layernorm.weight": layer.attn_norm,
+                        p + "post_attention_layernorm.weight": layer.mlp_norm})
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.ffn_dim, "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}))
+    model.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+
+    ids = model.tokenizer.encode(PROMPTS[0])
+    from_dir = wb.load_model(str(tmp_path))
+    assert from_dir.tokenizer.encode(PROMPTS[0]) == ids
+    torch.testing.assert_close(from_dir.logits(ids), model.logits(ids), atol=1e-5, rtol=0)
+    from_path = wb.load_model(str(bundled_gguf_path()))
+    torch.testing.assert_close(from_path.logits(ids), model.logits(ids), atol=0, rtol=0)
+
+
+def test_bf16_weights_track_fp32(model):
+    """bf16 weights (8 significant bits) change logits by far more than fp32 rounding but
+    should keep the model's predictions: top-1 agreement >= 0.9 over a real text."""
+    bf16 = wb.load_model("smollm2-135m", dtype="bf16")
+    assert bf16.llama.layers[0].wqkv.weight.dtype == torch.bfloat16
+    ids = model.tokenizer.encode(Path("/usr/share/common-licenses/Apache-2.0").read_text()[:1500])[:200]
+    agree = (bf16.logits(ids).argmax(-1) == model.logits(ids).argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    out = bf16.generate("The capital of France is", max_new_tokens=4)
+    assert "Paris" in out.text
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+])
+def test_rope_scaling_matches_transformers(scaling):
+    transformers = pytest.importorskip("transformers")
+    from workbench.config import ModelConfig
+    from workbench.model import rope_tables
+
+    cfg = ModelConfig("t", dim=256, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=300,
+                      rope_theta=500000.0, rope_scaling=scaling, max_seq_len=64)
+    hf_cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                      intermediate_size=512, vocab_size=300, rope_theta=500000.0,
+                                      rope_scaling=dict(scaling), max_position_embeddings=64)
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_cfg)
+    x = torch.zeros(1, 64, 64)
+    cos, sin = rotary(x, torch.arange(64)[None])
+    ours_cos, ours_sin = rope_tables(cfg, 64)
+    torch.testing.assert_close(ours_cos, cos[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours_sin, sin[0], atol=1e-5, rtol=0)

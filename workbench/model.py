@@ -149,6 +149,14 @@ class KVCache:
         kernels.kv_cache_append(self.k[layer], k, positions, scales=self.k_scale[layer] if self.int8 else None)
         kernels.kv_cache_append(self.v[layer], v, positions, scales=self.v_scale[layer] if self.int8 else None)
 
+    def append_sequence(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor) -> None:
+        """k, v [1, Hkv, T, D] of sequence b written at positions[0] .. + T (prefill, one prompt)."""
+        kernels.kv_cache_append(self.k[layer][b:b + 1], k, positions,
+                                scales=self.k_scale[layer][b:b + 1] if self.int8 else None)
+        kernels.kv_cache_append(self.v[layer][b:b + 1], v, positions,
+                                scales=self.v_scale[layer][b:b + 1] if self.int8 else None)
+
     def scales(self, layer: int) -> dict:
         return dict(k_scale=self.k_scale[layer], v_scale=self.v_scale[layer]) if self.int8 else {}
 
@@ -280,6 +288,36 @@ class LlamaModel:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(rms_norm(x, self.final_norm, self.cfg.norm_eps))
 
+    def _layers(self, x: torch.Tensor, attend, clock: _Clock) -> torch.Tensor:
+        """The decoder stack: x += attend(i, layer, norm(x)); x += mlp(norm(x)), timing each part."""
+        eps = self.cfg.norm_eps
+        for i, layer in enumerate(self.layers):
+            t0 = clock.t()
+            h = rms_norm(x, layer.attn_norm, eps)
+            t1 = clock.t()
+            o = attend(i, layer, h)
+            t2 = clock.t()
+            x = x + o
+            h = rms_norm(x, layer.mlp_norm, eps)
+            t3 = clock.t()
+            m = layer.mlp(h)
+            t4 = clock.t()
+            x = x + m
+            if clock.enabled:
+                clock.attention[i] += t2 - t1
+                clock.mlp[i] += t4 - t3
+                clock.other[i] += (t1 - t0) + (t3 - t2) + (clock.t() - t4)
+        return x
+
+    def _record(self, clock: _Clock, phase: str, tokens: int, t_start: float, layers_s: float,
+                kv_bytes: int) -> StepRecord | None:
+        if not clock.enabled:
+            return None
+        total = clock.t() - t_start
+        return StepRecord(phase, tokens, clock.attention, clock.mlp, clock.other, total - layers_s,
+                          [layer.weight_bytes for layer in self.layers], [kv_bytes] * self.cfg.n_layers,
+                          total_s=total)
+
     def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
                 record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         """tokens [T] packed prompts (sequence b has seq_lens[b] tokens, starting at position 0)
@@ -294,53 +332,29 @@ class LlamaModel:
             offsets.append(offsets[-1] + n)
         positions = torch.cat([torch.arange(n) for n in seq_lens])
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self._embed(tokens)  # [T, dim]
-        t_head = clock.t() - t_start
-        zero = torch.zeros(len(seq_lens), dtype=torch.int64)
+        start = torch.zeros(1, dtype=torch.int64)
 
-        for i, layer in enumerate(self.layers):
-            t0 = clock.t()
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            t1 = clock.t()
+        def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
             q, k, v = layer.qkv(h)
             q = apply_rope(q.reshape(-1, H, D), cos, sin)
             k = apply_rope(k.reshape(-1, Hkv, D), cos, sin)
             v = v.reshape(-1, Hkv, D)
-            attn = torch.empty(q.shape[0], H, D)
-            for b, n in enumerate(seq_lens):
+            out = torch.empty(q.shape[0], H, D)
+            for b in range(len(seq_lens)):  # attention per sequence: ragged prompts need no padding
                 s = slice(offsets[b], offsets[b + 1])
-                qb = q[s].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, D]
-                kb = k[s].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, n, D]
-                vb = v[s].transpose(0, 1).unsqueeze(0).contiguous()
-                kernels.kv_cache_append(cache.k[i][b:b + 1], kb, zero[:1],
-                                        scales=cache.k_scale[i][b:b + 1] if cache.int8 else None)
-                kernels.kv_cache_append(cache.v[i][b:b + 1], vb, zero[:1],
-                                        scales=cache.v_scale[i][b:b + 1] if cache.int8 else None)
-                attn[s] = prefill_attention(switches.attention, qb, kb, vb)[0].transpose(0, 1)
-            o = layer.wo(attn.view(-1, H * D))
-            t2 = clock.t()
-            x = x + o
-            h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
-            t3 = clock.t()
-            m = layer.mlp(h)
-            t4 = clock.t()
-            x = x + m
-            if record:
-                clock.attention[i] += t2 - t1
-                clock.mlp[i] += t4 - t3
-                clock.other[i] += (t1 - t0) + (t3 - t2) + (clock.t() - t4)
+                qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
+                cache.append_sequence(i, b, kb, vb, start)
+                out[s] = prefill_attention(switches.attention, qb, kb, vb)[0].transpose(0, 1)
+            return layer.wo(out.view(-1, H * D))
 
-        t5 = clock.t()
-        last = torch.tensor([o_ - 1 for o_ in offsets[1:]])
+        x = self._embed(tokens)  # [T, dim]
+        t_layers = clock.t()
+        x = self._layers(x, attend, clock)
+        layers_s = clock.t() - t_layers
+        last = torch.tensor([o - 1 for o in offsets[1:]])
         logits = self._head(x if all_logits else x[last])
         cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
-        rec = None
-        if record:
-            t_end = clock.t()
-            rec = StepRecord("prefill", int(tokens.numel()), clock.attention, clock.mlp, clock.other,
-                             t_head + (t_end - t5), [layer.weight_bytes for layer in self.layers],
-                             [0] * cfg.n_layers, total_s=t_end - t_start)
-        return logits, rec
+        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0)
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, switches: Switches,
                record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
@@ -354,41 +368,21 @@ class LlamaModel:
             raise ValueError(f"the KV cache is full ({cache.max_len} tokens); generate fewer tokens or "
                              f"allocate a longer cache")
         lengths = positions + 1
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
-        x = self._embed(tokens)  # [B, dim]
-        t_head = clock.t() - t_start
-        kv_bytes = cache.bytes_read(lengths, Hkv, D) if record else 0
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # [B, 1, D]
 
-        for i, layer in enumerate(self.layers):
-            t0 = clock.t()
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            t1 = clock.t()
+        def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
             q, k, v = layer.qkv(h)
-            q = apply_rope(q.reshape(-1, 1, H, D), cos[:, None], sin[:, None])[:, 0]  # [B, H, D]
-            k = apply_rope(k.reshape(-1, 1, Hkv, D), cos[:, None], sin[:, None])  # [B, 1, Hkv, D]
-            v = v.reshape(-1, 1, Hkv, D)
-            cache.append(i, k.transpose(1, 2), v.transpose(1, 2), positions)
+            q = apply_rope(q.reshape(-1, 1, H, D), cos, sin)[:, 0]  # [B, H, D]
+            k = apply_rope(k.reshape(-1, 1, Hkv, D), cos, sin)  # [B, 1, Hkv, D]
+            cache.append(i, k.transpose(1, 2), v.reshape(-1, 1, Hkv, D).transpose(1, 2), positions)
             attn = decode_attention(switches.attention, q.contiguous(), cache, i, lengths)
-            o = layer.wo(attn.reshape(-1, H * D))
-            t2 = clock.t()
-            x = x + o
-            h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
-            t3 = clock.t()
-            m = layer.mlp(h)
-            t4 = clock.t()
-            x = x + m
-            if record:
-                clock.attention[i] += t2 - t1
-                clock.mlp[i] += t4 - t3
-                clock.other[i] += (t1 - t0) + (t3 - t2) + (clock.t() - t4)
+            return layer.wo(attn.reshape(-1, H * D))
 
-        t5 = clock.t()
+        x = self._embed(tokens)  # [B, dim]
+        t_layers = clock.t()
+        x = self._layers(x, attend, clock)
+        layers_s = clock.t() - t_layers
         logits = self._head(x)
         cache.lengths = lengths
-        rec = None
-        if record:
-            t_end = clock.t()
-            rec = StepRecord("decode", int(tokens.numel()), clock.attention, clock.mlp, clock.other,
-                             t_head + (t_end - t5), [layer.weight_bytes for layer in self.layers],
-                             [kv_bytes] * cfg.n_layers, total_s=t_end - t_start)
-        return logits, rec
+        kv_bytes = cache.bytes_read(lengths, Hkv, D) if record else 0
+        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s, kv_bytes)

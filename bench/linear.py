@@ -1,0 +1,69 @@
+"""Linear layers at Llama-2-7B shapes: our fp32 / bf16 kernel vs torch, interleaved.
+
+Decode (M = 1 and 16 rows): memory-bound, so GB/s counts the weight bytes read and is set
+against the triad measured in the same run. Prefill (M = 512): GFLOP/s against the FMA
+peak, with torch's F.linear on fp32 and on bf16 weights as peers.
+
+    python bench/linear.py [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import fmt_ms, interleaved, print_table, summarize, write_results  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from workbench import kernels  # noqa: E402
+from workbench.peaks import measured_peaks  # noqa: E402
+
+SHAPES = {"gate/up [11008, 4096]": (11008, 4096), "down [4096, 11008]": (4096, 11008)}
+TRIAD_FLOATS = 1 << 25
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    peak = measured_peaks()
+    a, b, c = torch.empty(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS)
+    rows, results = [], []
+    for label, (n, k) in SHAPES.items():
+        w32 = torch.randn(n, k) * 0.02
+        w16 = w32.bfloat16()
+        for m in (1, 16, 512):
+            x = torch.randn(m, k)
+            cases = {"ours fp32": lambda: kernels.linear(x, w32), "ours bf16": lambda: kernels.linear(x, w16),
+                     "torch fp32": lambda: F.linear(x, w32)}
+            if m > 1:  # torch's bf16 path: far too slow at M=1 to repeat (0.3 GFLOP/s, see issue 3)
+                cases["torch bf16"] = lambda: F.linear(x.bfloat16(), w16).float()
+            cases["triad"] = lambda: kernels.native.ext.triad(a, b, c, 3.0)
+            stats = {name: summarize(s) for name, s in interleaved(cases, args.repeats).items()}
+            triad = 12 * TRIAD_FLOATS / (stats["triad"]["median_ms"] / 1e3) / 1e9
+            for name, st in stats.items():
+                if name == "triad":
+                    continue
+                secs = st["median_ms"] / 1e3
+                wbytes = n * k * (2 if "bf16" in name else 4)
+                st["gbps"] = wbytes / secs / 1e9
+                st["gflops"] = 2 * m * n * k / secs / 1e9
+                metric = (f"{st['gbps']:.1f} GB/s ({100 * st['gbps'] / triad:.0f}% triad)" if m <= 16
+                          else f"{st['gflops']:.0f} GFLOP/s ({100 * st['gflops'] / peak.fma_gflops:.0f}% FMA)")
+                rows.append({"weights": label, "M": m, "case": name, "ms median (min-max)": fmt_ms(st),
+                             "throughput": metric})
+            results.append({"shape": [n, k], "M": m, "triad_gbps": triad, "stats": stats})
+            print(f"{label} M={m}: " + ", ".join(f"{nm} {s['median_ms']:.2f} ms" for nm, s in stats.items()),
+                  flush=True)
+    print_table(rows, ["weights", "M", "case", "ms median (min-max)", "throughput"],
+                title=f"Linear layers, {torch.get_num_threads()} threads")
+    write_results("linear", {"repeats": args.repeats, "results": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()
