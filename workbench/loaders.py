@@ -63,18 +63,21 @@ def available_memory_bytes() -> int:
     return 1 << 62  # unknown: do not refuse
 
 
-def check_memory(cfg: ModelConfig, dtype: str, batch: int, max_seq_len: int, kv_cache: str = "fp32") -> int:
-    """Estimated bytes for weights + KV cache (+10% for activations); raises if over the RAM available."""
-    weights = cfg.weight_bytes(WEIGHT_DTYPES[dtype].itemsize)
+def check_memory(cfg: ModelConfig, dtype: str, batch: int, max_seq_len: int, kv_cache: str = "fp32",
+                 weights_loaded: bool = False) -> int:
+    """Estimated bytes for weights + KV cache (+10% for activations); raises if over the RAM
+    available. weights_loaded: the weights are already in memory, count only the cache."""
+    weights = 0 if weights_loaded else cfg.weight_bytes(WEIGHT_DTYPES[dtype].itemsize)
     kv = cfg.kv_cache_bytes(batch, max_seq_len, {"int8": 1, "fp16": 2, "bf16": 2, "fp32": 4}[kv_cache])
     need = int((weights + kv) * 1.1)
     have = available_memory_bytes()
     if need > have:
+        what = (f"a {kv_cache} KV cache for batch {batch} x {max_seq_len} tokens" if weights_loaded else
+                f"weights {weights / 2**30:.1f} GiB + {kv_cache} KV cache for batch {batch} x {max_seq_len} tokens")
         raise ModelLoadError(
-            f"{cfg.name} ({cfg.n_layers} layers, {dtype}) needs about {need / 2**30:.1f} GiB "
-            f"(weights {weights / 2**30:.1f} GiB + {kv_cache} KV cache for batch {batch} x {max_seq_len} tokens "
-            f"{kv / 2**30:.1f} GiB) but only {have / 2**30:.1f} GiB is available; try dtype='bf16', "
-            f"fewer layers, a shorter max_seq_len or an int8 KV cache")
+            f"{cfg.name} ({cfg.n_layers} layers, {dtype}) needs about {need / 2**30:.1f} GiB more ({what}, "
+            f"{kv / 2**30:.1f} GiB of cache) but only {have / 2**30:.1f} GiB is available; try dtype='bf16', "
+            f"fewer layers, a shorter max_seq_len, a smaller batch or an int8 KV cache")
     return need
 
 

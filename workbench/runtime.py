@@ -202,7 +202,7 @@ class Model:
             raise ValueError(f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's context of {self.config.max_seq_len} tokens")
         try:
-            check_memory(self.config, self.llama.weight_dtype, len(seqs), max_len, sw.kv_cache)
+            check_memory(self.config, self.llama.weight_dtype, len(seqs), max_len, sw.kv_cache, weights_loaded=True)
         except ModelLoadError as e:
             raise ValueError(str(e)) from None
         gen = torch.Generator().manual_seed(seed)
