@@ -18,14 +18,15 @@
 //   2. exact softmax over the chunk; for int8 the V scale is folded into the
 //      probabilities (sum_t p_t v_t = sum_t (p_t s_t) v8_t).
 //   3. O += P V, 32 tokens at a time.
-// Widening always happens in registers, once per query head: with GQA the other heads'
-// reads of a token hit L1, and re-widening was measured cheaper than widening once into
-// an fp32 scratch block (B=1, 32 / 8 heads: int8 0.44 vs 0.72 ms). Each pass prefetches
-// the rows 4 KB ahead of the ones it reads.
+// Widening happens in registers, once per token for all the query heads that share the
+// KV head (GQA: up to 8 heads per pass, each with its own accumulators), so a grouped
+// cache costs no more widening than a plain one. Each pass prefetches the rows 4 KB ahead
+// of the ones it reads.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -39,7 +40,6 @@ namespace {
 constexpr int W = VecF::W;
 constexpr int kTokensPerScoreStep = 8;  // a multiple of 4 (reduce_add4)
 constexpr int kTokensPerValueBlock = 32;
-constexpr int kValueChunkVectors = 8;
 
 // Software prefetch of the cache rows a few kilobytes ahead of the one being read: one
 // thread's stream of K or V otherwise waits on memory latency (profiled: the widening
@@ -51,45 +51,103 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
 }
 
-// out[i] = q . rows[i] for kTokensPerScoreStep rows of length D, widened to fp32 in
-// registers; one accumulator per row, so as many independent FMA chains as rows.
-template <typename T>
-void dot_rows(const float* q, const T* const* rows, int64_t D, float* out) {
-  constexpr int R = kTokensPerScoreStep;
-  VecF acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = VecF::zero();
-  int64_t d = 0;
-  for (; d + W <= D; d += W) {
-    VecF qv = VecF::load(q + d);
-    for (int i = 0; i < R; ++i) acc[i] = fmadd(qv, Load<T>::full(rows[i] + d), acc[i]);
+// Accumulator registers the inner loops may use (of 32 zmm / 16 ymm).
+#if defined(WBK_ISA_AVX512)
+constexpr int kAccRegs = 16;
+#else
+constexpr int kAccRegs = 8;
+#endif
+
+// The GC query heads that share a KV head are handled together: each K or V vector is
+// loaded and widened once and used by all of them (GQA), instead of once per head.
+
+// out[g * kTokensPerScoreStep + i] = q_g . rows[i] for GC heads and kTokensPerScoreStep rows.
+template <typename T, int GC>
+void dot_rows(const float* q, int64_t ldq, const T* const* rows, int64_t D, float* out) {
+  // Rows per pass: the largest power of two (so it divides the step) that keeps R * GC
+  // accumulators within kAccRegs.
+  constexpr int R = kAccRegs / GC >= 8 ? 8 : kAccRegs / GC >= 4 ? 4 : kAccRegs / GC >= 2 ? 2 : 1;
+  static_assert(kTokensPerScoreStep % R == 0);
+  constexpr int N = ((R * GC + 3) / 4) * 4;  // accumulators, padded for reduce_add4
+  for (int r0 = 0; r0 < kTokensPerScoreStep; r0 += R) {
+    VecF acc[N];
+    for (int i = 0; i < N; ++i) acc[i] = VecF::zero();
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      VecF qv[GC];
+      for (int g = 0; g < GC; ++g) qv[g] = VecF::load(q + g * ldq + d);
+      for (int r = 0; r < R; ++r) {
+        const VecF kv = Load<T>::full(rows[r0 + r] + d);
+        for (int g = 0; g < GC; ++g) acc[r * GC + g] = fmadd(qv[g], kv, acc[r * GC + g]);
+      }
+    }
+    if (d < D) {
+      const int rem = static_cast<int>(D - d);
+      VecF qv[GC];
+      for (int g = 0; g < GC; ++g) qv[g] = VecF::load(q + g * ldq + d, rem);
+      for (int r = 0; r < R; ++r) {
+        const VecF kv = Load<T>::part(rows[r0 + r] + d, rem);
+        for (int g = 0; g < GC; ++g) acc[r * GC + g] = fmadd(qv[g], kv, acc[r * GC + g]);
+      }
+    }
+    float sums[N];
+    for (int i = 0; i < N; i += 4) reduce_add4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], sums + i);
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < GC; ++g) out[g * kTokensPerScoreStep + r0 + r] = sums[r * GC + g];
   }
-  if (d < D) {
-    int rem = static_cast<int>(D - d);
-    VecF qv = VecF::load(q + d, rem);
-    for (int i = 0; i < R; ++i) acc[i] = fmadd(qv, Load<T>::part(rows[i] + d, rem), acc[i]);
-  }
-  for (int i = 0; i < R; i += 4) reduce_add4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], out + i);
 }
 
-// acc[0:D] += sum_i p[i] * rows[i*D : (i+1)*D] for n rows, widened to fp32 in registers.
-template <typename T>
-void accumulate_pv(const float* p, const T* rows, int64_t n, int64_t D, float* acc) {
-  int64_t d = 0;
-  for (; d + kValueChunkVectors * W <= D; d += kValueChunkVectors * W) {
-    VecF o[kValueChunkVectors];
-    for (int v = 0; v < kValueChunkVectors; ++v) o[v] = VecF::load(acc + d + v * W);
-    for (int64_t i = 0; i < n; ++i) {
-      VecF pi = VecF::set1(p[i]);
-      const T* row = rows + i * D + d;
-      for (int v = 0; v < kValueChunkVectors; ++v) o[v] = fmadd(pi, Load<T>::full(row + v * W), o[v]);
+// acc[g][d0 : d0 + C W] += sum_i p[g][i] * rows[i][d0 : ...] for GC heads and n rows of V:
+// C vectors of each row are loaded and widened once and used by every head.
+template <typename T, int GC, int C>
+inline void pv_chunk(const float* p, int64_t ldp, const T* rows, int64_t n, int64_t D, int64_t d0, float* acc) {
+  VecF o[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) o[g][c] = VecF::load(acc + g * D + d0 + c * W);
+  for (int64_t i = 0; i < n; ++i) {
+    VecF v[C];
+    for (int c = 0; c < C; ++c) v[c] = Load<T>::full(rows + i * D + d0 + c * W);
+    for (int g = 0; g < GC; ++g) {
+      const VecF pi = VecF::set1(p[g * ldp + i]);
+      for (int c = 0; c < C; ++c) o[g][c] = fmadd(pi, v[c], o[g][c]);
     }
-    for (int v = 0; v < kValueChunkVectors; ++v) o[v].store(acc + d + v * W);
   }
-  for (; d < D; d += W) {  // leftover vectors (and a partial one) when D is not a multiple of the chunk
-    int cnt = static_cast<int>(std::min<int64_t>(W, D - d));
-    VecF o = VecF::load(acc + d, cnt);
-    for (int64_t i = 0; i < n; ++i) o = fmadd(VecF::set1(p[i]), Load<T>::part(rows + i * D + d, cnt), o);
-    o.store(acc + d, cnt);
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) o[g][c].store(acc + g * D + d0 + c * W);
+}
+
+// acc[g][0:D] += sum_i p[g][i] * rows[i] for GC heads (p rows ldp apart) and n rows of V,
+// in chunks of C = kAccRegs / GC vectors, then halving chunks for what is left of D.
+template <typename T, int GC, int C = std::max(1, kAccRegs / GC)>
+void accumulate_pv(const float* p, int64_t ldp, const T* rows, int64_t n, int64_t D, float* acc, int64_t d = 0) {
+  for (; d + C * W <= D; d += C * W) pv_chunk<T, GC, C>(p, ldp, rows, n, D, d, acc);
+  if constexpr (C > 1) {
+    accumulate_pv<T, GC, C / 2>(p, ldp, rows, n, D, acc, d);
+  } else if (d < D) {  // a partial vector when D is not a multiple of W
+    const int cnt = static_cast<int>(D - d);
+    VecF o[GC];
+    for (int g = 0; g < GC; ++g) o[g] = VecF::load(acc + g * D + d, cnt);
+    for (int64_t i = 0; i < n; ++i) {
+      const VecF v = Load<T>::part(rows + i * D + d, cnt);
+      for (int g = 0; g < GC; ++g) o[g] = fmadd(VecF::set1(p[g * ldp + i]), v, o[g]);
+    }
+    for (int g = 0; g < GC; ++g) o[g].store(acc + g * D + d, cnt);
+  }
+}
+
+// Calls f(std::integral_constant<int, GC>) with GC = G for 1 <= G <= 8; larger groups
+// are processed 8 heads at a time by the caller.
+template <typename F>
+void with_group(int64_t G, F&& f) {
+  switch (G) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
 }
 
@@ -136,10 +194,15 @@ void decode_impl(const DecodeArgs& a) {
           const T* rows[kTokensPerScoreStep];
           for (int i = 0; i < kTokensPerScoreStep; ++i)
             rows[i] = kbase + (tb + std::min(i, nt - 1)) * D;  // a short step repeats its last token
-          for (int64_t g = 0; g < G; ++g) {
-            float dots[kTokensPerScoreStep];
-            dot_rows<T>(qbase + g * D, rows, D, dots);
-            std::copy(dots, dots + nt, scores.data() + g * max_chunk + (tb - t0));
+          for (int64_t g0 = 0; g0 < G; g0 += 8) {  // heads sharing this KV head, up to 8 at a time
+            with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
+              constexpr int GC = decltype(gc)::value;
+              float dots[GC * kTokensPerScoreStep];
+              dot_rows<T, GC>(qbase + g0 * D, D, rows, D, dots);
+              for (int g = 0; g < GC; ++g)
+                std::copy(dots + g * kTokensPerScoreStep, dots + g * kTokensPerScoreStep + nt,
+                          scores.data() + (g0 + g) * max_chunk + (tb - t0));
+            });
           }
         }
 
@@ -164,8 +227,12 @@ void decode_impl(const DecodeArgs& a) {
           const int64_t ahead = tb + std::max<int64_t>(kTokensPerValueBlock, kPrefetchBytes / (D * sizeof(T)));
           if (ahead < t1)
             prefetch_range(vbase + ahead * D, std::min<int64_t>(kTokensPerValueBlock, t1 - ahead) * D * sizeof(T));
-          for (int64_t g = 0; g < G; ++g)
-            accumulate_pv<T>(p + g * max_chunk, vbase + tb * D, nb, D, acc.data() + g * D);
+          for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
+              accumulate_pv<T, decltype(gc)::value>(p + g0 * max_chunk, max_chunk, vbase + tb * D, nb, D,
+                                                    acc.data() + g0 * D);
+            });
+          }
         }
       }
 
