@@ -28,7 +28,7 @@ from common import print_table, write_results  # noqa: E402
 import torch  # noqa: E402
 
 import workbench as wb  # noqa: E402
-from workbench.demo import sample_text  # noqa: E402
+from workbench.ablation import sample_text  # noqa: E402
 from workbench.loaders import bundled_gguf_path  # noqa: E402
 from workbench.peaks import measured_peaks  # noqa: E402
 

@@ -24,7 +24,8 @@ def test_demo_writes_a_row_per_configuration(tmp_path):
     r = run("demo", "--short-tokens", "8", "--long-tokens", "40", "--new-tokens", "4", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * 4 * 4  # two prompts x four backends x four KV dtypes
+    assert len(rows) == 2 * 4 * 4  # two prompt lengths x four backends x four KV dtypes
+    assert {r["prompt_len"] for r in rows} == {8, 40}
     assert {r["attention"] for r in rows} == {"slim", "flash", "sdpa", "naive"}
     assert all(0.0 <= r["top1_agreement"] <= 1.0 and r["decode_tokens_per_s"] > 0 for r in rows)
     naive_fp32 = [r for r in rows if r["attention"] == "naive" and r["kv_cache"] == "fp32"]

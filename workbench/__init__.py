@@ -10,3 +10,10 @@ from workbench.loaders import ModelLoadError  # noqa: E402
 from workbench.runtime import GenerationResult, Model, load_model  # noqa: E402
 
 __all__ = ["GenerationResult", "Model", "ModelLoadError", "load_model"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext workbench`: register the magics (magics/ holds the IPython layer)."""
+    from magics import load_ipython_extension as load
+
+    load(ipython)

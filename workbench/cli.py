@@ -65,6 +65,7 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     import torch
 
+    from workbench.ablation import rows_as_dicts
     from workbench.demo import format_table, run_demo
 
     model = _load(args)
@@ -72,8 +73,8 @@ def cmd_demo(args) -> int:
           flush=True)
 
     def progress(done, total, row):
-        print(f"  [{done}/{total}] {row['prompt']:5s} {row['attention']:5s} {row['kv_cache']:4s} "
-              f"prefill {row['prefill_ms']:.1f} ms, {row['decode_tokens_per_s']:.1f} tok/s", flush=True)
+        print(f"  [{done}/{total}] {row.prompt_len:4d} tokens {row.attention:5s} {row.kv_cache:4s} "
+              f"prefill {row.prefill_ms:.1f} ms, {row.decode_tokens_per_s:.1f} tok/s", flush=True)
 
     t0 = time.perf_counter()
     rows = run_demo(model, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
@@ -85,7 +86,7 @@ def cmd_demo(args) -> int:
     out.write_text(json.dumps({
         "model": model.description, "config": model.config.as_dict(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(), "seconds": time.perf_counter() - t0,
-        "command": " ".join(sys.argv), "rows": rows}, indent=2))
+        "command": " ".join(sys.argv), "rows": rows_as_dicts(rows)}, indent=2))
     print(f"\nwrote {out}")
     return 0
 

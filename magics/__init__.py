@@ -1,0 +1,319 @@
+"""IPython magics for the workbench, a thin layer over the `workbench` library.
+
+    In [1]: %load_ext workbench
+    In [2]: %load_model smollm2-135m
+    In [3]: %attention slim
+    In [4]: %kvcache int8
+    In [5]: %generate --max-new-tokens 32 The capital of France is
+    In [6]: %ablate --attention slim,flash --kvcache int8,fp32 --prompt-len 128 --batch 1,4 -o df
+    In [7]: %workbench
+
+Every magic has `%magic?` help. A user's mistake (unknown model or backend, a bad number,
+nothing loaded yet) raises UsageError with a one-line message; the loaded model stays.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from workbench.model import ATTENTION_BACKENDS, KV_DTYPES, WEIGHT_DTYPES
+
+
+def _csv(kind, choices=None):
+    """argparse type: a comma-separated list of `kind`, each in `choices` if given."""
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            values = [kind(x) for x in items]
+        except ValueError:
+            raise UsageError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+        if not values:
+            raise UsageError(f"expected a comma-separated list, got {text!r}")
+        if choices is not None:
+            bad = [v for v in values if v not in choices]
+            if bad:
+                raise UsageError(f"{', '.join(map(str, bad))} not accepted; choose from {', '.join(choices)}")
+        if kind is int and any(v < 1 for v in values):
+            raise UsageError(f"values must be positive, got {text!r}")
+        return values
+    parse.__name__ = f"comma-separated {kind.__name__}s"
+    return parse
+
+
+@magics_class
+class WorkbenchMagics(Magics):
+    """The workbench's magics; the loaded model lives here (and as `wb_model` in the namespace)."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.model = None
+        self.last_result = None
+
+    def _require_model(self):
+        if self.model is None:
+            raise UsageError("no model loaded: run %load_model first (e.g. %load_model smollm2-135m)")
+        return self.model
+
+    @magic_arguments()
+    @argument("name", help="preset name (smollm2-135m, llama2-7b, ...), a .gguf file or a model directory")
+    @argument("--random", action="store_true", help="the preset's exact shapes with seeded random weights")
+    @argument("--layers", type=int, default=None, help="keep only the first N layers")
+    @argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES), help="weight dtype")
+    @argument("--seed", type=int, default=0, help="seed for --random weights")
+    @line_magic
+    def load_model(self, line):
+        """Load a model; it replaces the current one only if loading succeeds.
+
+        Examples::
+
+          In [1]: %load_model smollm2-135m
+          In [2]: %load_model llama2-7b --random --layers 4 --dtype bf16
+          In [3]: %load_model ~/models/TinyLlama-1.1B-Chat-v1.0
+        """
+        import workbench as wb
+
+        args = parse_argstring(self.load_model, line)
+        try:
+            model = wb.load_model(args.name, random=args.random, layers=args.layers, dtype=args.dtype,
+                                  seed=args.seed)
+        except (wb.ModelLoadError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        if self.model is not None:
+            model.attention, model.kv_cache = self.model.attention, self.model.kv_cache
+        self.model = model
+        self.shell.user_ns["wb_model"] = model
+        print(repr(model))
+
+    @magic_arguments()
+    @argument("backend", choices=list(ATTENTION_BACKENDS), help="slim | flash | sdpa | naive")
+    @line_magic
+    def attention(self, line):
+        """Choose the attention kernel for the next runs (no reload).
+
+        Examples::
+
+          In [1]: %attention slim
+        """
+        args = parse_argstring(self.attention, line)
+        self._require_model().attention = args.backend
+        print(f"attention = {args.backend}")
+
+    @magic_arguments()
+    @argument("dtype", choices=list(KV_DTYPES), help="int8 | fp16 | bf16 | fp32")
+    @line_magic
+    def kvcache(self, line):
+        """Choose the KV-cache dtype for the next runs (no reload).
+
+        Examples::
+
+          In [1]: %kvcache int8
+        """
+        args = parse_argstring(self.kvcache, line)
+        self._require_model().kv_cache = args.dtype
+        print(f"kv_cache = {args.dtype}")
+
+    @magic_arguments()
+    @argument("n", type=int, help="number of threads for the kernels and torch")
+    @line_magic
+    def threads(self, line):
+        """Set the number of threads (torch.set_num_threads).
+
+        Examples::
+
+          In [1]: %threads 2
+        """
+        import os
+
+        args = parse_argstring(self.threads, line)
+        most = os.cpu_count() or 1
+        if not 1 <= args.n <= 4 * most:
+            raise UsageError(f"threads must be between 1 and {4 * most} on this machine ({most} CPUs), got {args.n}")
+        import torch
+
+        torch.set_num_threads(args.n)
+        print(f"threads = {args.n}")
+
+    @magic_arguments()
+    @argument("prompt", nargs="+", help="the prompt text")
+    @argument("--max-new-tokens", "-n", type=int, default=32)
+    @argument("--attention", choices=list(ATTENTION_BACKENDS), default=None, help="override for this run")
+    @argument("--kv-cache", choices=list(KV_DTYPES), default=None, help="override for this run")
+    @argument("--temperature", type=float, default=0.0)
+    @argument("--top-k", type=int, default=None)
+    @argument("--top-p", type=float, default=None)
+    @argument("--seed", type=int, default=0)
+    @argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    @line_magic
+    def generate(self, line):
+        """Generate text, streaming tokens as they come, then a per-layer timing summary.
+
+        The result (text, token ids, timings) is kept as `wb_result`.
+
+        Examples::
+
+          In [1]: %generate The capital of France is
+          In [2]: %generate -n 64 --kv-cache int8 --chat Write a haiku about CPUs.
+        """
+        args = parse_argstring(self.generate, line)
+        model = self._require_model()
+        prompt = " ".join(args.prompt)
+        if args.chat:
+            try:
+                prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        shown, produced = [""], []
+
+        def stream(step, ids):
+            produced.append(ids[0])
+            if ids[0] != model.tokenizer.eos_id:
+                text = model.tokenizer.decode(produced)
+                sys.stdout.write(text[len(shown[0]):])
+                sys.stdout.flush()
+                shown[0] = text
+
+        try:
+            out = model.generate(prompt, max_new_tokens=args.max_new_tokens, attention=args.attention,
+                                 kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=args.seed, on_token=stream)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        self.last_result = out
+        self.shell.user_ns["wb_result"] = out
+        print("\n")
+        print(timing_summary(out))
+
+    @magic_arguments()
+    @argument("--attention", type=_csv(str, ATTENTION_BACKENDS), default=list(ATTENTION_BACKENDS))
+    @argument("--kvcache", type=_csv(str, KV_DTYPES), default=list(KV_DTYPES))
+    @argument("--prompt-len", type=_csv(int), default=[128])
+    @argument("--batch", type=_csv(int), default=[1])
+    @argument("--new-tokens", type=int, default=16)
+    @argument("-o", dest="output", default=None, help="store the results DataFrame in this variable")
+    @line_magic
+    def ablate(self, line):
+        """Run a grid of configurations and show one row per configuration: prefill ms,
+        decode tokens/s, GB/s, % of the measured peak bandwidth, top-1 agreement with the
+        naive / fp32-cache reference.
+
+        Examples::
+
+          In [1]: %ablate --attention slim,flash --kvcache int8,fp32 --prompt-len 128,1024 --batch 1,16
+          In [2]: %ablate --kvcache int8,fp16 --new-tokens 32 -o results
+        """
+        from workbench.ablation import rows_as_dicts, run_ablation
+
+        args = parse_argstring(self.ablate, line)
+        model = self._require_model()
+        if args.output is not None and not args.output.isidentifier():
+            raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
+        bar = _Progress()
+        try:
+            rows = run_ablation(model, args.attention, args.kvcache, args.prompt_len, args.batch, args.new_tokens,
+                                progress=bar.update)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            bar.close()
+        table = _dataframe(rows_as_dicts(rows))
+        if args.output:
+            self.shell.user_ns[args.output] = table
+        from IPython.display import display
+
+        display(table)
+
+    @magic_arguments()
+    @line_magic
+    def workbench(self, line):
+        """What is loaded, the switches, the kernels' ISA path, the machine's measured peaks.
+
+        Examples::
+
+          In [1]: %workbench
+        """
+        parse_argstring(self.workbench, line)
+        print(status_report(self.model))
+
+
+def timing_summary(out) -> str:
+    """A few lines on a generation: totals, then the per-layer split of a decode step."""
+    t = out.timings
+    s = t.summary()
+    lines = [f"{len(out.token_ids)} tokens | prefill {s['prefill_ms']:.1f} ms | "
+             f"decode {s['decode_tokens_per_s']:.1f} tokens/s, {s['decode_gbps']:.2f} GB/s | "
+             f"attention={out.switches.attention} kv_cache={out.switches.kv_cache}"]
+    layers = t.per_layer("decode") or t.per_layer("prefill")
+    if layers:
+        attn = sum(r["attention_ms"] for r in layers)
+        mlp = sum(r["mlp_ms"] for r in layers)
+        other = sum(r["other_ms"] for r in layers)
+        total = attn + mlp + other
+        lines.append(f"per step, all {len(layers)} layers: attention {attn:.2f} ms ({100 * attn / total:.0f}%), "
+                     f"MLP {mlp:.2f} ms ({100 * mlp / total:.0f}%), other {other:.2f} ms")
+        slowest = max(layers, key=lambda r: r["attention_ms"] + r["mlp_ms"] + r["other_ms"])
+        lines.append(f"slowest layer {slowest['layer']}: "
+                     f"{slowest['attention_ms'] + slowest['mlp_ms'] + slowest['other_ms']:.3f} ms")
+    return "\n".join(lines)
+
+
+def status_report(model) -> str:
+    import torch
+
+    from workbench.kernels import build_info
+    from workbench.machine import machine_info
+    from workbench.peaks import measured_peaks
+
+    info, m, p = build_info(), machine_info(), measured_peaks()
+    return "\n".join([
+        f"model      {model!r}" if model is not None else "model      (none loaded: %load_model smollm2-135m)",
+        f"switches   attention={model.attention} kv_cache={model.kv_cache}" if model is not None else "",
+        f"threads    {torch.get_num_threads()}",
+        f"kernels    {info['isa']} path ({', '.join(info['flags'])}), micro-kernel {info['gemm_tile']}",
+        f"cpu        {m.cpu_model}, L2 {m.l2_bytes // 1024} KiB",
+        f"peaks      triad {p.triad_gbps:.1f} GB/s, FMA {p.fma_gflops:.0f} GFLOP/s ({p.threads} threads, "
+        f"measured {p.measured_at})",
+    ]).replace("\n\n", "\n")
+
+
+def _dataframe(rows: list[dict]):
+    try:
+        import pandas as pd
+    except ImportError:  # pandas is a dependency; this keeps the magic usable without it
+        return rows
+    return pd.DataFrame(rows)
+
+
+class _Progress:
+    """An ipywidgets progress bar where a widget frontend exists, else a text line."""
+
+    def __init__(self):
+        self.bar = None
+        try:
+            import ipywidgets
+            from IPython.display import display
+
+            self.bar = ipywidgets.IntProgress(value=0, min=0, max=1, description="ablate")
+            display(self.bar)
+        except ImportError:
+            pass
+
+    def update(self, done: int, total: int, row) -> None:
+        if self.bar is not None:
+            self.bar.max, self.bar.value = total, done
+            self.bar.description = f"{done}/{total}"
+        else:
+            sys.stdout.write(f"\r{done}/{total} {row.attention} {row.kv_cache} len {row.prompt_len} "
+                             f"batch {row.batch}   ")
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.bar is None:
+            sys.stdout.write("\n")
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(WorkbenchMagics)

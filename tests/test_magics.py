@@ -1,0 +1,92 @@
+"""The magics driven in a real IPython shell (InteractiveShell), every error path included."""
+
+from __future__ import annotations
+
+import pytest
+
+IPython = pytest.importorskip("IPython")
+from IPython.core.error import UsageError  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "workbench")
+    return sh
+
+
+def run(shell, line: str):
+    """Run one cell; return (result, error) with the exception it raised, if any."""
+    result = shell.run_cell(line, silent=False)
+    return result, result.error_in_exec or result.error_before_exec
+
+
+def test_nothing_loaded_yet_is_a_usage_error(shell):
+    for line in ("%attention slim", "%kvcache int8", "%generate hello", "%ablate --batch 1"):
+        _, err = run(shell, line)
+        assert isinstance(err, UsageError) and "%load_model" in str(err)
+
+
+def test_load_switch_generate(shell, capsys):
+    _, err = run(shell, "%load_model smollm2-135m")
+    assert err is None
+    assert "smollm2-135m" in capsys.readouterr().out
+    assert run(shell, "%attention flash")[1] is None
+    assert run(shell, "%kvcache int8")[1] is None
+    assert shell.user_ns["wb_model"].attention == "flash" and shell.user_ns["wb_model"].kv_cache == "int8"
+    capsys.readouterr()
+    _, err = run(shell, "%generate -n 6 The capital of France is")
+    assert err is None
+    out = capsys.readouterr().out
+    assert "Paris" in out and "tokens/s" in out and "per step, all 30 layers" in out
+    assert shell.user_ns["wb_result"].switches.kv_cache == "int8"
+
+
+def test_mistakes_raise_usage_errors_and_keep_the_model(shell):
+    run(shell, "%load_model smollm2-135m")
+    model = shell.user_ns["wb_model"]
+    cases = {
+        "%attention warp": "invalid choice",
+        "%kvcache int4": "invalid choice",
+        "%threads zero": "invalid int value",
+        "%threads 0": "threads must be between",
+        "%load_model llama2-7b": "no local weights for llama2-7b",
+        "%load_model gpt-17": "unknown model",
+        "%load_model llama2-7b --random --layers 0": "layers must be a positive integer",
+        "%generate -n 0 hi": "max_new_tokens must be a positive integer",
+        "%ablate --attention slim,warp": "warp not accepted",
+        "%ablate --prompt-len 12x": "comma-separated list of int",
+        "%ablate --batch 0": "positive",
+        "%ablate -o 1bad": "variable name",
+    }
+    for line, message in cases.items():
+        _, err = run(shell, line)
+        assert isinstance(err, UsageError), (line, err)
+        assert message in str(err), (line, str(err))
+    assert shell.user_ns["wb_model"] is model  # a failed %load_model leaves the loaded model in place
+    assert run(shell, "%generate -n 2 Hello")[1] is None
+
+
+def test_ablate_stores_a_dataframe(shell):
+    run(shell, "%load_model smollm2-135m")
+    _, err = run(shell, "%ablate --attention slim,naive --kvcache int8,fp32 --prompt-len 24 --batch 1,2 "
+                        "--new-tokens 3 -o df")
+    assert err is None
+    df = shell.user_ns["df"]
+    assert len(df) == 2 * 2 * 2
+    assert set(df.columns) >= {"attention", "kv_cache", "prefill_ms", "decode_tokens_per_s", "decode_gbps",
+                               "pct_peak_bandwidth", "top1_agreement"}
+    ref = df[(df.attention == "naive") & (df.kv_cache == "fp32")]
+    assert (ref.top1_agreement == 1.0).all()
+
+
+def test_workbench_status_and_help(shell, capsys):
+    run(shell, "%load_model smollm2-135m")
+    capsys.readouterr()
+    assert run(shell, "%workbench")[1] is None
+    out = capsys.readouterr().out
+    assert "attention=" in out and "triad" in out and "path" in out
+    for magic in ("load_model", "attention", "kvcache", "threads", "generate", "ablate", "workbench"):
+        doc = shell.find_line_magic(magic).__doc__
+        assert "Examples::" in doc and f"%{magic}" in doc.split("Examples::")[0]  # usage line, then examples
