@@ -17,45 +17,17 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import json
 import platform
-import random
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from workbench.experiments import interleaved, summarize  # noqa: F401  (re-exported for the scripts)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "results"
-
-
-def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-                seed: int = 0) -> dict[str, list[float]]:
-    """Time each case `repeats` times, one round per repeat in a shuffled order; returns
-    seconds per case."""
-    names = list(cases)
-    for name in names:
-        for _ in range(warmup):
-            cases[name]()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    order = random.Random(seed)
-    for _ in range(repeats):
-        for name in order.sample(names, len(names)):
-            t0 = time.perf_counter()
-            cases[name]()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
-
-
-def summarize(seconds: list[float]) -> dict:
-    return {
-        "median_ms": statistics.median(seconds) * 1e3,
-        "min_ms": min(seconds) * 1e3,
-        "max_ms": max(seconds) * 1e3,
-        "repeats": len(seconds),
-    }
 
 
 def fmt_ms(s: dict) -> str:

@@ -227,15 +227,25 @@ class WorkbenchMagics(Magics):
         display(table)
 
     @magic_arguments()
+    @argument("--panel", action="store_true", help="show the control panel with live plots")
     @line_magic
     def workbench(self, line):
-        """What is loaded, the switches, the kernels' ISA path, the machine's measured peaks.
+        """What is loaded, the switches, the kernels' ISA path, the machine's measured peaks;
+        with --panel, the control panel (workbench.panel()) for the loaded model.
 
         Examples::
 
           In [1]: %workbench
+          In [2]: %workbench --panel
         """
-        parse_argstring(self.workbench, line)
+        args = parse_argstring(self.workbench, line)
+        if args.panel:
+            import workbench as wb
+            from IPython.display import display
+
+            p = wb.panel(self.model)
+            display(p)
+            return
         print(status_report(self.model))
 
 

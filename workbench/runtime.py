@@ -181,12 +181,14 @@ class Model:
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
                  kv_cache: str | None = None, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
-                 on_token: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int, list[int]], None] | None = None,
+                 on_step: Callable[[StepRecord, Timings], None] | None = None) -> GenerationResult:
         """Generate up to max_new_tokens for one prompt or a batch of prompts of any lengths.
 
         attention / kv_cache override the model's switches for this call. temperature 0 is
         greedy; otherwise top_k / top_p sampling with `seed`. on_token(step, ids) is called
-        after every step with the new token of each sequence (for streaming)."""
+        after every step with the new token of each sequence (for streaming); on_step(record,
+        timings) after every recorded forward step (for live plots, see workbench.plots)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if temperature < 0:
@@ -219,6 +221,8 @@ class Model:
             timings.time_to_first_token_s = time.perf_counter() - t0
             if rec:
                 timings.steps.append(rec)
+                if on_step:
+                    on_step(rec, timings)
             t_decode = time.perf_counter()
             for step in range(max_new_tokens):
                 ids = token.tolist()
@@ -235,6 +239,8 @@ class Model:
                 timings.decode_tokens += len(seqs)
                 if rec:
                     timings.steps.append(rec)
+                    if on_step:
+                        on_step(rec, timings)
             timings.decode_s = time.perf_counter() - t_decode
 
         texts = [self.tokenizer.decode([t for t in o if t != eos]) for o in out]

@@ -1,0 +1,87 @@
+"""Timed comparisons the notebooks and benchmarks share.
+
+Cases are interleaved: every round runs each case once, in a fresh random order, so no
+case always follows the same neighbour (one that flushes the caches, say), and results are
+medians with min-max over the rounds. Ratios should be taken within one call.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                seed: int = 0) -> dict[str, list[float]]:
+    """Seconds per case over `repeats` shuffled rounds (after `warmup` untimed calls each)."""
+    names = list(cases)
+    for name in names:
+        for _ in range(warmup):
+            cases[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    order = random.Random(seed)
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
+            t0 = time.perf_counter()
+            cases[name]()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def summarize(seconds: list[float]) -> dict:
+    return {"median_ms": statistics.median(seconds) * 1e3, "min_ms": min(seconds) * 1e3,
+            "max_ms": max(seconds) * 1e3, "repeats": len(seconds)}
+
+
+def prefill_comparison(ns=(256, 512, 1024), heads: int = 32, kv_heads: int = 32, head_dim: int = 128,
+                       repeats: int = 3, algorithms=("slim", "flash", "sdpa")) -> list[dict]:
+    """One causal attention layer's prefill (fp32, batch 1) per prompt length and algorithm:
+    median / min / max ms and GFLOP/s over the visible query-key pairs."""
+    from workbench import kernels
+
+    run = {"slim": lambda q, k, v: kernels.slim_attention(q, k, v),
+           "flash": lambda q, k, v: kernels.flash_attention(q, k, v),
+           "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                  enable_gqa=kv_heads != heads)}
+    rows = []
+    for n in ns:
+        q = torch.randn(1, heads, n, head_dim)
+        k, v = torch.randn(1, kv_heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim)
+        samples = interleaved({a: (lambda a=a: run[a](q, k, v)) for a in algorithms}, repeats)
+        flops = 4.0 * head_dim * heads * n * (n + 1) / 2
+        for a, s in samples.items():
+            st = summarize(s)
+            rows.append({"N": n, "algorithm": a, **st, "gflops": flops / (st["median_ms"] / 1e3) / 1e9})
+    return rows
+
+
+def kv_dtype_comparison(batch: int = 16, heads: int = 32, kv_heads: int = 32, length: int = 1024,
+                        head_dim: int = 128, repeats: int = 5, dtypes=("int8", "fp16", "bf16", "fp32")) -> list[dict]:
+    """Decode attention over a cache of each dtype: median ms and the GB/s of the bytes read."""
+    from workbench import kernels
+
+    k, v = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)
+    q = torch.randn(batch, heads, head_dim)
+    lengths = torch.full((batch,), length)
+    caches, nbytes = {}, {}
+    for d in dtypes:
+        if d == "int8":
+            kq, ks = kernels.quantize_kv_int8(k)
+            vq, vs = kernels.quantize_kv_int8(v)
+            caches[d] = dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
+        else:
+            dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[d]
+            caches[d] = dict(k_cache=k.to(dt), v_cache=v.to(dt))
+        nbytes[d] = sum(t.numel() * t.element_size() for t in caches[d].values())
+    samples = interleaved({d: (lambda d=d: kernels.decode_attention(q, lengths=lengths, **caches[d]))
+                           for d in dtypes}, repeats)
+    rows = []
+    for d, s in samples.items():
+        st = summarize(s)
+        rows.append({"kv_cache": d, **st, "gbps": nbytes[d] / (st["median_ms"] / 1e3) / 1e9, "bytes": nbytes[d]})
+    return rows
