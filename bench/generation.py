@@ -7,6 +7,7 @@
     kv          batch 16 with a 1024-token context: int8 vs fp16 KV cache, decode tokens/s
                 (fp32 and bf16 weights).
     record      the cost of per-layer recording: record=True vs record=False.
+    plots       the cost of live plots (FigureWidgets updated during the run) vs none.
     llama2-7b   the exact Llama-2-7B shapes with random bf16 weights, all 32 layers: load it,
                 generate, and set decode time per token against weight bytes / measured triad.
 
@@ -117,6 +118,29 @@ def bench_record(repeats: int) -> dict:
     return {"with_ms": 1e3 * med(times[True]), "without_ms": 1e3 * med(times[False]), "overhead": overhead}
 
 
+def bench_plots(repeats: int) -> dict:
+    """Live-plot cost: generate with LivePlots(widget=True) hooked in (default refresh cap,
+    and uncapped: every step redraws) vs without, interleaved."""
+    from workbench.plots import LivePlots
+
+    model = wb.load_model("smollm2-135m")
+    prompt = model.tokenizer.encode(sample_text())[:64]
+    capped, uncapped = LivePlots(widget=True), LivePlots(widget=True, max_fps=1e9)
+    cases = {"none": None, "capped": capped.on_step, "every step": uncapped.on_step}
+    times = {k: [] for k in cases}
+    model.generate(prompt, max_new_tokens=8)
+    for _ in range(repeats * 2):
+        for name, hook in cases.items():
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=48, stop_at_eos=False, on_step=hook)
+            times[name].append(time.perf_counter() - t0)
+    base = med(times["none"])
+    r = {name: {"ms": 1e3 * med(t), "overhead": med(t) / base - 1} for name, t in times.items()}
+    print("plots: " + ", ".join(f"{n} {v['ms']:.0f} ms ({100 * v['overhead']:+.1f}%)" for n, v in r.items()),
+          flush=True)
+    return r
+
+
 def bench_llama2_7b(new_tokens: int = 8) -> dict:
     t0 = time.perf_counter()
     model = wb.load_model("llama2-7b", random=True, dtype="bf16", max_seq_len=256)
@@ -137,7 +161,7 @@ def bench_llama2_7b(new_tokens: int = 8) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="peer,kv,record,llama2-7b")
+    parser.add_argument("--only", default="peer,kv,record,plots,llama2-7b")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -149,6 +173,8 @@ def main() -> None:
         payload["kv"] = bench_kv(args.repeats)
     if "record" in parts:
         payload["record"] = bench_record(args.repeats)
+    if "plots" in parts:
+        payload["plots"] = bench_plots(args.repeats)
     if "llama2-7b" in parts:
         payload["llama2_7b"] = bench_llama2_7b()
     rows = []
@@ -165,6 +191,11 @@ def main() -> None:
     if "record" in payload:
         rows.append({"benchmark": "recording overhead", "value": f"{payload['record']['with_ms']:.0f} vs "
                      f"{payload['record']['without_ms']:.0f} ms", "ratio": f"{100 * payload['record']['overhead']:.1f}%"})
+    if "plots" in payload:
+        for name in ("capped", "every step"):
+            rows.append({"benchmark": f"live plots cost ({name})",
+                         "value": f"{payload['plots'][name]['ms']:.0f} vs {payload['plots']['none']['ms']:.0f} ms",
+                         "ratio": f"{100 * payload['plots'][name]['overhead']:+.1f}%"})
     if "llama2_7b" in payload:
         q = payload["llama2_7b"]
         rows.append({"benchmark": "llama2-7b bf16 decode ms/token vs bound", "value":
