@@ -224,7 +224,10 @@ class WorkbenchMagics(Magics):
             self.shell.user_ns[args.output] = table
         from IPython.display import display
 
+        from workbench.plots import ablation_figure
+
         display(table)
+        display(ablation_figure(rows))
 
     @magic_arguments()
     @argument("--panel", action="store_true", help="show the control panel with live plots")

@@ -57,3 +57,13 @@ def test_panel_shows_errors_and_keeps_the_model(model):
     p.load_button.click()  # needs far more memory than the machine has
     assert p.model is model
     assert any("error:" in o.get("text", "") for o in p.output.outputs)
+
+
+def test_ablation_figure_has_a_bar_per_configuration(model):
+    from workbench.ablation import run_ablation
+    from workbench.plots import ablation_figure
+
+    rows = run_ablation(model, ["slim", "naive"], ["int8"], prompt_lens=[16], new_tokens=2)
+    fig = ablation_figure(rows)
+    assert len(fig.data) == 2 and len(fig.data[0].x) == 2
+    assert all(0 <= y <= 1 for y in fig.data[1].y)

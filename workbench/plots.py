@@ -92,3 +92,18 @@ class LivePlots:
             self.throughput.data[0].x = steps
             self.throughput.data[0].y = [s.tokens / s.total_s if s.total_s else 0.0 for s in decode]
         self.updates += 1
+
+
+def ablation_figure(rows) -> go.Figure:
+    """One bar per configuration: decode tokens/s (left) and top-1 agreement (right), for
+    the rows of workbench.ablation.run_ablation (AblationRow objects or their dicts)."""
+    from plotly.subplots import make_subplots
+
+    rows = [r if isinstance(r, dict) else r.__dict__ for r in rows]
+    labels = [f"{r['attention']}/{r['kv_cache']} len {r['prompt_len']} b{r['batch']}" for r in rows]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "top-1 agreement with the reference"))
+    fig.add_bar(x=labels, y=[r["decode_tokens_per_s"] for r in rows], row=1, col=1, name="tokens/s")
+    fig.add_bar(x=labels, y=[r["top1_agreement"] for r in rows], row=1, col=2, name="agreement")
+    fig.update_yaxes(range=[0, 1.05], row=1, col=2)
+    fig.update_layout(height=380, showlegend=False, margin=dict(l=50, r=20, t=40, b=120))
+    return fig
