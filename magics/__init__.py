@@ -53,6 +53,10 @@ class WorkbenchMagics(Magics):
         self.model = None
         self.last_result = None
 
+    def _switch(self, name: str, value: str) -> None:
+        setattr(self._require_model(), name, value)  # validated by the model; no reload
+        print(f"{name} = {value}")
+
     def _require_model(self):
         if self.model is None:
             raise UsageError("no model loaded: run %load_model first (e.g. %load_model smollm2-135m)")
@@ -98,9 +102,7 @@ class WorkbenchMagics(Magics):
 
           In [1]: %attention slim
         """
-        args = parse_argstring(self.attention, line)
-        self._require_model().attention = args.backend
-        print(f"attention = {args.backend}")
+        self._switch("attention", parse_argstring(self.attention, line).backend)
 
     @magic_arguments()
     @argument("dtype", choices=list(KV_DTYPES), help="int8 | fp16 | bf16 | fp32")
@@ -112,9 +114,7 @@ class WorkbenchMagics(Magics):
 
           In [1]: %kvcache int8
         """
-        args = parse_argstring(self.kvcache, line)
-        self._require_model().kv_cache = args.dtype
-        print(f"kv_cache = {args.dtype}")
+        self._switch("kv_cache", parse_argstring(self.kvcache, line).dtype)
 
     @magic_arguments()
     @argument("n", type=int, help="number of threads for the kernels and torch")
