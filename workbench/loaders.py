@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -139,11 +140,11 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
             continue
     cfg = _gguf_config(fields, name)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = cfg.__class__(**{**cfg.as_dict(), "tied_embeddings": "output.weight" not in tensors})
+    cfg = replace(cfg, tied_embeddings="output.weight" not in tensors)
     if layers is not None:
         cfg = cfg.with_layers(layers)
     if max_seq_len:
-        cfg = cfg.__class__(**{**cfg.as_dict(), "max_seq_len": max_seq_len})
+        cfg = replace(cfg, max_seq_len=max_seq_len)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
     tokenizer = Tokenizer.from_gguf_fields(fields)
 
@@ -206,7 +207,7 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"))
     if isinstance(cfg.eos_token_id, list):
-        cfg = cfg.__class__(**{**cfg.as_dict(), "eos_token_id": cfg.eos_token_id[0]})
+        cfg = replace(cfg, eos_token_id=cfg.eos_token_id[0])
     if layers is not None:
         cfg = cfg.with_layers(layers)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
@@ -261,7 +262,7 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
 def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, max_seq_len: int | None = None):
     """The preset's exact shapes with seeded N(0, 0.02) weights and unit norms."""
     if max_seq_len:
-        cfg = cfg.__class__(**{**cfg.as_dict(), "max_seq_len": max_seq_len})
+        cfg = replace(cfg, max_seq_len=max_seq_len)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
     gen = torch.Generator().manual_seed(seed)
     linear_dtype = WEIGHT_DTYPES[dtype]
