@@ -297,15 +297,7 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
     wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), bf16, y.data_ptr<float>(), M, N, K);
     return y;
   }
-  if (!bf16) return at::mm_out(y, x, w.t());
-  // Compute-bound: widen a panel of W rows to fp32 once (about 2 MB), then torch's fp32
-  // GEMM writes the panel's output columns in place (row stride N is BLAS-compatible).
-  const int64_t panel = std::max<int64_t>(64, (int64_t{1} << 19) / K);
-  for (int64_t n0 = 0; n0 < N; n0 += panel) {
-    const int64_t p = std::min(panel, N - n0);
-    Tensor out = y.narrow(1, n0, p);
-    at::mm_out(out, x, w.narrow(0, n0, p).to(at::kFloat).t());
-  }
+  wbk::linear_gemm(x.data_ptr<float>(), w.data_ptr(), bf16, y.data_ptr<float>(), M, N, K);
   return y;
 }
 

@@ -72,6 +72,9 @@ void kv_cache_append(const AppendArgs& a);
 // y [M, N] = x [M, K] . w^T with w [N, K] fp32 (or bf16 bits when `bf16`), fp32
 // accumulation: the decode-side (small M) matrix-vector kernel; every weight byte is read once.
 void linear_matvec(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
+// The same product for more rows (batched decode, prefill): a packed, register-blocked GEMM
+// computing y^T = w x^T, widening w slice by slice (compute-bound).
+void linear_gemm(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
 
 // Machine-peak probes used by the benchmarks (bench/peaks.py).
 // fma_loop runs `iterations` steps of independent FMA chains on every torch thread and

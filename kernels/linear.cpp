@@ -1,18 +1,32 @@
 // Linear layers y = x W^T with fp32 activations and fp32 or bf16 weights, accumulating in fp32.
 //
 // Layout: x [M, K] fp32, w [N, K] fp32 or bf16 (torch's nn.Linear layout), y [M, N] fp32.
+// Two kernels, chosen by the caller on M (bindings.cpp, `matvec_max_rows`):
 //
-// This is the decode path (M = batch, small): matrix-vector products, memory-bound on
-// the weight bytes. Parallel split: blocks of 16 rows of W, pulled dynamically. Within a
-// block, K is cut into 1024-element chunks; for each chunk, four W rows are widened to
-// fp32 in registers and multiplied with four rows of x at a time (16 accumulators), so
-// every weight byte is read from memory once per call and from L1 at most M / 4 times;
-// the next rows are prefetched 4 KB ahead.
+// linear_matvec, for a few rows (decode at batch 1-4): memory-bound on the weight bytes.
+//   Parallel split: blocks of 16 rows of W, pulled dynamically. Within a block, K is cut
+//   into 1024-element chunks; for each chunk, four W rows are widened to fp32 in registers
+//   and multiplied with four rows of x at a time (16 accumulators), so every weight byte
+//   is read from memory once per call and from L1 at most M / 4 times; the next rows are
+//   prefetched 4 KB ahead.
 //
-// Prefill (M large) is compute-bound and goes through bindings.cpp instead: torch's
-// tuned fp32 GEMM, on panels of W widened to fp32 once when W is bf16.
+// linear_gemm, for more rows (batched decode, prefill): compute-bound. It computes
+//   y^T = W x^T with a register-blocked micro-kernel whose broadcast operand is W and whose
+//   vector operand is x^T, so W never needs transposing, only widening:
+//   - x is transposed once per call into blocks xt [K][MC] of MC tokens (zero padded);
+//   - a task owns NB rows of W and one block of tokens; for each KC-long slice of K it
+//     widens its NB x KC slice of W into an fp32 buffer (L1-sized, rows kKC apart, so the
+//     micro-kernel's broadcasts use constant offsets);
+//   - the micro-kernel keeps an MR x (NV W) tile of y^T in registers: per step of K one
+//     or two vector loads of x^T and MR broadcasts of W feed MR x NV FMAs. NV = 2 with
+//     MR = kGemmMR for token blocks wider than one vector, NV = 1 with twice the rows for
+//     the last (or only) vector of tokens, so batch 16 decode wastes no lanes;
+//   - the task's y^T tile, accumulated over the K slices in a small buffer, is written
+//     transposed into y.
 #include <algorithm>
 
+
+#include "gemm.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
@@ -87,6 +101,140 @@ void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t 
   });
 }
 
+// -- linear_gemm -------------------------------------------------------------------------
+
+constexpr int kWideMR = kGemmMR;      // rows of W per tile when the tile is 2 vectors of tokens wide
+constexpr int kNarrowMR = 2 * kGemmMR;  // ... and when it is one vector wide
+constexpr int64_t kTaskRows = 2 * kNarrowMR;  // rows of W per task: whole tiles of either shape
+constexpr int64_t kKC = 128;                  // most K elements per packed slice of W
+constexpr int64_t kTokensPerBlock = 256;      // MC: tokens per block of x^T (a multiple of 2 W)
+constexpr int kXtSlot = Scratch::kSlots - 1;  // x^T lives in the caller's scratch, apart from the tasks' slots
+
+// acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
+// of a packed W slice (rows kKC apart) and kc rows of x^T (ldb apart); c is [MR][ldc].
+template <int MR, int NV>
+inline void gemm_tile(int64_t kc, const float* a, const float* b, int64_t ldb, float* c, int64_t ldc,
+                      bool accumulate) {
+  // Every loop over r and v is unrolled (GCC otherwise keeps a 24-row tile in memory).
+  VecF acc[MR][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? VecF::load(c + r * ldc + v * W) : VecF::zero();
+  for (int64_t p = 0; p < kc; ++p) {
+    VecF bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = VecF::load(b + p * ldb + v * W);
+#pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r) {
+      const VecF av = VecF::set1(a[r * kKC + p]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(av, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v].store(c + r * ldc + v * W);
+}
+
+// dst[r][0:kc] = fp32(w[r][k0 : k0 + kc]) for rows < nrows, zero rows up to kTaskRows.
+template <typename T>
+void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, float* dst) {
+  for (int64_t r = 0; r < kTaskRows; ++r) {
+    float* out = dst + r * kKC;
+    if (r >= nrows) {
+      std::fill(out, out + kc, 0.0f);
+      continue;
+    }
+    const T* row = w + r * K + k0;
+    int64_t k = 0;
+    for (; k + W <= kc; k += W) Load<T>::full(row + k).store(out + k);
+    if (k < kc) Load<T>::part(row + k, static_cast<int>(kc - k)).store(out + k, static_cast<int>(kc - k));
+  }
+}
+
+template <typename T>
+inline void prefetch_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    const char* row = reinterpret_cast<const char*>(w + r * K + k0);
+    for (int64_t off = 0; off < kc * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off, 0, 2);
+  }
+}
+
+// xt[blk][k][j] = x[blk mc + j][k] for blocks of mc tokens, zero past M; cache-blocked
+// (16 tokens x 64 k at a time), in parallel when there is enough of it.
+void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
+  const int64_t blocks = (M + mc - 1) / mc;
+  const int64_t kchunks = (K + 63) / 64;
+  const int64_t grain = M * K >= (int64_t{1} << 16) ? 1 : blocks * kchunks;
+  at::parallel_for(0, blocks * kchunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blk = t / kchunks, k0 = (t % kchunks) * 64, k1 = std::min(K, k0 + 64);
+      float* dst = xt + blk * K * mc;
+      const int64_t m0 = blk * mc, valid = std::min(mc, M - m0);
+      for (int64_t j0 = 0; j0 < mc; j0 += 16) {
+        const int64_t j1 = std::min(mc, j0 + 16);
+        for (int64_t k = k0; k < k1; ++k) {
+          float* out = dst + k * mc;
+          for (int64_t j = j0; j < j1; ++j) out[j] = j < valid ? x[(m0 + j) * K + k] : 0.0f;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
+  // Tokens per block, rounded up to whole vectors: a batch of 16 decodes as one block of 16.
+  const int64_t mc = std::min(kTokensPerBlock, ((M + W - 1) / W) * W);
+  const int64_t m_blocks = (M + mc - 1) / mc;
+  const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
+  const int64_t slices = (K + kKC - 1) / kKC, slice = (K + slices - 1) / slices;  // equal slices <= kKC
+  Scratch xt(kXtSlot, m_blocks * K * mc);  // the calling thread's; fully written here
+  transpose_x(x, M, K, mc, xt.data());
+
+  // Tasks (token block outer, so concurrent tasks share one block of x^T in cache) are cut
+  // into one contiguous range per thread: they cost the same, and a thread then knows which
+  // rows of W it reads next and can prefetch them.
+  at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
+    Scratch wp(0, kTaskRows * kKC), ct(1, kTaskRows * mc);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t nb = t % n_blocks, mb = t / n_blocks;
+      const int64_t n0 = nb * kTaskRows, rows = std::min(kTaskRows, N - n0);
+      const int64_t m0 = mb * mc, tokens = std::min(mc, M - m0);
+      const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
+      const float* xblock = xt.data() + mb * K * mc;
+      for (int64_t k0 = 0; k0 < K; k0 += slice) {
+        const int64_t kc = std::min(slice, K - k0);
+        pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data());
+        // Fetch the next slice of W (this task's, or the next task's first) while the
+        // micro-kernels run: the packing loop otherwise waits on memory latency.
+        if (k0 + slice < K) {
+          prefetch_w_slice(w + n0 * K, K, k0 + slice, std::min(slice, K - k0 - slice), rows);
+        } else if (t + 1 < end) {
+          const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
+          prefetch_w_slice(w + next * K, K, 0, std::min(slice, K), std::min(kTaskRows, N - next));
+        }
+        const float* b = xblock + k0 * mc;
+        for (int64_t j = 0; j < width; j += 2 * W) {
+          if (width - j >= 2 * W) {
+            for (int64_t r = 0; r < kTaskRows; r += kWideMR)
+              gemm_tile<kWideMR, 2>(kc, wp.data() + r * kKC, b + j, mc, ct.data() + r * mc + j, mc, k0 > 0);
+          } else {
+            for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
+              gemm_tile<kNarrowMR, 1>(kc, wp.data() + r * kKC, b + j, mc, ct.data() + r * mc + j, mc, k0 > 0);
+          }
+        }
+      }
+      for (int64_t m = 0; m < tokens; ++m) {
+        float* out = y + (m0 + m) * N + n0;
+        for (int64_t r = 0; r < rows; ++r) out[r] = ct[r * mc + m];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void linear_matvec(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
@@ -94,6 +242,14 @@ void linear_matvec(const float* x, const void* w, bool bf16, float* y, int64_t M
     matvec(x, static_cast<const BFloat16*>(w), y, M, N, K);
   } else {
     matvec(x, static_cast<const float*>(w), y, M, N, K);
+  }
+}
+
+void linear_gemm(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
+  if (bf16) {
+    gemm(x, static_cast<const BFloat16*>(w), y, M, N, K);
+  } else {
+    gemm(x, static_cast<const float*>(w), y, M, N, K);
   }
 }
 

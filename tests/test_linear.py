@@ -1,6 +1,8 @@
 """The linear-layer kernel (y = x W^T, fp32 or bf16 weights) against a float64 reference,
 on every ISA build, on both of its paths: the matrix-vector kernel (few rows, decode)
-and the panel GEMM (many rows, prefill).
+and the packed GEMM (more rows: batched decode, prefill), whose shapes here cover a
+partial block of W rows (N not a multiple of the 48-row task), several K slices of unequal
+length, one- and two-vector token tiles, and several 256-token blocks (M > 256).
 
 Tolerance: the weights are exactly representable in both dtypes (bf16 weights are
 compared against their own fp32 value), so only fp32 accumulation over K terms differs:
@@ -16,11 +18,11 @@ from hypothesis import strategies as st
 
 
 @given(
-    M=st.integers(1, 40),
-    N=st.integers(1, 70),
-    K=st.sampled_from([1, 7, 64, 576, 1000]),
+    M=st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 530])),
+    N=st.integers(1, 130),
+    K=st.sampled_from([1, 7, 64, 129, 576, 1000]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    matvec_max_rows=st.sampled_from([1, 16, 64]),
+    matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
     seed=st.integers(0, 1000),
 )
 def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed):

@@ -133,18 +133,20 @@ class KernelSet:
 
     # -- linear layers -----------------------------------------------------------------
 
-    def linear(self, x, w, *, matvec_max_rows: int = 16) -> torch.Tensor:
+    def linear(self, x, w, *, matvec_max_rows: int = 10) -> torch.Tensor:
         """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32 or bf16 and fp32 x [..., K]
         -> fp32 [..., N].
 
-        Up to matvec_max_rows rows of x (decode) run our memory-bound matrix-vector kernel,
-        which reads each weight byte once, widening bf16 in registers; more rows (prefill) use
-        torch's fp32 GEMM, on panels of w widened to fp32 once when w is bf16."""
+        Up to matvec_max_rows rows of x (decode at small batch) run our memory-bound
+        matrix-vector kernel, which reads each weight byte once, widening bf16 in registers;
+        more rows (batched decode, prefill) run our packed GEMM, which widens w slice by slice
+        into an fp32 buffer for a register-blocked micro-kernel. The default is the measured
+        crossover (bench/linear.py: the GEMM wins from about 10-12 rows on); 0 always uses the GEMM."""
         _check_tensor_args(x=x, w=w)
         if x.dim() < 1:
             raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows))
+        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0))
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
     # -- KV cache --------------------------------------------------------------------
@@ -181,9 +183,10 @@ def _check_tensor_args(**tensors) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     return value
 
 
