@@ -1,8 +1,11 @@
 """Linear layers at Llama-2-7B shapes: our fp32 / bf16 kernel vs torch, interleaved.
 
-Decode (M = 1 and 16 rows): memory-bound, so GB/s counts the weight bytes read and is set
-against the triad measured in the same run. Prefill (M = 512): GFLOP/s against the FMA
-peak, with torch's F.linear on fp32 and on bf16 weights as peers.
+Decode at batch 1 (M = 1): memory-bound, so GB/s counts the weight bytes read and is set
+against the triad measured in the same run. Batched decode (M = 16, 32) and prefill
+(M = 512): GFLOP/s against the FMA peak; at M = 16 and 32 our matrix-vector kernel forced
+on (`matvec only`) shows what the packed GEMM gains. Peers: torch's F.linear on fp32
+weights, and on bf16 weights with bf16 activations (oneDNN; on AVX512-BF16 hosts it uses
+bf16 dot products, i.e. rounds x to bf16, which ours does not).
 
     python bench/linear.py [--repeats 7]
 """
@@ -37,10 +40,12 @@ def main() -> None:
     for label, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k) * 0.02
         w16 = w32.bfloat16()
-        for m in (1, 16, 512):
+        for m in (1, 16, 32, 512):
             x = torch.randn(m, k)
             cases = {"ours fp32": lambda: kernels.linear(x, w32), "ours bf16": lambda: kernels.linear(x, w16),
                      "torch fp32": lambda: F.linear(x, w32)}
+            if 1 < m <= 32:
+                cases["ours bf16, matvec only"] = lambda: kernels.linear(x, w16, matvec_max_rows=m)
             if m > 1:  # torch's bf16 path: far too slow at M=1 to repeat (0.3 GFLOP/s, see issue 3)
                 cases["torch bf16"] = lambda: F.linear(x.bfloat16(), w16).float()
             cases["triad"] = lambda: kernels.native.ext.triad(a, b, c, 3.0)
@@ -53,7 +58,7 @@ def main() -> None:
                 wbytes = n * k * (2 if "bf16" in name else 4)
                 st["gbps"] = wbytes / secs / 1e9
                 st["gflops"] = 2 * m * n * k / secs / 1e9
-                metric = (f"{st['gbps']:.1f} GB/s ({100 * st['gbps'] / triad:.0f}% triad)" if m <= 16
+                metric = (f"{st['gbps']:.1f} GB/s ({100 * st['gbps'] / triad:.0f}% triad)" if m == 1
                           else f"{st['gflops']:.0f} GFLOP/s ({100 * st['gflops'] / peak.fma_gflops:.0f}% FMA)")
                 rows.append({"weights": label, "M": m, "case": name, "ms median (min-max)": fmt_ms(st),
                              "throughput": metric})

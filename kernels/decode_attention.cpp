@@ -116,9 +116,14 @@ inline void pv_chunk(const float* p, int64_t ldp, const T* rows, int64_t n, int6
     for (int c = 0; c < C; ++c) o[g][c].store(acc + g * D + d0 + c * W);
 }
 
+// The largest power of two <= n (n >= 1).
+constexpr int floor_pow2(int n) { return n < 2 ? 1 : 2 * floor_pow2(n / 2); }
+
 // acc[g][0:D] += sum_i p[g][i] * rows[i] for GC heads (p rows ldp apart) and n rows of V,
-// in chunks of C = kAccRegs / GC vectors, then halving chunks for what is left of D.
-template <typename T, int GC, int C = std::max(1, kAccRegs / GC)>
+// in chunks of C vectors (the largest power of two with C * GC <= kAccRegs), then halving
+// chunks for what is left of D; powers of two so that D = 64 or 128 takes whole chunks
+// (GQA 3:1 at D = 64: one pass of 4 vectors, not two of 2).
+template <typename T, int GC, int C = floor_pow2(std::max(1, kAccRegs / GC))>
 void accumulate_pv(const float* p, int64_t ldp, const T* rows, int64_t n, int64_t D, float* acc, int64_t d = 0) {
   for (; d + C * W <= D; d += C * W) pv_chunk<T, GC, C>(p, ldp, rows, n, D, d, acc);
   if constexpr (C > 1) {
