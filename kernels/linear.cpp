@@ -4,11 +4,11 @@
 // Two kernels, chosen by the caller on M (bindings.cpp, `matvec_max_rows`):
 //
 // linear_matvec, for a few rows (decode at batch 1-4): memory-bound on the weight bytes.
-//   Parallel split: blocks of 16 rows of W, pulled dynamically. Within a block, K is cut
-//   into 1024-element chunks; for each chunk, four W rows are widened to fp32 in registers
-//   and multiplied with four rows of x at a time (16 accumulators), so every weight byte
-//   is read from memory once per call and from L1 at most M / 4 times; the next rows are
-//   prefetched 4 KB ahead.
+//   Parallel split: blocks of 16 rows of W, one contiguous range of blocks per thread.
+//   Within a block, K is cut into 1024-element chunks; for each chunk, four W rows are
+//   widened to fp32 in registers and multiplied with four rows of x at a time (16
+//   accumulators), so every weight byte is read from memory once per call and from L1 at
+//   most M / 4 times; short row chunks are software-prefetched about 8 KB ahead.
 //
 // linear_gemm, for more rows (batched decode, prefill): compute-bound. It computes
 //   y^T = W x^T with a register-blocked micro-kernel whose broadcast operand is W and whose
@@ -36,7 +36,13 @@ namespace {
 
 constexpr int W = VecF::W;
 constexpr int64_t kRowsPerTask = 16;
-constexpr int64_t kPrefetchBytes = 4096;
+// Software prefetch in the matrix-vector kernel (measured, bench/linear.py and an
+// interleaved A/B over SmolLM2 and Llama-2-7B shapes): the rows about 8 KB further on,
+// into L1, only for row chunks of at most 3 KB. Short chunks are where the hardware
+// prefetcher falls behind; for 4 KB chunks (fp32, K >= 1024) it does better alone.
+constexpr int64_t kPrefetchBytes = 8192;
+constexpr int64_t kPrefetchMaxChunkBytes = 3072;
+constexpr int kPrefetchLocality = 3;
 constexpr int64_t kChunk = 1024;  // K elements per chunk
 
 // y[m][j] += x_m . w_j over one K-chunk, for MB rows of x and four rows of W: MB x 4
@@ -73,22 +79,28 @@ inline void block_dot(const float* x, int64_t ldx, const T* const* w, int64_t kc
 
 template <typename T>
 void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
+  // One contiguous range of 16-row tasks per thread (they cost the same), so a thread knows
+  // which rows it reads next: each 4-row group prefetches the same K-chunk of the rows
+  // about kPrefetchBytes further on. The hardware prefetcher alone does poorly on short
+  // row chunks, each its own stream (1152 bytes for a bf16 row of K = 576).
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  run_tasks(tasks, [&] {
-    return [&](int64_t t) {
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t last_row = std::min(N, end * kRowsPerTask);
+    for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
-      const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
-      const int64_t ahead = std::min(N, n1 + kPrefetchBytes / row_bytes + 1);
-      for (int64_t n = n1; n < ahead; ++n) {
-        const char* row = reinterpret_cast<const char*>(w + n * K);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 0);
-      }
       for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + n0, y + m * N + n1, 0.0f);
       // K in chunks: four W rows and up to four x rows of a chunk stay in L1 while every
       // block of x rows passes over them.
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, K - k0);
+        const int64_t chunk_bytes = kc * static_cast<int64_t>(sizeof(T));
+        const int64_t ahead_rows = 4 * std::max<int64_t>(1, kPrefetchBytes / (4 * chunk_bytes));
         for (int64_t n = n0; n < n1; n += 4) {
+          const int64_t pf_end = chunk_bytes <= kPrefetchMaxChunkBytes ? std::min(last_row, n + ahead_rows + 4) : 0;
+          for (int64_t r = n + ahead_rows; r < pf_end; ++r) {
+            const char* row = reinterpret_cast<const char*>(w + r * K + k0);
+            for (int64_t off = 0; off < chunk_bytes; off += 64) __builtin_prefetch(row + off, 0, kPrefetchLocality);
+          }
           const int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
           const T* rows[4];
           for (int j = 0; j < 4; ++j) rows[j] = w + (n + std::min(j, nr - 1)) * K + k0;  // short: repeat
@@ -97,7 +109,7 @@ void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t 
           for (; m < M; ++m) block_dot<T, 1>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
         }
       }
-    };
+    }
   });
 }
 
