@@ -301,6 +301,29 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
   return y;
 }
 
+void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t head_dim) {
+  const char* fn = "rope_";
+  check_tensor(x, fn, "x", 2, "[T, C]", /*need_contiguous=*/false);
+  check_tensor(cos, fn, "cos", 2, "[T, head_dim]");
+  check_tensor(sin, fn, "sin", 2, "[T, head_dim]");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, fn,
+                   ": cos and sin must be float32, got ", cos.scalar_type(), " and ", sin.scalar_type());
+  TORCH_CHECK_VALUE(x.stride(1) == 1, fn, ": x rows must be contiguous (stride 1 along C), got strides ",
+                    x.strides());
+  TORCH_CHECK_VALUE(head_dim > 0 && head_dim % 2 == 0, fn, ": head_dim must be a positive even number, got ",
+                    head_dim);
+  TORCH_CHECK_VALUE(heads >= 0 && heads * head_dim <= x.size(1), fn, ": heads must be in 0..",
+                    x.size(1) / head_dim, " (x has ", x.size(1), " columns, head_dim ", head_dim, "), got ", heads);
+  const int64_t T = x.size(0);
+  TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), fn,
+                    ": cos and sin must be [T, head_dim] = [", T, ", ", head_dim, "], got ", cos.sizes(), " and ",
+                    sin.sizes());
+  if (T == 0 || heads == 0) return;
+  wbk::rope_rotate_half(x.data_ptr<float>(), T, x.stride(0), heads, head_dim, cos.data_ptr<float>(),
+                        sin.data_ptr<float>());
+}
+
 void check_probe_buffer(const Tensor& t, const char* name) {
   check_tensor(t, "triad", name, 1, "[n]");
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "triad: ", name, " must be float32");
@@ -336,6 +359,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
   });
   m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),
         py::arg("scales"),

@@ -76,6 +76,11 @@ void linear_matvec(const float* x, const void* w, bool bf16, float* y, int64_t M
 // computing y^T = w x^T, widening w slice by slice (compute-bound).
 void linear_gemm(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
 
+// RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
+// T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).
+void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,
+                      const float* sin);
+
 // Machine-peak probes used by the benchmarks (bench/peaks.py).
 // fma_loop runs `iterations` steps of independent FMA chains on every torch thread and
 // returns the flops executed; the caller times it (a clock read here could be reordered).

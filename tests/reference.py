@@ -43,3 +43,15 @@ def decode_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None
         s = torch.einsum("hd,hnd->hn", q[b].double(), kb) * sm
         out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), vb)
     return out
+
+
+def rope_reference(x, cos, sin, heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate-half RoPE in float64 on the first `heads` head vectors of each row of x [T, C]
+    (as Hugging Face's apply_rotary_pos_emb: x * cos + rotate_half(x) * sin)."""
+    out = x.double().clone()
+    n = heads * head_dim
+    h = out[:, :n].reshape(x.shape[0], heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
+    out[:, :n] = (h * cos.double()[:, None] + rotated * sin.double()[:, None]).reshape(x.shape[0], n)
+    return out

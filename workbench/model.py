@@ -117,13 +117,6 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, heads, D] with cos/sin [T, D] (rows for each token's position)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
-
-
 # -- KV cache ----------------------------------------------------------------------------
 
 class KVCache:
@@ -247,8 +240,14 @@ class Layer:
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         return sum(lin.nbytes for lin in linears) + 4 * (self.attn_norm.numel() + self.mlp_norm.numel())
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.wqkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> q [T, q_dim], k, v [T, kv_dim], RoPE applied to q and k (cos / sin
+        [T, head_dim], each token's row): one fused product, then one in-place rotation of the
+        q and k heads, which sit side by side at the start of each output row."""
+        qkv = self.wqkv(x)
+        kernels.rope_(qkv, cos, sin, heads=(self.q_dim + self.kv_dim) // head_dim, head_dim=head_dim)
+        return qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split([self.ffn_dim, self.ffn_dim], dim=-1)
@@ -335,10 +334,8 @@ class LlamaModel:
         start = torch.zeros(1, dtype=torch.int64)
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h)
-            q = apply_rope(q.reshape(-1, H, D), cos, sin)
-            k = apply_rope(k.reshape(-1, Hkv, D), cos, sin)
-            v = v.reshape(-1, Hkv, D)
+            q, k, v = layer.qkv(h, cos, sin, D)
+            q, k, v = q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
             out = torch.empty(q.shape[0], H, D)
             for b in range(len(seq_lens)):  # attention per sequence: ragged prompts need no padding
                 s = slice(offsets[b], offsets[b + 1])
@@ -368,14 +365,12 @@ class LlamaModel:
             raise ValueError(f"the KV cache is full ({cache.max_len} tokens); generate fewer tokens or "
                              f"allocate a longer cache")
         lengths = positions + 1
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # [B, 1, D]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h)
-            q = apply_rope(q.reshape(-1, 1, H, D), cos, sin)[:, 0]  # [B, H, D]
-            k = apply_rope(k.reshape(-1, 1, Hkv, D), cos, sin)  # [B, 1, Hkv, D]
-            cache.append(i, k.transpose(1, 2), v.reshape(-1, 1, Hkv, D).transpose(1, 2), positions)
-            attn = decode_attention(switches.attention, q.contiguous(), cache, i, lengths)
+            q, k, v = layer.qkv(h, cos, sin, D)
+            cache.append(i, k.reshape(-1, Hkv, 1, D), v.reshape(-1, Hkv, 1, D), positions)  # [B, Hkv, 1, D]
+            attn = decode_attention(switches.attention, q.reshape(-1, H, D).contiguous(), cache, i, lengths)
             return layer.wo(attn.reshape(-1, H * D))
 
         x = self._embed(tokens)  # [B, dim]

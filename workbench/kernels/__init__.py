@@ -149,6 +149,15 @@ class KernelSet:
         y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0))
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
+    def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
+        """Rotary position embedding (rotate-half layout) in place: in each row of x [T, C]
+        fp32 (rows contiguous), the first `heads` vectors of head_dim values are rotated by
+        that row's cos / sin [T, head_dim]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin for
+        the halves x1, x2. Returns x."""
+        _check_tensor_args(x=x, cos=cos, sin=sin)
+        self.ext.rope_(x, cos, sin, _positive_int("heads", heads, 0), _positive_int("head_dim", head_dim))
+        return x
+
     # -- KV cache --------------------------------------------------------------------
 
     def quantize_kv_int8(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,3 +206,4 @@ decode_attention = native.decode_attention
 quantize_kv_int8 = native.quantize_kv_int8
 kv_cache_append = native.kv_cache_append
 linear = native.linear
+rope_ = native.rope_

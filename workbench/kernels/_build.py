@@ -28,7 +28,7 @@ from workbench.machine import machine_info
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels"
 SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "kv_cache.cpp", "linear.cpp",
-           "peaks.cpp")
+           "rope.cpp", "peaks.cpp")
 # GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
 # (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
