@@ -24,6 +24,7 @@
 //   - the task's y^T tile, accumulated over the K slices in a small buffer, is written
 //     transposed into y.
 #include <algorithm>
+#include <memory>
 
 
 #include "gemm.h"
@@ -121,6 +122,7 @@ constexpr int64_t kTaskRows = 2 * kNarrowMR;  // rows of W per task: whole tiles
 constexpr int64_t kKC = 128;                  // most K elements per packed slice of W
 constexpr int64_t kTokensPerBlock = 256;      // MC: tokens per block of x^T (a multiple of 2 W)
 constexpr int kXtSlot = Scratch::kSlots - 1;  // x^T lives in the caller's scratch, apart from the tasks' slots
+constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
 // of a packed W slice (rows kKC apart) and kc rows of x^T (ldb apart); c is [MR][ldc].
@@ -203,12 +205,22 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K)
   const int64_t m_blocks = (M + mc - 1) / mc;
   const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
   const int64_t slices = (K + kKC - 1) / kKC, slice = (K + slices - 1) / slices;  // equal slices <= kKC
-  Scratch xt(kXtSlot, m_blocks * K * mc);  // the calling thread's; fully written here
-  transpose_x(x, M, K, mc, xt.data());
+  // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
+  // prefill's is allocated for this call only, not held for the thread's lifetime.
+  const int64_t xt_size = m_blocks * K * mc;
+  std::unique_ptr<float[]> xt_owned;
+  float* xt;
+  if (xt_size <= kXtScratchFloats) {
+    xt = Scratch(kXtSlot, xt_size).data();  // the buffer outlives the handle
+  } else {
+    xt_owned.reset(new float[static_cast<size_t>(xt_size)]);
+    xt = xt_owned.get();
+  }
+  transpose_x(x, M, K, mc, xt);  // writes every element
 
-  // Tasks (token block outer, so concurrent tasks share one block of x^T in cache) are cut
-  // into one contiguous range per thread: they cost the same, and a thread then knows which
-  // rows of W it reads next and can prefetch them.
+  // Tasks (token block outer, so a thread's consecutive tasks reuse one block of x^T) are
+  // cut into one contiguous range per thread: they cost the same, and a thread then knows
+  // which rows of W it reads next and can prefetch them.
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
     Scratch wp(0, kTaskRows * kKC), ct(1, kTaskRows * mc);
     for (int64_t t = begin; t < end; ++t) {
@@ -216,7 +228,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K)
       const int64_t n0 = nb * kTaskRows, rows = std::min(kTaskRows, N - n0);
       const int64_t m0 = mb * mc, tokens = std::min(mc, M - m0);
       const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
-      const float* xblock = xt.data() + mb * K * mc;
+      const float* xblock = xt + mb * K * mc;
       for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = std::min(slice, K - k0);
         pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data());

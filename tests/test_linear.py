@@ -49,3 +49,14 @@ def test_linear_bad_input(kernels):
         kernels.linear(torch.randn(2, 8), torch.randn(3, 8).half())
     with pytest.raises(TypeError, match="x must be float32"):
         kernels.linear(torch.randn(2, 8).double(), torch.randn(3, 8))
+
+
+def test_linear_long_prefill(kernels):
+    """Enough rows that the GEMM's transposed x (here 9 blocks x 2048 x 256 floats) is
+    allocated for the call rather than kept in the thread's scratch."""
+    x = torch.randn(2100, 2048)
+    w = torch.randn(50, 2048).bfloat16()
+    y = kernels.linear(x, w)
+    ref = x.double() @ w.double().t()
+    scale = 2048**0.5 * x.abs().max().item() * w.float().abs().max().item()
+    torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
