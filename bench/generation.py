@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import workbench as wb  # noqa: E402
 from workbench.ablation import sample_text  # noqa: E402
 from workbench.loaders import bundled_gguf_path  # noqa: E402
-from workbench.peaks import measured_peaks  # noqa: E402
+from workbench.peaks import measure_triad_gbps  # noqa: E402
 
 
 def med(xs):
@@ -83,8 +83,6 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
     """int8 vs fp16 KV decode, and the ceiling the bytes allow: a decode step reads every
     weight once and each sequence's cache once, so at best (memory-bound, no compute or
     dispatch cost) int8 / fp16 = (weights + fp16 KV) / (weights + int8 KV + scales)."""
-    from workbench.peaks import measure_triad_gbps
-
     results = {}
     text_ids = None
     for dtype in ("fp32", "bf16"):
@@ -167,7 +165,7 @@ def bench_llama2_7b(new_tokens: int = 8) -> dict:
     out = model.generate("The workbench measures", max_new_tokens=new_tokens, stop_at_eos=False)
     per_token_s = 1 / out.timings.decode_tokens_per_s
     weight_bytes = model.llama.weight_bytes
-    triad = measured_peaks().triad_gbps
+    triad = measure_triad_gbps()  # this run's: the host's bandwidth varies between runs
     bound_s = weight_bytes / (triad * 1e9)
     r = {"load_s": load_s, "weight_gib": weight_bytes / 2**30, "decode_ms_per_token": 1e3 * per_token_s,
          "bandwidth_bound_ms": 1e3 * bound_s, "fraction_of_bound": bound_s / per_token_s,
