@@ -76,7 +76,7 @@ def test_ablate_stores_a_dataframe(shell):
     df = shell.user_ns["df"]
     assert len(df) == 2 * 2 * 2
     assert set(df.columns) >= {"attention", "kv_cache", "prefill_ms", "decode_tokens_per_s", "decode_gbps",
-                               "pct_peak_bandwidth", "top1_agreement"}
+                               "pct_peak_bandwidth", "decode_gflops", "pct_peak_fma", "top1_agreement"}
     ref = df[(df.attention == "naive") & (df.kv_cache == "fp32")]
     assert (ref.top1_agreement == 1.0).all()
 

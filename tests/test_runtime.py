@@ -70,6 +70,26 @@ def test_generate_text_and_timings(model):
     assert len(t.per_layer("decode")) == model.config.n_layers
     s = t.summary()
     assert s["decode_tokens_per_s"] > 0 and s["time_to_first_token_ms"] > 0 and s["decode_gbps"] > 0
+    assert s["decode_gflops"] > 0
+
+
+def test_step_flops_count_linears_attention_and_head(model):
+    """The FLOP accounting, against the model's shapes written out by hand: every decode
+    step does 2 flops per linear weight per sequence, Q K^T and P V over each sequence's
+    cached tokens (4 H D per pair), and the LM head for each sequence."""
+    cfg = model.config
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    out = model.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.dim
+    per_token = qkv + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.ffn_dim * cfg.dim
+    head_params = cfg.vocab_size * cfg.dim
+    prefill = out.timings.prefill
+    pairs = 5 * 6 // 2 + 3 * 4 // 2  # causal: n (n + 1) / 2 per prompt
+    assert prefill.flops == [2 * 8 * per_token + 4 * cfg.n_heads * cfg.head_dim * pairs] * cfg.n_layers
+    assert prefill.head_flops == 2 * 2 * head_params  # the last token of each of the 2 prompts
+    first = out.timings.decode_steps[0]  # sequences now hold 6 and 4 tokens
+    assert first.flops == [2 * 2 * per_token + 4 * cfg.n_heads * cfg.head_dim * (6 + 4)] * cfg.n_layers
+    assert first.head_flops == 2 * 2 * head_params
 
 
 def test_switches_change_without_reloading(model):

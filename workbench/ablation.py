@@ -8,6 +8,10 @@ like with like at every position and the timings cover the same tokens:
     decode_tokens_per_s    tokens after the first, all sequences, per second
     decode_gbps            weight + KV bytes each decode step must read / its time
     pct_peak_bandwidth     decode_gbps against the machine's measured triad bandwidth
+    decode_gflops          floating-point operations of each decode step / its time
+    pct_peak_fma           decode_gflops against the machine's measured FMA peak: the larger
+                           of the two percentages shows what bounds decoding (batch 1 is
+                           bandwidth-bound; large batches on few cores become compute-bound)
     top1_agreement         how often the configuration's most likely next token is the
                            reference's token, over all positions and sequences
 """
@@ -54,6 +58,8 @@ class AblationRow:
     decode_tokens_per_s: float
     decode_gbps: float
     pct_peak_bandwidth: float
+    decode_gflops: float
+    pct_peak_fma: float
     top1_agreement: float
 
 
@@ -68,15 +74,17 @@ def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, s
                                   cache, switches)
         prefill_s = time.perf_counter() - t0
         hits = int((logits.argmax(-1) == continuation[:, 0]).sum())
-        step_bytes, t1 = 0, time.perf_counter()
+        step_bytes, step_flops, t1 = 0, 0, time.perf_counter()
         for s in range(steps - 1):
             logits, rec = llama.decode(continuation[:, s], cache, switches, record=True)
             hits += int((logits.argmax(-1) == continuation[:, s + 1]).sum())
             step_bytes += sum(rec.weight_bytes) + sum(rec.kv_bytes)
+            step_flops += sum(rec.flops) + rec.head_flops
         decode_s = time.perf_counter() - t1
     return {"prefill_ms": 1e3 * prefill_s,
             "decode_tokens_per_s": batch * (steps - 1) / decode_s if steps > 1 else 0.0,
             "decode_gbps": step_bytes / decode_s / 1e9 if steps > 1 else 0.0,
+            "decode_gflops": step_flops / decode_s / 1e9 if steps > 1 else 0.0,
             "top1_agreement": hits / (batch * steps)}
 
 
@@ -95,7 +103,7 @@ def run_ablation(model, attentions=ATTENTION_BACKENDS, kv_caches=tuple(KV_DTYPES
         raise ValueError(f"new_tokens must be an integer >= 2, got {new_tokens!r}")
     from workbench.peaks import measured_peaks
 
-    peak = measured_peaks().triad_gbps
+    peaks = measured_peaks()
     rows: list[AblationRow] = []
     grid = list(itertools.product(prompt_lens, batches))
     total = len(grid) * len(attentions) * len(kv_caches)
@@ -107,7 +115,9 @@ def run_ablation(model, attentions=ATTENTION_BACKENDS, kv_caches=tuple(KV_DTYPES
         for attention, kv in itertools.product(attentions, kv_caches):
             r = forced_decode(model.llama, prompts, continuation, Switches(attention, kv))
             rows.append(AblationRow(attention, kv, prompt_len, batch, new_tokens, r["prefill_ms"],
-                                    r["decode_tokens_per_s"], r["decode_gbps"], 100 * r["decode_gbps"] / peak,
+                                    r["decode_tokens_per_s"],
+                                    r["decode_gbps"], 100 * r["decode_gbps"] / peaks.triad_gbps,
+                                    r["decode_gflops"], 100 * r["decode_gflops"] / peaks.fma_gflops,
                                     r["top1_agreement"]))
             if progress:
                 progress(len(rows), total, rows[-1])
@@ -119,9 +129,10 @@ def rows_as_dicts(rows: list[AblationRow]) -> list[dict]:
 
 
 COLUMNS = ["attention", "kv_cache", "prompt_len", "batch", "prefill_ms", "decode_tokens_per_s", "decode_gbps",
-           "pct_peak_bandwidth", "top1_agreement"]
+           "pct_peak_bandwidth", "decode_gflops", "pct_peak_fma", "top1_agreement"]
 _FORMATS = {"prefill_ms": "{:.1f}", "decode_tokens_per_s": "{:.1f}", "decode_gbps": "{:.2f}",
-            "pct_peak_bandwidth": "{:.0f}", "top1_agreement": "{:.3f}"}
+            "pct_peak_bandwidth": "{:.0f}", "decode_gflops": "{:.1f}", "pct_peak_fma": "{:.0f}",
+            "top1_agreement": "{:.3f}"}
 
 
 def format_table(rows: list[AblationRow], columns: list[str] = COLUMNS) -> str:

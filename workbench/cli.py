@@ -57,7 +57,8 @@ def cmd_generate(args) -> int:
                          seed=args.seed, on_token=stream)
     s = out.timings.summary()
     print(f"\n\n[{len(out.token_ids)} tokens; prefill {s['prefill_ms']:.1f} ms, "
-          f"decode {s['decode_tokens_per_s']:.1f} tokens/s, {s['decode_gbps']:.2f} GB/s; "
+          f"decode {s['decode_tokens_per_s']:.1f} tokens/s, {s['decode_gbps']:.2f} GB/s, "
+          f"{s['decode_gflops']:.1f} GFLOP/s; "
           f"attention={out.switches.attention} kv_cache={out.switches.kv_cache}]")
     return 0
 

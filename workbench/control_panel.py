@@ -100,7 +100,7 @@ class Panel:
         text = self.result.text[0] if isinstance(self.result.text, list) else self.result.text
         self.output.append_stdout(
             f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s, "
-            f"{s['decode_gbps']:.2f} GB/s | attention={self.attention.value} kv_cache={self.kv_cache.value}\n"
+            f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | attention={self.attention.value} kv_cache={self.kv_cache.value}\n"
             f"sequence 0 continues: {text[:300]!r}\n")
 
     def _ipython_display_(self):

@@ -1,7 +1,8 @@
 """The workbench's main job: every attention backend x every KV-cache dtype on one model,
 for a short and a long prompt of real English text (an ablation grid, see
-workbench.ablation): prefill ms, decode tokens/s, achieved GB/s and its share of the
-measured peak, and top-1 agreement with the naive / fp32-cache reference.
+workbench.ablation): prefill ms, decode tokens/s, achieved GB/s and GFLOP/s with their
+shares of the measured bandwidth and FMA peaks, and top-1 agreement with the naive /
+fp32-cache reference.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,9 @@ class Switches:
 
 @dataclass
 class StepRecord:
-    """One forward step (a prefill or one decode step): per-layer seconds and bytes read."""
+    """One forward step (a prefill or one decode step): per-layer seconds, bytes read and
+    floating-point operations, so a step can be set against both the machine's bandwidth and
+    its FMA peak (which of the two bounds it)."""
 
     phase: str  # "prefill" or "decode"
     tokens: int  # tokens processed in this step (all sequences)
@@ -59,6 +61,10 @@ class StepRecord:
     weight_bytes: list[int]  # per layer
     kv_bytes: list[int]  # per layer: KV cache bytes read by attention
     total_s: float = 0.0
+    # Per layer: 2 x tokens x the layer's linear weights, plus attention's Q K^T and P V over
+    # the (query, key) pairs it must compute (causal prefill: n (n + 1) / 2 per sequence).
+    flops: list[int] = field(default_factory=list)
+    head_flops: int = 0  # the LM head over the rows it projects
 
 
 class _Clock:
@@ -240,6 +246,10 @@ class Layer:
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         return sum(lin.nbytes for lin in linears) + 4 * (self.attn_norm.numel() + self.mlp_norm.numel())
 
+    @property
+    def linear_params(self) -> int:
+        return sum(lin.weight.numel() for lin in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
+
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> q [T, q_dim], k, v [T, kv_dim], RoPE applied to q and k (cos / sin
@@ -309,13 +319,17 @@ class LlamaModel:
         return x
 
     def _record(self, clock: _Clock, phase: str, tokens: int, t_start: float, layers_s: float,
-                kv_bytes: int) -> StepRecord | None:
+                kv_bytes: int, attention_pairs: int, head_rows: int) -> StepRecord | None:
         if not clock.enabled:
             return None
         total = clock.t() - t_start
+        cfg = self.cfg
+        attention_flops = 4 * cfg.n_heads * cfg.head_dim * attention_pairs  # Q K^T and P V
         return StepRecord(phase, tokens, clock.attention, clock.mlp, clock.other, total - layers_s,
-                          [layer.weight_bytes for layer in self.layers], [kv_bytes] * self.cfg.n_layers,
-                          total_s=total)
+                          [layer.weight_bytes for layer in self.layers], [kv_bytes] * cfg.n_layers,
+                          total_s=total,
+                          flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
+                          head_flops=2 * head_rows * self.lm_head.weight.numel())
 
     def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
                 record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
@@ -351,7 +365,8 @@ class LlamaModel:
         last = torch.tensor([o - 1 for o in offsets[1:]])
         logits = self._head(x if all_logits else x[last])
         cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
-        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0)
+        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
+                                    sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, switches: Switches,
                record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
@@ -380,4 +395,5 @@ class LlamaModel:
         logits = self._head(x)
         cache.lengths = lengths
         kv_bytes = cache.bytes_read(lengths, Hkv, D) if record else 0
-        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s, kv_bytes)
+        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s, kv_bytes,
+                                    int(lengths.sum()), logits.shape[0])

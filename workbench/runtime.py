@@ -45,6 +45,12 @@ class Timings:
         """Achieved bandwidth of one step: weight and KV bytes it had to read / its time."""
         return (sum(step.weight_bytes) + sum(step.kv_bytes)) / step.total_s / 1e9 if step.total_s else 0.0
 
+    def step_gflops(self, step: StepRecord) -> float:
+        """Achieved arithmetic rate of one step: its linear-layer, attention and LM-head
+        floating-point operations / its time (set it against the FMA peak as step_gbps is set
+        against the bandwidth: whichever is nearer its peak bounds the step)."""
+        return (sum(step.flops) + step.head_flops) / step.total_s / 1e9 if step.total_s else 0.0
+
     def per_layer(self, phase: str = "decode") -> list[dict]:
         """Mean seconds per step in attention / MLP / other for each layer, over the phase's steps."""
         steps = [s for s in self.steps if s.phase == phase]
@@ -64,6 +70,7 @@ class Timings:
             "time_to_first_token_ms": 1e3 * self.time_to_first_token_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "decode_gbps": (sum(self.step_gbps(s) for s in decode) / len(decode)) if decode else 0.0,
+            "decode_gflops": (sum(self.step_gflops(s) for s in decode) / len(decode)) if decode else 0.0,
         }
 
 
