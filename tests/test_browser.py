@@ -24,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = ROOT / "results" / "screenshots"
+HANG_GUARD_S = 300  # JupyterLab start-up: fail rather than hang if it never answers
 
 
 def _require(cond: bool, why: str) -> None:
@@ -62,13 +63,15 @@ def lab(tmp_path_factory):
          "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
+    # Wait until the server answers. The bound only keeps a server that never comes up from
+    # hanging the run; it is not a speed check.
+    give_up = time.monotonic() + HANG_GUARD_S
     while True:
         try:
             urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
             break
         except OSError:
-            if time.time() > deadline or proc.poll() is not None:
+            if time.monotonic() > give_up or proc.poll() is not None:
                 proc.kill()
                 pytest.fail(f"JupyterLab did not start:\n{proc.stdout.read()[-3000:]}")
             time.sleep(0.5)

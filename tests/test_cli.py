@@ -27,7 +27,8 @@ def test_demo_writes_a_row_per_configuration(tmp_path):
     assert len(rows) == 2 * 4 * 4  # two prompt lengths x four backends x four KV dtypes
     assert {r["prompt_len"] for r in rows} == {8, 40}
     assert {r["attention"] for r in rows} == {"slim", "flash", "sdpa", "naive"}
-    assert all(0.0 <= r["top1_agreement"] <= 1.0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert all(0.0 <= r["top1_agreement"] <= 1.0 for r in rows)
+    assert all({"prefill_ms", "decode_tokens_per_s", "decode_gbps", "decode_gflops"} <= r.keys() for r in rows)
     naive_fp32 = [r for r in rows if r["attention"] == "naive" and r["kv_cache"] == "fp32"]
     assert all(r["top1_agreement"] == 1.0 for r in naive_fp32)  # the reference agrees with itself
     assert "top1_agreement" in r.stdout
