@@ -255,11 +255,7 @@ class WorkbenchMagics(Magics):
 def timing_summary(out) -> str:
     """A few lines on a generation: totals, then the per-layer split of a decode step."""
     t = out.timings
-    s = t.summary()
-    lines = [f"{len(out.token_ids)} tokens | prefill {s['prefill_ms']:.1f} ms | "
-             f"decode {s['decode_tokens_per_s']:.1f} tokens/s, {s['decode_gbps']:.2f} GB/s, "
-             f"{s['decode_gflops']:.1f} GFLOP/s | "
-             f"attention={out.switches.attention} kv_cache={out.switches.kv_cache}"]
+    lines = [f"{len(out.token_ids)} tokens | {out.summary_line()}"]
     layers = t.per_layer("decode") or t.per_layer("prefill")
     if layers:
         attn = sum(r["attention_ms"] for r in layers)

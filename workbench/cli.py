@@ -55,11 +55,7 @@ def cmd_generate(args) -> int:
     out = model.generate(prompt, max_new_tokens=args.max_new_tokens, attention=args.attention,
                          kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed, on_token=stream)
-    s = out.timings.summary()
-    print(f"\n\n[{len(out.token_ids)} tokens; prefill {s['prefill_ms']:.1f} ms, "
-          f"decode {s['decode_tokens_per_s']:.1f} tokens/s, {s['decode_gbps']:.2f} GB/s, "
-          f"{s['decode_gflops']:.1f} GFLOP/s; "
-          f"attention={out.switches.attention} kv_cache={out.switches.kv_cache}]")
+    print(f"\n\n[{len(out.token_ids)} tokens | {out.summary_line()}]")
     return 0
 
 

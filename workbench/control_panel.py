@@ -96,12 +96,8 @@ class Panel:
             self.run_button.disabled = False
             self.progress.description = "done"
         self.plots.update(self.result.timings)  # the final state, whatever the refresh rate skipped
-        s = self.result.timings.summary()
         text = self.result.text[0] if isinstance(self.result.text, list) else self.result.text
-        self.output.append_stdout(
-            f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s, "
-            f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | attention={self.attention.value} kv_cache={self.kv_cache.value}\n"
-            f"sequence 0 continues: {text[:300]!r}\n")
+        self.output.append_stdout(f"{self.result.summary_line()}\nsequence 0 continues: {text[:300]!r}\n")
 
     def _ipython_display_(self):
         from IPython.display import display

@@ -231,8 +231,9 @@ class Layer:
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
     and two, which matters in decode where every product is a separate pass over memory."""
 
-    def __init__(self, w: dict[str, torch.Tensor]):
+    def __init__(self, w: dict[str, torch.Tensor], head_dim: int):
         self.attn_norm = w["attn_norm"]
+        self.head_dim = head_dim
         self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
         self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]))
         self.wo = Linear(w["wo"])
@@ -240,23 +241,18 @@ class Layer:
         self.ffn_dim = w["w_gate"].shape[0]
         self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]))
         self.w_down = Linear(w["w_down"])
-
-    @property
-    def weight_bytes(self) -> int:
+        # Fixed once the weights are: counted here, not on every recorded step.
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        return sum(lin.nbytes for lin in linears) + 4 * (self.attn_norm.numel() + self.mlp_norm.numel())
+        self.weight_bytes = sum(lin.nbytes for lin in linears) + 4 * (self.attn_norm.numel() + self.mlp_norm.numel())
+        self.linear_params = sum(lin.weight.numel() for lin in linears)
 
-    @property
-    def linear_params(self) -> int:
-        return sum(lin.weight.numel() for lin in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> q [T, q_dim], k, v [T, kv_dim], RoPE applied to q and k (cos / sin
         [T, head_dim], each token's row): one fused product, then one in-place rotation of the
         q and k heads, which sit side by side at the start of each output row."""
         qkv = self.wqkv(x)
-        kernels.rope_(qkv, cos, sin, heads=(self.q_dim + self.kv_dim) // head_dim, head_dim=head_dim)
+        kernels.rope_(qkv, cos, sin, heads=(self.q_dim + self.kv_dim) // self.head_dim, head_dim=self.head_dim)
         return qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +275,7 @@ class LlamaModel:
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             keys = [k for k in weights if k.startswith(prefix)]
-            self.layers.append(Layer({k[len(prefix):]: weights.pop(k) for k in keys}))
+            self.layers.append(Layer({k[len(prefix):]: weights.pop(k) for k in keys}, cfg.head_dim))
         self.final_norm = weights["final_norm"]
         self.lm_head = Linear(weights["lm_head"] if "lm_head" in weights else self.embedding)
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
@@ -348,7 +344,7 @@ class LlamaModel:
         start = torch.zeros(1, dtype=torch.int64)
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h, cos, sin, D)
+            q, k, v = layer.qkv(h, cos, sin)
             q, k, v = q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
             out = torch.empty(q.shape[0], H, D)
             for b in range(len(seq_lens)):  # attention per sequence: ragged prompts need no padding
@@ -383,7 +379,7 @@ class LlamaModel:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h, cos, sin, D)
+            q, k, v = layer.qkv(h, cos, sin)
             cache.append(i, k.reshape(-1, Hkv, 1, D), v.reshape(-1, Hkv, 1, D), positions)  # [B, Hkv, 1, D]
             attn = decode_attention(switches.attention, q.reshape(-1, H, D).contiguous(), cache, i, lengths)
             return layer.wo(attn.reshape(-1, H * D))

@@ -82,6 +82,13 @@ class GenerationResult:
     timings: Timings
     switches: Switches
 
+    def summary_line(self) -> str:
+        """One line for people: prefill time, decode rate, achieved GB/s and GFLOP/s, switches."""
+        s = self.timings.summary()
+        return (f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s, "
+                f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | "
+                f"attention={self.switches.attention} kv_cache={self.switches.kv_cache}")
+
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
            generator: torch.Generator) -> torch.Tensor:
