@@ -51,9 +51,10 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
 }
 
-// Accumulator registers the inner loops may use (of 32 zmm / 16 ymm).
+// Accumulator registers the inner loops may use (of 32 zmm / 16 ymm). 24 of 32 lets GQA 3:1
+// score 8 tokens per pass instead of 4 (measured 1.1x on int8 at SmolLM2's shapes).
 #if defined(WBK_ISA_AVX512)
-constexpr int kAccRegs = 16;
+constexpr int kAccRegs = 24;
 #else
 constexpr int kAccRegs = 8;
 #endif
@@ -61,9 +62,10 @@ constexpr int kAccRegs = 8;
 // The GC query heads that share a KV head are handled together: each K or V vector is
 // loaded and widened once and used by all of them (GQA), instead of once per head.
 
-// out[g * kTokensPerScoreStep + i] = q_g . rows[i] for GC heads and kTokensPerScoreStep rows.
+// out[g * ldo + i] = q_g . rows[i] for GC heads and kTokensPerScoreStep rows (out rows ldo
+// apart, written straight into the score buffer).
 template <typename T, int GC>
-void dot_rows(const float* q, int64_t ldq, const T* const* rows, int64_t D, float* out) {
+void dot_rows(const float* q, int64_t ldq, const T* const* rows, int64_t D, float* out, int64_t ldo) {
   // Rows per pass: the largest power of two (so it divides the step) that keeps R * GC
   // accumulators within kAccRegs.
   constexpr int R = kAccRegs / GC >= 8 ? 8 : kAccRegs / GC >= 4 ? 4 : kAccRegs / GC >= 2 ? 2 : 1;
@@ -90,10 +92,19 @@ void dot_rows(const float* q, int64_t ldq, const T* const* rows, int64_t D, floa
         for (int g = 0; g < GC; ++g) acc[r * GC + g] = fmadd(qv[g], kv, acc[r * GC + g]);
       }
     }
-    float sums[N];
-    for (int i = 0; i < N; i += 4) reduce_add4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], sums + i);
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < GC; ++g) out[g * kTokensPerScoreStep + r0 + r] = sums[r * GC + g];
+    if constexpr (R % 4 == 0) {
+      // Four consecutive tokens of one head per reduction: their four sums are stored
+      // together, in place.
+      for (int g = 0; g < GC; ++g)
+        for (int r = 0; r < R; r += 4)
+          reduce_add4(acc[r * GC + g], acc[(r + 1) * GC + g], acc[(r + 2) * GC + g], acc[(r + 3) * GC + g],
+                      out + g * ldo + r0 + r);
+    } else {
+      float sums[N];
+      for (int i = 0; i < N; i += 4) reduce_add4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], sums + i);
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < GC; ++g) out[g * ldo + r0 + r] = sums[r * GC + g];
+    }
   }
 }
 
@@ -163,6 +174,9 @@ void decode_impl(const DecodeArgs& a) {
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   const int64_t G = a.H / a.Hkv, S = a.num_splits, D = a.D;
   const int64_t max_chunk = (a.Lmax + S - 1) / S;
+  // Score rows lds apart: a chunk rounded up to whole score steps, so a short last step may
+  // write its repeated tokens past the chunk's end without touching the next head's row.
+  const int64_t lds = (max_chunk + kTokensPerScoreStep - 1) / kTokensPerScoreStep * kTokensPerScoreStep;
 
   // Split-KV partial results: unnormalised outputs and (max, sum) per split.
   std::vector<float> part_o, part_ml;
@@ -172,7 +186,7 @@ void decode_impl(const DecodeArgs& a) {
   }
 
   run_tasks(a.B * a.Hkv * S, [&] {
-    return [&, scores = Scratch(0, G * max_chunk), acc = Scratch(1, G * D),
+    return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D),
             stats = Scratch(2, 2 * G)](int64_t task) mutable {
       const int64_t s = task % S, bk = task / S;  // bk = b * Hkv + kv head
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
@@ -202,11 +216,7 @@ void decode_impl(const DecodeArgs& a) {
           for (int64_t g0 = 0; g0 < G; g0 += 8) {  // heads sharing this KV head, up to 8 at a time
             with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
               constexpr int GC = decltype(gc)::value;
-              float dots[GC * kTokensPerScoreStep];
-              dot_rows<T, GC>(qbase + g0 * D, D, rows, D, dots);
-              for (int g = 0; g < GC; ++g)
-                std::copy(dots + g * kTokensPerScoreStep, dots + g * kTokensPerScoreStep + nt,
-                          scores.data() + (g0 + g) * max_chunk + (tb - t0));
+              dot_rows<T, GC>(qbase + g0 * D, D, rows, D, scores.data() + g0 * lds + (tb - t0), lds);
             });
           }
         }
@@ -214,7 +224,7 @@ void decode_impl(const DecodeArgs& a) {
         // 2. exact softmax over the chunk of scale * q.k (times the token's scale for int8);
         //    then fold the int8 V scales into the probabilities.
         for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * max_chunk;
+          float* sg = scores.data() + g * lds;
           if constexpr (kInt8) {
             mul_rows_scaled(sg, a.k_scale + bk * a.Lmax + t0, a.scale, n);
           } else {
@@ -234,7 +244,7 @@ void decode_impl(const DecodeArgs& a) {
             prefetch_range(vbase + ahead * D, std::min<int64_t>(kTokensPerValueBlock, t1 - ahead) * D * sizeof(T));
           for (int64_t g0 = 0; g0 < G; g0 += 8) {
             with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
-              accumulate_pv<T, decltype(gc)::value>(p + g0 * max_chunk, max_chunk, vbase + tb * D, nb, D,
+              accumulate_pv<T, decltype(gc)::value>(p + g0 * lds, lds, vbase + tb * D, nb, D,
                                                     acc.data() + g0 * D);
             });
           }

@@ -24,13 +24,15 @@ CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 
 @st.composite
 def decode_case(draw):
-    ratio = draw(st.sampled_from([1, 3, 4, 8]))
+    # GQA ratios cover every register blocking of the score pass (rows per pass 8, 4, 2) and
+    # groups wider than one pass of 8 heads (12); head dims include partial vectors (20, 72).
+    ratio = draw(st.sampled_from([1, 3, 4, 6, 7, 8, 12]))
     return dict(
         B=draw(st.integers(1, 4)),
         Hkv=draw(st.integers(1, 3)),
         ratio=ratio,
         Lmax=draw(st.integers(1, 600)),
-        D=draw(st.sampled_from([64, 128, 80])),
+        D=draw(st.sampled_from([64, 128, 80, 72, 20])),
         cache_dtype=draw(st.sampled_from(CACHE_DTYPES)),
         q_dtype=draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16])),
         num_splits=draw(st.one_of(st.none(), st.integers(1, 9))),
