@@ -50,7 +50,7 @@ def test_every_isa_path_compiles(tmp_path, isa):
 
 def test_info_reports_the_build():
     r = subprocess.run([sys.executable, "-m", "workbench.kernels", "--info", "--json"], capture_output=True,
-                       text=True, timeout=600)
+                       text=True)
     assert r.returncode == 0, r.stderr
     import json
 
@@ -64,7 +64,7 @@ def test_info_reports_the_build():
 def test_missing_compiler_is_a_clear_error(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), WORKBENCH_CACHE_DIR=str(tmp_path / "cache"))
     code = "import torch, workbench.kernels as K; K.slim_attention(*(torch.randn(1, 1, 4, 8),) * 3)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode != 0
     assert "KernelBuildError: no C++ compiler found" in r.stderr
     assert "no-such-compiler" in r.stderr
