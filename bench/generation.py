@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import workbench as wb  # noqa: E402
 from workbench.ablation import sample_text  # noqa: E402
 from workbench.loaders import bundled_gguf_path  # noqa: E402
-from workbench.peaks import measure_triad_gbps  # noqa: E402
+from workbench.peaks import measure_fma_gflops, measure_triad_gbps  # noqa: E402
 
 
 def med(xs):
@@ -92,8 +92,6 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
       overlapped max(flops / FMA peak, bytes / triad): both at their peaks, fully overlapped.
     Measured steps are slower than their floors, so the measured ratio is not capped by
     these; they say what int8 can gain over fp16 once both kernels are as fast as the machine."""
-    from workbench.peaks import measure_fma_gflops
-
     results = {}
     text_ids = None
     for dtype in ("fp32", "bf16"):
@@ -109,7 +107,7 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
                 tps[kv].append(out.timings.decode_tokens_per_s)
                 steps = out.timings.decode_steps
                 step_bytes[kv] = model.llama.weight_bytes + sum(sum(s.kv_bytes) for s in steps) / len(steps)
-                step_flops[kv] = sum(sum(s.flops) + s.head_flops for s in steps) / len(steps)
+                step_flops[kv] = sum(s.total_flops for s in steps) / len(steps)
         triad = measure_triad_gbps()
         fma = measure_fma_gflops(torch.get_num_threads())
         mem_s = {kv: b / (triad * 1e9) for kv, b in step_bytes.items()}

@@ -78,8 +78,8 @@ def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, s
         for s in range(steps - 1):
             logits, rec = llama.decode(continuation[:, s], cache, switches, record=True)
             hits += int((logits.argmax(-1) == continuation[:, s + 1]).sum())
-            step_bytes += sum(rec.weight_bytes) + sum(rec.kv_bytes)
-            step_flops += sum(rec.flops) + rec.head_flops
+            step_bytes += rec.bytes_read
+            step_flops += rec.total_flops
         decode_s = time.perf_counter() - t1
     return {"prefill_ms": 1e3 * prefill_s,
             "decode_tokens_per_s": batch * (steps - 1) / decode_s if steps > 1 else 0.0,

@@ -66,6 +66,16 @@ class StepRecord:
     flops: list[int] = field(default_factory=list)
     head_flops: int = 0  # the LM head over the rows it projects
 
+    @property
+    def bytes_read(self) -> int:
+        """Weight and KV-cache bytes the layers had to read."""
+        return sum(self.weight_bytes) + sum(self.kv_bytes)
+
+    @property
+    def total_flops(self) -> int:
+        """The layers' floating-point operations and the LM head's."""
+        return sum(self.flops) + self.head_flops
+
 
 class _Clock:
     """Accumulates per-layer section times when enabled; does nothing otherwise."""

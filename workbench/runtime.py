@@ -43,13 +43,13 @@ class Timings:
 
     def step_gbps(self, step: StepRecord) -> float:
         """Achieved bandwidth of one step: weight and KV bytes it had to read / its time."""
-        return (sum(step.weight_bytes) + sum(step.kv_bytes)) / step.total_s / 1e9 if step.total_s else 0.0
+        return step.bytes_read / step.total_s / 1e9 if step.total_s else 0.0
 
     def step_gflops(self, step: StepRecord) -> float:
         """Achieved arithmetic rate of one step: its linear-layer, attention and LM-head
         floating-point operations / its time (set it against the FMA peak as step_gbps is set
         against the bandwidth: whichever is nearer its peak bounds the step)."""
-        return (sum(step.flops) + step.head_flops) / step.total_s / 1e9 if step.total_s else 0.0
+        return step.total_flops / step.total_s / 1e9 if step.total_s else 0.0
 
     def per_layer(self, phase: str = "decode") -> list[dict]:
         """Mean seconds per step in attention / MLP / other for each layer, over the phase's steps."""
