@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from workbench.experiments import interleaved, summarize  # noqa: F401  (re-exported for the scripts)
+from workbench.analysis.experiments import interleaved, summarize  # noqa: F401  (re-exported for the scripts)
+from workbench.analysis.tables import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "results"
@@ -35,20 +36,13 @@ def fmt_ms(s: dict) -> str:
 
 
 def print_table(rows: list[dict], columns: list[str], title: str | None = None) -> None:
-    if title:
-        print(f"\n{title}")
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    print("  ".join("-" * w for w in widths))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    print(("\n" if title else "") + format_table(rows, columns, title=title))
 
 
 def environment() -> dict:
     from workbench.kernels import build_info
-    from workbench.machine import machine_info
-    from workbench.peaks import measured_peaks
+    from workbench.hw.machine import machine_info
+    from workbench.hw.peaks import measured_peaks
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -28,32 +28,29 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workbench import kernels  # noqa: E402
-from workbench.loaders import available_memory_bytes  # noqa: E402
+from workbench.model.kv_formats import KV_FORMATS, KVCache  # noqa: E402
+from workbench.model.loaders import available_memory_bytes  # noqa: E402
 
 H, D = 32, 128
-DTYPES = {"int8": torch.int8, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = tuple(KV_FORMATS)
 TRIAD_FLOATS = 1 << 25  # 3 x 128 MiB, far beyond the caches
 
 
 def cache_bytes(B: int, Hkv: int, L: int, name: str) -> int:
-    per_elem = {"int8": 1, "fp16": 2, "bf16": 2, "fp32": 4}[name]
-    extra = 4 if name == "int8" else 0  # one fp32 scale per head per token
-    return 2 * B * Hkv * L * (D * per_elem + extra)
+    return KV_FORMATS[name].cache_bytes(1, Hkv, D, B, L)
 
 
 def make_caches(B: int, Hkv: int, L: int, names: list[str]) -> dict:
+    """The same random K and V in a one-layer cache of each format, as decode_attention's
+    keyword arguments."""
     k = torch.randn(B, Hkv, L, D)
     v = torch.randn(B, Hkv, L, D)
     caches = {}
     for name in names:
-        if name == "int8":
-            kq, ks = kernels.quantize_kv_int8(k)
-            vq, vs = kernels.quantize_kv_int8(v)
-            caches[name] = dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
-        elif name == "fp32":
-            caches[name] = dict(k_cache=k, v_cache=v)
-        else:
-            caches[name] = dict(k_cache=k.to(DTYPES[name]), v_cache=v.to(DTYPES[name]))
+        cache = KVCache(1, B, Hkv, L, D, name)
+        cache.append(0, k, v, torch.zeros(B, dtype=torch.int64))
+        caches[name] = dict(k_cache=cache.k[0], v_cache=cache.v[0], k_scale=cache.k_scale[0],
+                            v_scale=cache.v_scale[0])
     return caches
 
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workbench import kernels  # noqa: E402
-from workbench.peaks import measured_peaks  # noqa: E402
+from workbench.hw.peaks import measured_peaks  # noqa: E402
 
 SHAPES = {"gate/up [11008, 4096]": (11008, 4096), "down [4096, 11008]": (4096, 11008)}
 TRIAD_FLOATS = 1 << 25

@@ -20,7 +20,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from workbench.model import ATTENTION_BACKENDS, KV_DTYPES, WEIGHT_DTYPES
+from workbench.model.attention import ATTENTION_BACKENDS
+from workbench.model.kv_formats import KV_FORMATS
+from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options
 
 
 def _csv(kind, choices=None):
@@ -64,9 +66,7 @@ class WorkbenchMagics(Magics):
 
     @magic_arguments()
     @argument("name", help="preset name (smollm2-135m, llama2-7b, ...), a .gguf file or a model directory")
-    @argument("--random", action="store_true", help="the preset's exact shapes with seeded random weights")
-    @argument("--layers", type=int, default=None, help="keep only the first N layers")
-    @argument("--dtype", default="fp32", choices=list(WEIGHT_DTYPES), help="weight dtype")
+    @magic_options(LOAD_OPTIONS)
     @argument("--seed", type=int, default=0, help="seed for --random weights")
     @line_magic
     def load_model(self, line):
@@ -93,7 +93,7 @@ class WorkbenchMagics(Magics):
         print(repr(model))
 
     @magic_arguments()
-    @argument("backend", choices=list(ATTENTION_BACKENDS), help="slim | flash | sdpa | naive")
+    @argument("backend", choices=list(ATTENTION_BACKENDS), help=" | ".join(ATTENTION_BACKENDS))
     @line_magic
     def attention(self, line):
         """Choose the attention kernel for the next runs (no reload).
@@ -105,7 +105,7 @@ class WorkbenchMagics(Magics):
         self._switch("attention", parse_argstring(self.attention, line).backend)
 
     @magic_arguments()
-    @argument("dtype", choices=list(KV_DTYPES), help="int8 | fp16 | bf16 | fp32")
+    @argument("dtype", choices=list(KV_FORMATS), help=" | ".join(KV_FORMATS))
     @line_magic
     def kvcache(self, line):
         """Choose the KV-cache dtype for the next runs (no reload).
@@ -126,27 +126,17 @@ class WorkbenchMagics(Magics):
 
           In [1]: %threads 2
         """
-        import os
+        from workbench.runtime.threads import set_threads
 
         args = parse_argstring(self.threads, line)
-        most = os.cpu_count() or 1
-        if not 1 <= args.n <= 4 * most:
-            raise UsageError(f"threads must be between 1 and {4 * most} on this machine ({most} CPUs), got {args.n}")
-        import torch
-
-        torch.set_num_threads(args.n)
-        print(f"threads = {args.n}")
+        try:
+            print(f"threads = {set_threads(args.n)}")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     @magic_arguments()
     @argument("prompt", nargs="+", help="the prompt text")
-    @argument("--max-new-tokens", "-n", type=int, default=32)
-    @argument("--attention", choices=list(ATTENTION_BACKENDS), default=None, help="override for this run")
-    @argument("--kv-cache", choices=list(KV_DTYPES), default=None, help="override for this run")
-    @argument("--temperature", type=float, default=0.0)
-    @argument("--top-k", type=int, default=None)
-    @argument("--top-p", type=float, default=None)
-    @argument("--seed", type=int, default=0)
-    @argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    @magic_options(GENERATE_OPTIONS)
     @line_magic
     def generate(self, line):
         """Generate text, streaming tokens as they come, then a per-layer timing summary.
@@ -158,38 +148,23 @@ class WorkbenchMagics(Magics):
           In [1]: %generate The capital of France is
           In [2]: %generate -n 64 --kv-cache int8 --chat Write a haiku about CPUs.
         """
+        from workbench.runtime.streaming import TextStream
+
         args = parse_argstring(self.generate, line)
         model = self._require_model()
-        prompt = " ".join(args.prompt)
-        if args.chat:
-            try:
-                prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-        shown, produced = [""], []
-
-        def stream(step, ids):
-            produced.append(ids[0])
-            if ids[0] != model.tokenizer.eos_id:
-                text = model.tokenizer.decode(produced)
-                sys.stdout.write(text[len(shown[0]):])
-                sys.stdout.flush()
-                shown[0] = text
-
         try:
-            out = model.generate(prompt, max_new_tokens=args.max_new_tokens, attention=args.attention,
-                                 kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed, on_token=stream)
+            prompt = chat_prompt(model, " ".join(args.prompt), args.chat)
+            out = model.generate(prompt, **generate_kwargs(args), on_token=TextStream(model.tokenizer))
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.last_result = out
         self.shell.user_ns["wb_result"] = out
         print("\n")
-        print(timing_summary(out))
+        print(out.report())
 
     @magic_arguments()
     @argument("--attention", type=_csv(str, ATTENTION_BACKENDS), default=list(ATTENTION_BACKENDS))
-    @argument("--kvcache", type=_csv(str, KV_DTYPES), default=list(KV_DTYPES))
+    @argument("--kvcache", type=_csv(str, KV_FORMATS), default=list(KV_FORMATS))
     @argument("--prompt-len", type=_csv(int), default=[128])
     @argument("--batch", type=_csv(int), default=[1])
     @argument("--new-tokens", type=int, default=16)
@@ -205,7 +180,7 @@ class WorkbenchMagics(Magics):
           In [1]: %ablate --attention slim,flash --kvcache int8,fp32 --prompt-len 128,1024 --batch 1,16
           In [2]: %ablate --kvcache int8,fp16 --new-tokens 32 -o results
         """
-        from workbench.ablation import rows_as_dicts, run_ablation
+        from workbench.analysis.ablation import rows_as_dicts, run_ablation
 
         args = parse_argstring(self.ablate, line)
         model = self._require_model()
@@ -224,7 +199,7 @@ class WorkbenchMagics(Magics):
             self.shell.user_ns[args.output] = table
         from IPython.display import display
 
-        from workbench.plots import ablation_figure
+        from workbench.ui.plots import ablation_figure
 
         display(table)
         display(ablation_figure(rows))
@@ -249,44 +224,9 @@ class WorkbenchMagics(Magics):
             p = wb.panel(self.model)
             display(p)
             return
+        from workbench.runtime.status import status_report
+
         print(status_report(self.model))
-
-
-def timing_summary(out) -> str:
-    """A few lines on a generation: totals, then the per-layer split of a decode step."""
-    t = out.timings
-    lines = [f"{len(out.token_ids)} tokens | {out.summary_line()}"]
-    layers = t.per_layer("decode") or t.per_layer("prefill")
-    if layers:
-        attn = sum(r["attention_ms"] for r in layers)
-        mlp = sum(r["mlp_ms"] for r in layers)
-        other = sum(r["other_ms"] for r in layers)
-        total = attn + mlp + other
-        lines.append(f"per step, all {len(layers)} layers: attention {attn:.2f} ms ({100 * attn / total:.0f}%), "
-                     f"MLP {mlp:.2f} ms ({100 * mlp / total:.0f}%), other {other:.2f} ms")
-        slowest = max(layers, key=lambda r: r["attention_ms"] + r["mlp_ms"] + r["other_ms"])
-        lines.append(f"slowest layer {slowest['layer']}: "
-                     f"{slowest['attention_ms'] + slowest['mlp_ms'] + slowest['other_ms']:.3f} ms")
-    return "\n".join(lines)
-
-
-def status_report(model) -> str:
-    import torch
-
-    from workbench.kernels import build_info
-    from workbench.machine import machine_info
-    from workbench.peaks import measured_peaks
-
-    info, m, p = build_info(), machine_info(), measured_peaks()
-    return "\n".join([
-        f"model      {model!r}" if model is not None else "model      (none loaded: %load_model smollm2-135m)",
-        f"switches   attention={model.attention} kv_cache={model.kv_cache}" if model is not None else "",
-        f"threads    {torch.get_num_threads()}",
-        f"kernels    {info['isa']} path ({', '.join(info['flags'])}), micro-kernel {info['gemm_tile']}",
-        f"cpu        {m.cpu_model}, L2 {m.l2_bytes // 1024} KiB",
-        f"peaks      triad {p.triad_gbps:.1f} GB/s, FMA {p.fma_gflops:.0f} GFLOP/s ({p.threads} threads, "
-        f"measured {p.measured_at})",
-    ]).replace("\n\n", "\n")
 
 
 def _dataframe(rows: list[dict]):

@@ -39,7 +39,7 @@ def test_load_switch_generate(shell, capsys):
     _, err = run(shell, "%generate -n 6 The capital of France is")
     assert err is None
     out = capsys.readouterr().out
-    assert "Paris" in out and "tokens/s" in out and "per step, all 30 layers" in out
+    assert "Paris" in out and "tokens/s" in out and "per decode step, all 30 layers" in out
     assert shell.user_ns["wb_result"].switches.kv_cache == "int8"
 
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from workbench import peaks
+from workbench.hw import peaks
 
 
 def test_peaks_are_measured_cached_and_remeasured(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 import workbench as wb  # noqa: E402
-from workbench.plots import LivePlots  # noqa: E402
+from workbench.ui.plots import LivePlots  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def test_panel_shows_errors_and_keeps_the_model(model):
 
 
 def test_ablation_figure_has_a_bar_per_configuration(model):
-    from workbench.ablation import run_ablation
-    from workbench.plots import ablation_figure
+    from workbench.analysis.ablation import run_ablation
+    from workbench.ui.plots import ablation_figure
 
     rows = run_ablation(model, ["slim", "naive"], ["int8"], prompt_lens=[16], new_tokens=2)
     fig = ablation_figure(rows)

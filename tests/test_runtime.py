@@ -17,8 +17,12 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.loaders import ModelLoadError, bundled_gguf_path
-from workbench.model import KVCache, Switches
+from workbench.analysis.forcing import forced_logits
+from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.loaders import ModelLoadError, bundled_gguf_path
+from workbench.model.switches import Switches
+from workbench.model.weights import WEIGHT_DTYPES
+from workbench.runtime.timing import PART_NAMES
 
 PROMPTS = [
     "The capital of France is",
@@ -73,10 +77,14 @@ def test_generate_text_and_timings(model):
     decode = t.decode_steps
     assert s["decode_tokens_per_s"] == pytest.approx(t.decode_tokens / t.decode_s)
     assert t.decode_tokens == len(decode)  # one sequence: one token per decode step
-    assert s["decode_gbps"] == pytest.approx(sum(map(t.step_gbps, decode)) / len(decode))
-    assert s["decode_gflops"] == pytest.approx(sum(map(t.step_gflops, decode)) / len(decode))
+    # Rates are totals over totals: all bytes (FLOPs) of the decode steps / their total time.
+    decode_s = sum(st.total_s for st in decode)
+    assert s["decode_gbps"] == pytest.approx(sum(st.bytes_read for st in decode) / decode_s / 1e9)
+    assert s["decode_gflops"] == pytest.approx(sum(st.total_flops for st in decode) / decode_s / 1e9)
     assert s["prefill_ms"] == pytest.approx(1e3 * t.prefill.total_s)
-    assert all(len(st.attention_s) == len(st.mlp_s) == len(st.flops) == model.config.n_layers for st in t.steps)
+    n_layers = model.config.n_layers
+    assert all(set(st.parts_s) == set(PART_NAMES) and len(st.flops) == n_layers for st in t.steps)
+    assert all(len(v) == n_layers for st in t.steps for v in st.parts_s.values())
 
 
 def test_step_flops_count_linears_attention_and_head(model):
@@ -126,22 +134,10 @@ def test_chat_template_and_eos(model):
 
 
 def teacher_forced_logits(llama, seqs, follow, switches, batched: bool):
-    """Prefill the prompts, then decode the `follow` tokens (teacher forcing); returns
-    [steps + 1] logits per sequence."""
-    def run(group):
-        cache = KVCache(llama.cfg, len(group), max(len(seqs[i]) for i in group) + follow.shape[1], switches.kv_cache)
-        tokens = torch.tensor([t for i in group for t in seqs[i]])
-        logits, _ = llama.prefill(tokens, [len(seqs[i]) for i in group], cache, switches)
-        out = [logits]
-        for step in range(follow.shape[1]):
-            logits, _ = llama.decode(follow[group, step], cache, switches)
-            out.append(logits)
-        return torch.stack(out, dim=1)  # [len(group), steps + 1, vocab]
-
-    with torch.inference_mode():
-        if batched:
-            return run(list(range(len(seqs))))
-        return torch.cat([run([i]) for i in range(len(seqs))])
+    """Teacher-forced logits [B, steps, vocab], all sequences in one batch or one at a time."""
+    if batched:
+        return forced_logits(llama, seqs, follow, switches)
+    return torch.cat([forced_logits(llama, [seqs[i]], follow[i:i + 1], switches) for i in range(len(seqs))])
 
 
 @pytest.mark.parametrize("attention", ["slim", "flash", "sdpa"])
@@ -277,6 +273,40 @@ def test_hf_directory_and_gguf_path_load_the_same_model(model, tmp_path):
     torch.testing.assert_close(from_path.logits(ids), model.logits(ids), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("preset", ["smollm2-135m", "tinyllama-1.1b"])  # tied and untied embeddings
+@pytest.mark.parametrize("dtype", list(WEIGHT_DTYPES))
+def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
+    """Every byte a step must read, from the config by hand, for every KV format: each layer's
+    weights (fp32 norms), the embedding rows of the step's tokens, the final norm and the
+    whole LM head (tied or not), and in decode the K and V of every cached token of every
+    KV head, with the int8 format's fp32 scale per head per token. FLOPs: 2 per linear
+    weight per token, 4 H D per visible (query, key) pair, 2 per LM-head weight per row."""
+    m = wb.load_model(preset, random=True, layers=2, dtype=dtype)
+    c = m.config
+    w = {"fp32": 4, "bf16": 2}[dtype]
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    params = c.dim * q + 2 * c.dim * kv + q * c.dim + 3 * c.dim * c.ffn_dim
+    layer = params * w + 2 * c.dim * 4
+    head = c.vocab_size * c.dim * w + c.dim * 4
+    pair_flops, head_flops_per_row = 4 * c.n_heads * c.head_dim, 2 * c.vocab_size * c.dim
+
+    def embedding_rows(tokens):
+        return tokens * c.dim * w
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    for name, elem, scale in (("int8", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0)):
+        out = m.generate(prompts, max_new_tokens=3, kv_cache=name, stop_at_eos=False)
+        prefill, decode = out.timings.prefill, out.timings.decode_steps
+        assert prefill.bytes_read == 2 * layer + embedding_rows(8) + head  # attention reads fresh K, V
+        assert prefill.total_flops == 2 * (2 * 8 * params + pair_flops * (15 + 6)) + 2 * head_flops_per_row
+        for step, st in enumerate(decode):
+            cached = (5 + step + 1) + (3 + step + 1)  # both sequences, the new token included
+            kv_bytes = cached * 2 * c.n_kv_heads * (c.head_dim * elem + scale)
+            assert st.bytes_read == 2 * (layer + kv_bytes) + embedding_rows(2) + head, (name, step)
+            assert st.total_flops == 2 * (2 * 2 * params + pair_flops * cached) + 2 * head_flops_per_row
+    assert set(KV_FORMATS) == {"int8", "fp16", "bf16", "fp32"}  # a new format needs its row above
+
+
 def test_bf16_weights_track_fp32(model):
     """bf16 weights (8 significant bits) change logits by far more than fp32 rounding but
     should keep the model's predictions: top-1 agreement >= 0.9 over a real text."""
@@ -296,8 +326,8 @@ def test_bf16_weights_track_fp32(model):
 ])
 def test_rope_scaling_matches_transformers(scaling):
     transformers = pytest.importorskip("transformers")
-    from workbench.config import ModelConfig
-    from workbench.model import rope_tables
+    from workbench.model.config import ModelConfig
+    from workbench.model.llama import rope_tables
 
     cfg = ModelConfig("t", dim=256, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=300,
                       rope_theta=500000.0, rope_scaling=scaling, max_seq_len=64)

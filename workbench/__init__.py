@@ -1,26 +1,39 @@
 """CPU LLM inference workbench: the paper's kernels and runtime as a Python library.
 
-Sub-packages: `workbench.kernels` (C++ attention / KV-cache kernels), `workbench.machine`
-(hardware facts), `workbench.peaks` (measured bandwidth and FMA peaks).
+    import workbench as wb
+    model = wb.load_model("smollm2-135m")
+    out = model.generate("The capital of France is", attention="slim", kv_cache="int8")
+
+Layers, bottom up (each imports only from those before it):
+
+    workbench.hw         the machine: CPU, caches, measured bandwidth and FMA peaks
+    workbench.kernels    the C++ kernels (sources in the repository's kernels/), built on first use
+    workbench.model      configs, weight dtypes, KV formats, attention backends, the Llama model, loaders
+    workbench.runtime    a loaded Model: generate, sampling, timing records, streaming, threads
+    workbench.analysis   experiments: teacher forcing, ablation grids, the demo, kernel comparisons
+    workbench.ui         the live plotly figures and the ipywidgets control panel
+    workbench.magics     the IPython magics (the repository's magics/), `%load_ext workbench`
+    workbench.cli        the `workbench` command
 """
 
 __version__ = "0.1.0"
 
-from workbench.loaders import ModelLoadError  # noqa: E402
-from workbench.runtime import GenerationResult, Model, load_model  # noqa: E402
+from workbench.model.loaders import ModelLoadError  # noqa: E402
+from workbench.runtime.generate import GenerationResult, Model, load_model  # noqa: E402
+from workbench.runtime.status import status_report  # noqa: E402
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "load_model", "panel"]
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "load_model", "panel", "status_report"]
 
 
 def panel(model=None):
-    """The ipywidgets control panel with live plots (see workbench.control_panel)."""
-    from workbench.control_panel import panel as make
+    """The ipywidgets control panel with live plots (see workbench.ui.panel)."""
+    from workbench.ui.panel import panel as make
 
     return make(model)
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext workbench`: register the magics (magics/ holds the IPython layer)."""
-    from magics import load_ipython_extension as load
+    """`%load_ext workbench`: register the magics (workbench.magics, the IPython layer)."""
+    from workbench.magics import load_ipython_extension as load
 
     load(ipython)

@@ -15,46 +15,32 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, add_options, chat_prompt, generate_kwargs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="preset name or path (default: the bundled model)")
-    p.add_argument("--random", action="store_true", help="random weights with the preset's exact shapes")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype")
-    p.add_argument("--threads", type=int, default=None)
+    add_options(p, LOAD_OPTIONS)
+    p.add_argument("--threads", type=int, default=None, help="threads for the kernels (default: torch's)")
 
 
 def _load(args):
-    import torch
-
     import workbench as wb
+    from workbench.runtime.threads import set_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        set_threads(args.threads)
     return wb.load_model(args.model, random=args.random, layers=args.layers, dtype=args.dtype)
 
 
 def cmd_generate(args) -> int:
+    from workbench.runtime.streaming import TextStream
+
     model = _load(args)
-    prompt = args.prompt
-    if args.chat:
-        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    printed = []
-
-    def stream(step, ids):
-        printed.append(ids[0])
-        if ids[0] != model.tokenizer.eos_id:
-            text = model.tokenizer.decode(printed)
-            sys.stdout.write(text[len(stream.shown):])
-            stream.shown = text
-            sys.stdout.flush()
-
-    stream.shown = ""
-    out = model.generate(prompt, max_new_tokens=args.max_new_tokens, attention=args.attention,
-                         kv_cache=args.kv_cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed, on_token=stream)
+    prompt = chat_prompt(model, args.prompt, args.chat)
+    out = model.generate(prompt, **generate_kwargs(args), on_token=TextStream(model.tokenizer))
     print(f"\n\n[{len(out.token_ids)} tokens | {out.summary_line()}]")
     return 0
 
@@ -62,8 +48,8 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     import torch
 
-    from workbench.ablation import rows_as_dicts
-    from workbench.demo import format_table, run_demo
+    from workbench.analysis.ablation import rows_as_dicts
+    from workbench.analysis.demo import format_table, run_demo
 
     model = _load(args)
     print(f"{model!r}\nthreads {torch.get_num_threads()}; reference: naive attention with an fp32 KV cache\n",
@@ -104,14 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate text, streaming it, then a timing summary")
     _model_args(g)
     g.add_argument("prompt")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--attention", default="slim", choices=["slim", "flash", "sdpa", "naive"])
-    g.add_argument("--kv-cache", default="fp32", choices=["int8", "fp16", "bf16", "fp32"])
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    add_options(g, GENERATE_OPTIONS)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="every attention backend x KV dtype: a table and JSON")
@@ -119,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--short-tokens", type=int, default=16)
     d.add_argument("--long-tokens", type=int, default=512)
     d.add_argument("--new-tokens", type=int, default=32)
-    d.add_argument("--out", default=str(ROOT / "results" / "demo.json"))
+    d.add_argument("--out", default=str(Path("results") / "demo.json"), help="JSON file (default results/demo.json)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
@@ -128,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
-    from workbench.loaders import ModelLoadError
+    from workbench.model.loaders import ModelLoadError
 
     try:
         return args.func(args)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants
-from workbench.machine import machine_info
+from workbench.hw.machine import machine_info
 
 __all__ = [
     "KernelBuildError",

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants
-from workbench.machine import machine_info
+from workbench.hw.machine import machine_info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,6 @@ per variant and CPU, so a home directory shared by different machines stays corr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
@@ -24,9 +23,23 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from workbench.machine import machine_info
+from workbench.cache import cache_dir, cpu_key
+from workbench.hw.machine import machine_info
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def _source_dir() -> Path:
+    """The C++ sources: shipped inside the package as workbench/kernels/csrc (a wheel or a
+    plain `pip install .` maps the repository's top-level kernels/ folder there, see
+    pyproject.toml), or the checkout's kernels/ folder itself (an editable install)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "csrc", here.parents[1] / "kernels"):
+        if (candidate / "bindings.cpp").is_file():
+            return candidate
+    return here / "csrc"  # neither exists: _check_toolchain names this folder in its error
+
+
+SOURCE_DIR = _source_dir()
 SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "kv_cache.cpp", "linear.cpp",
            "rope.cpp", "peaks.cpp")
 # GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
@@ -46,10 +59,6 @@ VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
 
 class KernelBuildError(RuntimeError):
     """The C++ kernels could not be built (no compiler, no ninja, or a compile error)."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("WORKBENCH_CACHE_DIR", Path.home() / ".cache" / "workbench"))
 
 
 def compiler() -> str:
@@ -76,10 +85,8 @@ def runnable_variants() -> list[str]:
 
 
 def _build_dir(variant: str) -> Path:
-    # Key the folder by the CPU as well: -march=native code from another machine may not run here.
-    info = machine_info()
-    cpu_key = hashlib.sha1(f"{info.cpu_model}|{sorted(info.flags)}".encode()).hexdigest()[:10]
-    return cache_dir() / "kernels" / f"{variant}-{cpu_key}"
+    # Keyed by the CPU as well: -march=native code from another machine may not run here.
+    return cache_dir() / "kernels" / f"{variant}-{cpu_key()}"
 
 
 def _check_toolchain() -> None:
@@ -95,8 +102,8 @@ def _check_toolchain() -> None:
     missing = [s for s in SOURCES if not (SOURCE_DIR / s).is_file()]
     if missing:
         raise KernelBuildError(
-            f"kernel sources {missing} not found in {SOURCE_DIR}; install the project from its "
-            "source tree with `pip install -e .`"
+            f"kernel sources {missing} not found in {SOURCE_DIR}; the installed package is incomplete: "
+            "reinstall it (`pip install .` from the source tree, or the wheel)"
         )
 
 

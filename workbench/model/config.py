@@ -26,10 +26,16 @@ class ModelConfig:
     tied_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    # Explicit, not dim // n_heads: some models (and every tensor-parallel shard) have
+    # n_heads * head_dim != dim. None means dim // n_heads, the Llama default.
+    head_dim: int | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.name}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                             f"({self.n_kv_heads})")
 
     def with_layers(self, n_layers: int) -> ModelConfig:
         if not 1 <= n_layers <= self.n_layers:
@@ -45,12 +51,6 @@ class ModelConfig:
 
     def weight_bytes(self, bytes_per_param: int) -> int:
         return self.parameter_count() * bytes_per_param
-
-    def kv_cache_bytes(self, batch: int, max_seq_len: int, bytes_per_elem: float) -> int:
-        per_token = 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_elem
-        if bytes_per_elem == 1:  # int8: one fp32 scale per head per token for K and for V
-            per_token += 2 * self.n_layers * self.n_kv_heads * 4
-        return int(batch * max_seq_len * per_token)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -14,14 +14,13 @@ and cached per CPU and thread count under the workbench cache directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from workbench.machine import machine_info
+from workbench.cache import cache_dir, cpu_key
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,7 @@ def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int 
 
 
 def _cache_path():
-    from workbench.kernels._build import cache_dir
-
-    info = machine_info()
-    key = hashlib.sha1(f"{info.cpu_model}|{sorted(info.flags)}".encode()).hexdigest()[:10]
-    return cache_dir() / f"peaks-{key}-{torch.get_num_threads()}threads.json"
+    return cache_dir() / f"peaks-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measured_peaks(refresh: bool = False) -> Peaks:

@@ -10,68 +10,17 @@ attention backend, KV-cache dtype and thread count, with per-layer timings built
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from workbench.loaders import ModelLoadError, check_memory, resolve
-from workbench.model import ATTENTION_BACKENDS, KV_DTYPES, KVCache, LlamaModel, StepRecord, Switches
-
-
-@dataclass
-class Timings:
-    """Per-step records of one generation, with the summaries people ask for."""
-
-    steps: list[StepRecord] = field(default_factory=list)
-    time_to_first_token_s: float = 0.0
-    decode_s: float = 0.0  # wall time of all decode steps
-    decode_tokens: int = 0  # tokens produced by decode steps (all sequences)
-
-    @property
-    def prefill(self) -> StepRecord | None:
-        return next((s for s in self.steps if s.phase == "prefill"), None)
-
-    @property
-    def decode_steps(self) -> list[StepRecord]:
-        return [s for s in self.steps if s.phase == "decode"]
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens per second after the first token (all sequences of the batch)."""
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def step_gbps(self, step: StepRecord) -> float:
-        """Achieved bandwidth of one step: weight and KV bytes it had to read / its time."""
-        return step.bytes_read / step.total_s / 1e9 if step.total_s else 0.0
-
-    def step_gflops(self, step: StepRecord) -> float:
-        """Achieved arithmetic rate of one step: its linear-layer, attention and LM-head
-        floating-point operations / its time (set it against the FMA peak as step_gbps is set
-        against the bandwidth: whichever is nearer its peak bounds the step)."""
-        return step.total_flops / step.total_s / 1e9 if step.total_s else 0.0
-
-    def per_layer(self, phase: str = "decode") -> list[dict]:
-        """Mean seconds per step in attention / MLP / other for each layer, over the phase's steps."""
-        steps = [s for s in self.steps if s.phase == phase]
-        if not steps:
-            return []
-        n = len(steps)
-        return [{"layer": i,
-                 "attention_ms": 1e3 * sum(s.attention_s[i] for s in steps) / n,
-                 "mlp_ms": 1e3 * sum(s.mlp_s[i] for s in steps) / n,
-                 "other_ms": 1e3 * sum(s.other_s[i] for s in steps) / n}
-                for i in range(len(steps[0].attention_s))]
-
-    def summary(self) -> dict:
-        decode = self.decode_steps
-        return {
-            "prefill_ms": 1e3 * self.prefill.total_s if self.prefill else 0.0,
-            "time_to_first_token_ms": 1e3 * self.time_to_first_token_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "decode_gbps": (sum(self.step_gbps(s) for s in decode) / len(decode)) if decode else 0.0,
-            "decode_gflops": (sum(self.step_gflops(s) for s in decode) / len(decode)) if decode else 0.0,
-        }
+from workbench.model.llama import LlamaModel
+from workbench.model.loaders import ModelLoadError, check_memory, resolve
+from workbench.model.switches import Switches
+from workbench.runtime.sampling import sample
+from workbench.runtime.threads import get_threads, set_threads
+from workbench.runtime.timing import StepRecord, Timings
 
 
 @dataclass
@@ -89,23 +38,13 @@ class GenerationResult:
                 f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | "
                 f"attention={self.switches.attention} kv_cache={self.switches.kv_cache}")
 
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-           generator: torch.Generator) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p sampling."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+    def report(self) -> str:
+        """A few lines: the tokens and the summary line, then the per-layer split of a decode
+        step (or of the prefill, when nothing was decoded)."""
+        n = len(self.token_ids) if self.token_ids and isinstance(self.token_ids[0], int) else \
+            sum(map(len, self.token_ids))
+        split = self.timings.per_part_text("decode") or self.timings.per_part_text("prefill")
+        return "\n".join(line for line in (f"{n} tokens | {self.summary_line()}", split) if line)
 
 
 class Model:
@@ -141,13 +80,11 @@ class Model:
 
     @property
     def threads(self) -> int:
-        return torch.get_num_threads()
+        return get_threads()
 
     @threads.setter
     def threads(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"threads must be a positive integer, got {n!r}")
-        torch.set_num_threads(n)
+        set_threads(n)
 
     def __repr__(self) -> str:
         c = self.config
@@ -187,7 +124,7 @@ class Model:
         self._check_ids(seqs)
         sw = Switches(attention or self.attention, "fp32")
         n = len(seqs[0])
-        cache = KVCache(self.config, 1, n, "fp32")
+        cache = self.llama.new_cache(1, n, "fp32")
         with torch.inference_mode():
             out, _ = self.llama.prefill(torch.tensor(seqs[0]), [n], cache, sw, all_logits=True)
         return out
@@ -222,7 +159,7 @@ class Model:
         except ModelLoadError as e:
             raise ValueError(str(e)) from None
         gen = torch.Generator().manual_seed(seed)
-        cache = KVCache(self.config, len(seqs), max_len, sw.kv_cache)
+        cache = self.llama.new_cache(len(seqs), max_len, sw.kv_cache)
         timings = Timings()
         eos = self.tokenizer.eos_id
         out: list[list[int]] = [[] for _ in seqs]
@@ -263,11 +200,16 @@ class Model:
 
 
 def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,
-               dtype: str = "fp32", seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None) -> Model:
-    """Load a model by preset name or path (see workbench.loaders). Raises ModelLoadError."""
+               dtype: str = "fp32", seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None,
+               shard=None) -> Model:
+    """Load a model by preset name or path (see workbench.model.loaders). Raises ModelLoadError.
+    shard: a hook that keeps part of each layer's weights (workbench.model.llama.ShardHook)."""
+    from workbench.kernels import native
+
+    native.ext  # compile the kernels now if they are not built yet, not inside the first timed step
     llama, tokenizer, description = resolve(name_or_path, random=random, layers=layers, dtype=dtype, seed=seed,
-                                            max_batch=max_batch, max_seq_len=max_seq_len)
+                                            max_batch=max_batch, max_seq_len=max_seq_len, shard=shard)
     return Model(llama, tokenizer, description)
 
 
-__all__ = ["ATTENTION_BACKENDS", "KV_DTYPES", "GenerationResult", "Model", "Timings", "load_model", "sample"]
+__all__ = ["GenerationResult", "Model", "load_model"]

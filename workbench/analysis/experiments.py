@@ -13,7 +13,9 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from workbench.model.attention import attention_backend
+from workbench.model.kv_formats import KV_FORMATS, KVCache
 
 
 def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
@@ -41,13 +43,9 @@ def summarize(seconds: list[float]) -> dict:
 def prefill_comparison(ns=(256, 512, 1024), heads: int = 32, kv_heads: int = 32, head_dim: int = 128,
                        repeats: int = 3, algorithms=("slim", "flash", "sdpa")) -> list[dict]:
     """One causal attention layer's prefill (fp32, batch 1) per prompt length and algorithm:
-    median / min / max ms and GFLOP/s over the visible query-key pairs."""
-    from workbench import kernels
-
-    run = {"slim": lambda q, k, v: kernels.slim_attention(q, k, v),
-           "flash": lambda q, k, v: kernels.flash_attention(q, k, v),
-           "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                  enable_gqa=kv_heads != heads)}
+    median / min / max ms and GFLOP/s over the visible query-key pairs. `algorithms` are
+    names of workbench.model.attention.ATTENTION_BACKENDS."""
+    run = {a: attention_backend(a).prefill for a in algorithms}
     rows = []
     for n in ns:
         q = torch.randn(1, heads, n, head_dim)
@@ -61,25 +59,19 @@ def prefill_comparison(ns=(256, 512, 1024), heads: int = 32, kv_heads: int = 32,
 
 
 def kv_dtype_comparison(batch: int = 16, heads: int = 32, kv_heads: int = 32, length: int = 1024,
-                        head_dim: int = 128, repeats: int = 5, dtypes=("int8", "fp16", "bf16", "fp32")) -> list[dict]:
-    """Decode attention over a cache of each dtype: median ms and the GB/s of the bytes read."""
-    from workbench import kernels
-
+                        head_dim: int = 128, repeats: int = 5, dtypes=tuple(KV_FORMATS)) -> list[dict]:
+    """Decode attention over a cache of each format (workbench.model.kv_formats), filled with
+    the same random K and V: median ms and the GB/s of the bytes read."""
     k, v = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)
     q = torch.randn(batch, heads, head_dim)
     lengths = torch.full((batch,), length)
     caches, nbytes = {}, {}
+    start = torch.zeros(batch, dtype=torch.int64)
     for d in dtypes:
-        if d == "int8":
-            kq, ks = kernels.quantize_kv_int8(k)
-            vq, vs = kernels.quantize_kv_int8(v)
-            caches[d] = dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
-        else:
-            dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[d]
-            caches[d] = dict(k_cache=k.to(dt), v_cache=v.to(dt))
-        nbytes[d] = sum(t.numel() * t.element_size() for t in caches[d].values())
-    samples = interleaved({d: (lambda d=d: kernels.decode_attention(q, lengths=lengths, **caches[d]))
-                           for d in dtypes}, repeats)
+        caches[d] = KVCache(1, batch, kv_heads, length, head_dim, d)
+        caches[d].append(0, k, v, start)
+        nbytes[d] = caches[d].nbytes
+    samples = interleaved({d: (lambda d=d: caches[d].attend(0, q, lengths)) for d in dtypes}, repeats)
     rows = []
     for d, s in samples.items():
         st = summarize(s)

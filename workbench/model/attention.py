@@ -1,0 +1,92 @@
+"""Attention backends: one record per backend, read by the model, the switches, the CLI, the
+magics, the panel and the ablation grids (`ATTENTION_BACKENDS`).
+
+    prefill(q, k, v)                     causal attention of one prompt:
+                                         q [1, H, N, D], k / v [1, Hkv, N, D] -> [1, H, N, D]
+    decode(q, cache, layer, lengths)     one new token per sequence over the KV cache:
+                                         q [B, H, D] -> [B, H, D], sequence b sees lengths[b] tokens
+
+slim and flash are our kernels; both use our decode kernel (the cache format picks its
+variant). sdpa is PyTorch's own CPU attention; naive is the plain-PyTorch reference that
+the tests and the ablation's reference runs trust. The last two decode over a dequantized
+fp32 copy of each sequence's cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workbench import kernels
+
+
+def _naive_prefill(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    n = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _sdpa_prefill(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _kernel_decode(q, cache, layer: int, lengths):
+    return cache.attend(layer, q, lengths)
+
+
+def _per_sequence_decode(attend_one: Callable) -> Callable:
+    """A decode function that runs attend_one(q [H, 1, D], k, v [Hkv, n, D]) -> [H, 1, D] on
+    each sequence's dequantized cache."""
+    def decode(q, cache, layer: int, lengths):
+        out = torch.empty_like(q)
+        for b in range(q.shape[0]):
+            k, v = cache.dequantized(layer, b, int(lengths[b]))
+            out[b] = attend_one(q[b].unsqueeze(1), k, v)[:, 0]
+        return out
+
+    return decode
+
+
+def _sdpa_one(q, k, v):
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=k.shape[0] != q.shape[0])[0]
+
+
+def _naive_one(q, k, v):
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    return torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    description: str
+    prefill: Callable
+    decode: Callable
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
+    AttentionBackend("slim", "SlimAttention: queries split only, one exact softmax pass (our kernel)",
+                     lambda q, k, v: kernels.slim_attention(q, k, v, causal=True), _kernel_decode),
+    AttentionBackend("flash", "FlashAttention-2: 2-D tiles, online softmax with rescaling (our kernel)",
+                     lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), _kernel_decode),
+    AttentionBackend("sdpa", "torch.nn.functional.scaled_dot_product_attention (PyTorch's CPU kernels)",
+                     _sdpa_prefill, _per_sequence_decode(_sdpa_one)),
+    AttentionBackend("naive", "plain PyTorch matmul + softmax: the reference",
+                     _naive_prefill, _per_sequence_decode(_naive_one)),
+)}
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    """The backend called `name`; a ValueError listing the backends otherwise."""
+    try:
+        return ATTENTION_BACKENDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}") from None

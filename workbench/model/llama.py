@@ -1,0 +1,273 @@
+"""A Llama-family decoder whose attention, KV cache and linear layers are the workbench's C++
+kernels.
+
+RMSNorm, rotary position embeddings (rotate-half layout, the config's theta and scaling),
+grouped-query attention, a SwiGLU MLP, tied or untied embeddings. Two entry points:
+
+    prefill(tokens, seq_lens, cache)   packed prompt tokens [T] of several sequences
+    decode(tokens, cache)              one new token per sequence [B]
+
+Linear layers run on the packed tokens of all sequences at once; attention runs per
+sequence in prefill (ragged prompts need no padding) and batched in decode. Which attention
+backend and which KV-cache format are used is decided per call (`Switches`), so they can
+change between generations without touching the weights.
+
+Weights arrive unfused, one dict per layer (wq, wk, wv, wo, w_gate, w_up, w_down and the
+two norms). An optional `shard(layer, weights) -> weights` hook sees each dict before Q/K/V
+and gate/up are fused, so tensor parallelism can keep a slice of every matrix without this
+file knowing about ranks; head counts are then read from the weights' shapes (the model's
+local heads), never from the config.
+
+Every step can record, per layer and per part (workbench.runtime.timing.PARTS), the time
+spent, the bytes read and the floating-point operations done (`StepRecord`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workbench import kernels
+from workbench.model.attention import attention_backend
+from workbench.model.config import ModelConfig
+from workbench.model.kv_formats import KVCache
+from workbench.model.switches import Switches
+from workbench.model.weights import weight_dtype
+from workbench.runtime.timing import Clock, StepRecord
+
+NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
+
+# shard(layer index, unfused weights) -> the weights this process keeps; layer None is the
+# embedding / final norm / LM head dict.
+ShardHook = Callable[[int | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class Linear:
+    """y = x W^T with W [out, in] in fp32 or bf16: our matrix-vector kernel for decode's few
+    rows, our packed GEMM for more (workbench.kernels.linear)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x.contiguous(), self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)  # one fused op: x / rms(x) * weight, in fp32
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] for the rotate-half layout, with HF-style rope scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {scaling!r} (supported: linear, llama3)")
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+class Layer:
+    """One decoder layer's weights. Q, K and V are stored as one [q; k; v] matrix and the
+    MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
+    and two, which matters in decode where every product is a separate pass over memory."""
+
+    def __init__(self, w: dict[str, torch.Tensor], head_dim: int):
+        self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
+        self.head_dim = head_dim
+        self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
+        self.n_heads, self.n_kv_heads = self.q_dim // head_dim, self.kv_dim // head_dim  # this process's heads
+        self.ffn_dim = w["w_gate"].shape[0]
+        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]))
+        self.wo = Linear(w["wo"])
+        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]))
+        self.w_down = Linear(w["w_down"])
+        # Fixed once the weights are: counted here, not on every recorded step.
+        linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        norms = self.attn_norm.numel() + self.mlp_norm.numel()
+        self.weight_bytes = sum(lin.nbytes for lin in linears) + NORM_BYTES_PER_ELEM * norms
+        self.linear_params = sum(lin.weight.numel() for lin in linears)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> q [T, q_dim], k, v [T, kv_dim], RoPE applied to q and k (cos / sin
+        [T, head_dim], each token's row): one fused product, then one in-place rotation of the
+        q and k heads, which sit side by side at the start of each output row."""
+        qkv = self.wqkv(x)
+        kernels.rope_(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads, head_dim=self.head_dim)
+        return qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split([self.ffn_dim, self.ffn_dim], dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class LlamaModel:
+    """Weights and the forward pass. Create through workbench.load_model()."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype_name: str = "fp32",
+                 shard: ShardHook | None = None):
+        weight_dtype(weight_dtype_name)  # a ValueError naming the accepted dtypes
+        self.cfg = cfg
+        self.weight_dtype = weight_dtype_name
+        keep = shard or (lambda layer, w: w)
+        # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
+        # layer: a 7B model never exists twice in memory.
+        self.layers = []
+        for i in range(cfg.n_layers):
+            prefix = f"layers.{i}."
+            unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
+            self.layers.append(Layer(keep(i, unfused), cfg.head_dim))
+        head = keep(None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
+                           "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
+        self.embedding = head["embedding"]  # [vocab, dim], fp32 or bf16 (rows widened on lookup)
+        self.final_norm = head["final_norm"]
+        self.lm_head = Linear(head["lm_head"])
+        self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
+        self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
+
+    @property
+    def weight_bytes(self) -> int:
+        """All weights held: layers, LM head, final norm, and the embedding when not tied."""
+        total = sum(layer.weight_bytes for layer in self.layers) + self.lm_head.nbytes
+        total += NORM_BYTES_PER_ELEM * self.final_norm.numel()
+        if self.lm_head.weight is not self.embedding:  # untied (or a shard's vocabulary slice)
+            total += self.embedding.numel() * self.embedding.element_size()
+        return total
+
+    def head_bytes(self, tokens: int) -> int:
+        """Bytes the non-layer part of a step reads: the embedding rows of `tokens` tokens,
+        the final norm, the whole LM head."""
+        row = self.embedding.shape[1] * self.embedding.element_size()
+        return tokens * row + NORM_BYTES_PER_ELEM * self.final_norm.numel() + self.lm_head.nbytes
+
+    def new_cache(self, batch: int, max_len: int, kv_cache: str) -> KVCache:
+        """An empty KV cache for this model's (local) KV heads."""
+        return KVCache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding[tokens].float()
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(rms_norm(x, self.final_norm, self.cfg.norm_eps))
+
+    def _layers(self, x: torch.Tensor, attend, clock: Clock) -> torch.Tensor:
+        """The decoder stack: x += attend(i, layer, norm(x)); x += mlp(norm(x)), timing each part."""
+        eps = self.cfg.norm_eps
+        for i, layer in enumerate(self.layers):
+            t0 = clock.t()
+            h = rms_norm(x, layer.attn_norm, eps)
+            t1 = clock.t()
+            o = attend(i, layer, h)
+            t2 = clock.t()
+            x = x + o
+            h = rms_norm(x, layer.mlp_norm, eps)
+            t3 = clock.t()
+            m = layer.mlp(h)
+            t4 = clock.t()
+            x = x + m
+            if clock.enabled:
+                clock.add("attention", i, t2 - t1)
+                clock.add("mlp", i, t4 - t3)
+                clock.add("other", i, (t1 - t0) + (t3 - t2) + (clock.t() - t4))
+        return x
+
+    def _record(self, clock: Clock, phase: str, tokens: int, t_start: float, layers_s: float,
+                kv_bytes: int, attention_pairs: int, head_rows: int) -> StepRecord | None:
+        if not clock.enabled:
+            return None
+        total = clock.t() - t_start
+        attention_flops = 4 * self.n_heads * self.cfg.head_dim * attention_pairs  # Q K^T and P V
+        return StepRecord(phase, tokens, clock.parts_s, total - layers_s,
+                          weight_bytes=[layer.weight_bytes for layer in self.layers],
+                          kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
+                          total_s=total,
+                          flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
+                          head_flops=2 * head_rows * self.lm_head.weight.numel())
+
+    def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
+                record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+        """tokens [T] packed prompts (sequence b has seq_lens[b] tokens, starting at position 0)
+        -> logits of each sequence's last token [B, vocab], or of every token [T, vocab] with
+        all_logits (and the step's record)."""
+        clock = Clock(record, len(self.layers))
+        t_start = clock.t()
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
+        backend = attention_backend(switches.attention)
+        offsets = [0]
+        for n in seq_lens:
+            offsets.append(offsets[-1] + n)
+        positions = torch.cat([torch.arange(n) for n in seq_lens])
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        start = torch.zeros(1, dtype=torch.int64)
+
+        def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
+            out = torch.empty(q.shape[0], H, D)
+            for b in range(len(seq_lens)):  # attention per sequence: ragged prompts need no padding
+                s = slice(offsets[b], offsets[b + 1])
+                qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
+                cache.append(i, kb, vb, start, rows=slice(b, b + 1))
+                out[s] = backend.prefill(qb, kb, vb)[0].transpose(0, 1)
+            return layer.wo(out.view(-1, H * D))
+
+        x = self._embed(tokens)  # [T, dim]
+        t_layers = clock.t()
+        x = self._layers(x, attend, clock)
+        layers_s = clock.t() - t_layers
+        last = torch.tensor([o - 1 for o in offsets[1:]])
+        logits = self._head(x if all_logits else x[last])
+        cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
+        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
+                                    sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache, switches: Switches,
+               record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+        """tokens [B], one per sequence, at positions cache.lengths -> logits [B, vocab]."""
+        clock = Clock(record, len(self.layers))
+        t_start = clock.t()
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
+        backend = attention_backend(switches.attention)
+        positions = cache.lengths.clone()
+        if int(positions.max()) >= cache.max_len:
+            raise ValueError(f"the KV cache is full ({cache.max_len} tokens); generate fewer tokens or "
+                             f"allocate a longer cache")
+        lengths = positions + 1
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
+
+        def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+            q, k, v = layer.qkv(h, cos, sin)
+            cache.append(i, k.reshape(-1, Hkv, 1, D), v.reshape(-1, Hkv, 1, D), positions)  # [B, Hkv, 1, D]
+            attn = backend.decode(q.reshape(-1, H, D).contiguous(), cache, i, lengths)
+            return layer.wo(attn.reshape(-1, H * D))
+
+        x = self._embed(tokens)  # [B, dim]
+        t_layers = clock.t()
+        x = self._layers(x, attend, clock)
+        layers_s = clock.t() - t_layers
+        logits = self._head(x)
+        cache.lengths = lengths
+        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
+                                    cache.bytes_read(lengths) if record else 0, int(lengths.sum()),
+                                    logits.shape[0])

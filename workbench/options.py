@@ -1,0 +1,65 @@
+"""Command-line options that the `workbench` command and the IPython magics share: defined
+once here as (flags, argparse keyword arguments), added to an argparse parser by
+`add_options` or to a magic by `magic_options` (IPython's @argument takes the same
+arguments as argparse's add_argument).
+
+The choices come from the registries, so a new attention backend, KV format or weight
+dtype shows up in every --help by itself.
+"""
+
+from __future__ import annotations
+
+from workbench.model.attention import ATTENTION_BACKENDS
+from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.weights import WEIGHT_DTYPES
+
+Option = tuple[tuple[str, ...], dict]
+
+# Loading a model (the model's name or path is a positional argument of each command).
+LOAD_OPTIONS: list[Option] = [
+    (("--random",), dict(action="store_true", help="the preset's exact shapes with seeded random weights")),
+    (("--layers",), dict(type=int, default=None, help="keep only the first N layers")),
+    (("--dtype",), dict(default="fp32", choices=list(WEIGHT_DTYPES), help="weight dtype")),
+]
+
+# One generation. --attention / --kv-cache default to the model's current switches.
+GENERATE_OPTIONS: list[Option] = [
+    (("--max-new-tokens", "-n"), dict(type=int, default=32, help="tokens to generate (default 32)")),
+    (("--attention",), dict(choices=list(ATTENTION_BACKENDS), default=None,
+                            help="attention backend for this run (default: the current switch)")),
+    (("--kv-cache",), dict(choices=list(KV_FORMATS), default=None,
+                           help="KV-cache format for this run (default: the current switch)")),
+    (("--temperature",), dict(type=float, default=0.0, help="0 is greedy (default)")),
+    (("--top-k",), dict(type=int, default=None)),
+    (("--top-p",), dict(type=float, default=None)),
+    (("--seed",), dict(type=int, default=0, help="sampling seed")),
+    (("--chat",), dict(action="store_true", help="wrap the prompt in the model's chat template")),
+]
+
+
+def add_options(parser, options: list[Option]) -> None:
+    for flags, kwargs in options:
+        parser.add_argument(*flags, **kwargs)
+
+
+def magic_options(options: list[Option]):
+    """A decorator adding `options` to a magic defined with IPython's @magic_arguments()."""
+    from IPython.core.magic_arguments import argument
+
+    def decorate(func):
+        for flags, kwargs in reversed(options):  # decorators apply bottom up; keep the listed order
+            func = argument(*flags, **kwargs)(func)
+        return func
+
+    return decorate
+
+
+def generate_kwargs(args) -> dict:
+    """The keyword arguments of Model.generate from parsed GENERATE_OPTIONS."""
+    return dict(max_new_tokens=args.max_new_tokens, attention=args.attention, kv_cache=args.kv_cache,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def chat_prompt(model, prompt: str, chat: bool) -> str:
+    """The prompt, wrapped in the model's chat template with --chat (ValueError if it has none)."""
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt

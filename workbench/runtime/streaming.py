@@ -1,0 +1,31 @@
+"""Printing a generation as it happens: generate(on_token=TextStream(tokenizer)).
+
+Tokens are decoded together, not one by one (a character can span several byte-level
+tokens), and only the new part of the text is written each step."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+
+class TextStream:
+    """on_token hook: writes sequence `index`'s new text to `out` (stdout by default)."""
+
+    def __init__(self, tokenizer, out: TextIO | None = None, index: int = 0):
+        self.tokenizer = tokenizer
+        self.out = out
+        self.index = index
+        self.ids: list[int] = []
+        self.text = ""
+
+    def __call__(self, step: int, ids: list[int]) -> None:
+        token = ids[self.index]
+        if token == self.tokenizer.eos_id:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        out = self.out or sys.stdout  # looked up per call: IPython swaps stdout per cell
+        out.write(text[len(self.text):])
+        out.flush()
+        self.text = text

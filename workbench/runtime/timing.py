@@ -1,0 +1,156 @@
+"""Timing records: what one forward step cost, per layer and per part, and the bytes and
+floating-point operations it had to do, so every step can be set against both the measured
+bandwidth and the FMA peak.
+
+    PARTS         the parts a layer's time is split into; every table and figure iterates
+                  over this tuple (the tensor-parallel layer adds communication here)
+    StepRecord    one prefill or decode step
+    Timings       the records of one generation, with the summaries people ask for
+
+Rates are aggregated one way everywhere: total bytes (or FLOPs) over total step time, never
+a mean of per-step rates. Step time is the forward pass (`StepRecord.total_s`); tokens/s
+is wall time, sampling included.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # key in StepRecord.parts_s and the "<name>_ms" columns of per_layer()
+    label: str  # for people
+    color: str  # for figures
+
+
+PARTS: tuple[Part, ...] = (
+    Part("attention", "attention (QKV, RoPE, cache append, attention, o_proj)", "#636efa"),
+    Part("mlp", "MLP (gate/up, SiLU, down)", "#ef553b"),
+    Part("other", "norms and residual adds", "#00cc96"),
+)
+PART_NAMES = tuple(p.name for p in PARTS)
+
+
+@dataclass
+class StepRecord:
+    """One forward step (a prefill or one decode step) of all sequences."""
+
+    phase: str  # "prefill" or "decode"
+    tokens: int  # tokens processed (all sequences)
+    parts_s: dict[str, list[float]]  # part name -> seconds per layer
+    head_s: float  # embedding, final norm, LM head
+    # Bytes the step must read: each layer's weights (norms included), the KV cache its
+    # attention reads (scales included; 0 in prefill, whose attention reads fresh K and V),
+    # and the head's: embedding rows gathered, final norm, LM head weights.
+    weight_bytes: list[int]
+    kv_bytes: list[int]
+    head_bytes: int
+    total_s: float
+    # Per layer: 2 x tokens x the layer's linear weights, plus attention's Q K^T and P V
+    # over the (query, key) pairs it computes (causal prefill: n (n + 1) / 2 per sequence).
+    flops: list[int] = field(default_factory=list)
+    head_flops: int = 0  # the LM head over the rows it projects
+
+    @property
+    def bytes_read(self) -> int:
+        """Every byte the step had to read: layers' weights, KV cache, head."""
+        return sum(self.weight_bytes) + sum(self.kv_bytes) + self.head_bytes
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops) + self.head_flops
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.weight_bytes)
+
+    def gbps(self) -> float:
+        return self.bytes_read / self.total_s / 1e9 if self.total_s else 0.0
+
+    def gflops(self) -> float:
+        return self.total_flops / self.total_s / 1e9 if self.total_s else 0.0
+
+
+class Clock:
+    """Accumulates per-layer part times when enabled; costs one branch per part otherwise."""
+
+    def __init__(self, enabled: bool, n_layers: int):
+        self.enabled = enabled
+        self.t = time.perf_counter
+        self.parts_s = {name: [0.0] * n_layers for name in PART_NAMES} if enabled else {}
+
+    def add(self, part: str, layer: int, seconds: float) -> None:
+        self.parts_s[part][layer] += seconds
+
+
+def _rate(steps: list[StepRecord], amount) -> float:
+    seconds = sum(s.total_s for s in steps)
+    return sum(amount(s) for s in steps) / seconds / 1e9 if seconds else 0.0
+
+
+@dataclass
+class Timings:
+    """Per-step records of one generation."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    time_to_first_token_s: float = 0.0
+    decode_s: float = 0.0  # wall time of all decode steps
+    decode_tokens: int = 0  # tokens produced by decode steps (all sequences)
+
+    @property
+    def prefill(self) -> StepRecord | None:
+        return next((s for s in self.steps if s.phase == "prefill"), None)
+
+    @property
+    def decode_steps(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.phase == "decode"]
+
+    def phase_steps(self, phase: str) -> list[StepRecord]:
+        return [s for s in self.steps if s.phase == phase]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first, all sequences of the batch, wall time."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def gbps(self, phase: str = "decode") -> float:
+        """Achieved bandwidth of the phase: all bytes its steps read / their total time."""
+        return _rate(self.phase_steps(phase), lambda s: s.bytes_read)
+
+    def gflops(self, phase: str = "decode") -> float:
+        """Achieved arithmetic rate of the phase: all FLOPs / total time (set it against the
+        FMA peak as gbps against the bandwidth: the one nearer its peak bounds the phase)."""
+        return _rate(self.phase_steps(phase), lambda s: s.total_flops)
+
+    def per_layer(self, phase: str = "decode") -> list[dict]:
+        """Mean milliseconds per step of each part, for each layer, over the phase's steps."""
+        steps = self.phase_steps(phase)
+        if not steps:
+            return []
+        n = len(steps)
+        return [{"layer": i, **{f"{p}_ms": 1e3 * sum(s.parts_s[p][i] for s in steps) / n for p in PART_NAMES}}
+                for i in range(steps[0].n_layers)]
+
+    def summary(self) -> dict:
+        return {
+            "prefill_ms": 1e3 * self.prefill.total_s if self.prefill else 0.0,
+            "time_to_first_token_ms": 1e3 * self.time_to_first_token_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "decode_gbps": self.gbps("decode"),
+            "decode_gflops": self.gflops("decode"),
+        }
+
+    def per_part_text(self, phase: str = "decode") -> str:
+        """'per step, all N layers: attention x ms (a%), MLP ...': the split of a step."""
+        layers = self.per_layer(phase)
+        if not layers:
+            return ""
+        totals = {p.name: sum(r[f"{p.name}_ms"] for r in layers) for p in PARTS}
+        whole = sum(totals.values()) or 1.0
+        parts = ", ".join(f"{p.label.split(' (')[0]} {totals[p.name]:.2f} ms ({100 * totals[p.name] / whole:.0f}%)"
+                          for p in PARTS)
+        slowest = max(layers, key=lambda r: sum(r[f"{p}_ms"] for p in PART_NAMES))
+        return (f"per {phase} step, all {len(layers)} layers: {parts}\n"
+                f"slowest layer {slowest['layer']}: {sum(slowest[f'{p}_ms'] for p in PART_NAMES):.3f} ms")
