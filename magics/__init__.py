@@ -25,22 +25,23 @@ from workbench.model.kv_formats import KV_FORMATS
 from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options
 
 
-def _csv(kind, choices=None):
-    """argparse type: a comma-separated list of `kind`, each in `choices` if given."""
+def _csv(option: str, kind, choices=None):
+    """argparse type for `option`: a comma-separated list of `kind`, each in `choices` if given
+    (positive if ints); every message names the option."""
     def parse(text: str):
         items = [x.strip() for x in text.split(",") if x.strip()]
         try:
             values = [kind(x) for x in items]
         except ValueError:
-            raise UsageError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+            raise UsageError(f"{option} expects a comma-separated list of {kind.__name__}, got {text!r}") from None
         if not values:
-            raise UsageError(f"expected a comma-separated list, got {text!r}")
+            raise UsageError(f"{option} expects a comma-separated list, got {text!r}")
         if choices is not None:
             bad = [v for v in values if v not in choices]
             if bad:
-                raise UsageError(f"{', '.join(map(str, bad))} not accepted; choose from {', '.join(choices)}")
+                raise UsageError(f"{option}: {', '.join(map(str, bad))} not accepted; choose from {', '.join(choices)}")
         if kind is int and any(v < 1 for v in values):
-            raise UsageError(f"values must be positive, got {text!r}")
+            raise UsageError(f"{option} values must be positive integers, got {text!r}")
         return values
     parse.__name__ = f"comma-separated {kind.__name__}s"
     return parse
@@ -48,16 +49,24 @@ def _csv(kind, choices=None):
 
 @magics_class
 class WorkbenchMagics(Magics):
-    """The workbench's magics; the loaded model lives here (and as `wb_model` in the namespace)."""
+    """The workbench's magics. The loaded model is the session's (workbench.runtime.session),
+    which a control panel follows too, and `wb_model` in the namespace."""
 
     def __init__(self, shell):
         super().__init__(shell)
-        self.model = None
         self.last_result = None
 
-    def _switch(self, name: str, value: str) -> None:
-        setattr(self._require_model(), name, value)  # validated by the model; no reload
-        print(f"{name} = {value}")
+    @property
+    def model(self):
+        from workbench.runtime.session import current
+
+        return current.model
+
+    def _switch(self, name: str, value: str | None) -> None:
+        model = self._require_model()
+        if value is not None:
+            setattr(model, name, value)  # validated by the model; no reload
+        print(f"{name} = {getattr(model, name)}")
 
     def _require_model(self):
         if self.model is None:
@@ -80,39 +89,53 @@ class WorkbenchMagics(Magics):
         """
         import workbench as wb
 
+        import warnings
+
         args = parse_argstring(self.load_model, line)
-        try:
-            model = wb.load_model(args.name, random=args.random, layers=args.layers, dtype=args.dtype,
-                                  seed=args.seed)
-        except (wb.ModelLoadError, ValueError) as e:
-            raise UsageError(str(e)) from None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                model = wb.load_model(args.name, random=args.random, layers=args.layers, dtype=args.dtype,
+                                      seed=args.seed)
+            except (wb.ModelLoadError, ValueError) as e:
+                raise UsageError(str(e)) from None
+        for w in caught:
+            print(f"warning: {w.message}")
+        from workbench.runtime.session import current
+
         if self.model is not None:
             model.attention, model.kv_cache = self.model.attention, self.model.kv_cache
-        self.model = model
+        current.model = model
         self.shell.user_ns["wb_model"] = model
         print(repr(model))
 
     @magic_arguments()
-    @argument("backend", choices=list(ATTENTION_BACKENDS), help=" | ".join(ATTENTION_BACKENDS))
+    @argument("backend", nargs="?", choices=list(ATTENTION_BACKENDS), default=None,
+              help=" | ".join(ATTENTION_BACKENDS) + " (none: print the current one)")
     @line_magic
     def attention(self, line):
-        """Choose the attention kernel for the next runs (no reload).
+        """Choose the attention kernel for the next runs (no reload); without an argument,
+        print the current one.
 
         Examples::
 
           In [1]: %attention slim
+          In [2]: %attention
         """
         self._switch("attention", parse_argstring(self.attention, line).backend)
 
     @magic_arguments()
-    @argument("dtype", choices=list(KV_FORMATS), help=" | ".join(KV_FORMATS))
+    @argument("dtype", nargs="?", choices=list(KV_FORMATS), default=None,
+              help=" | ".join(KV_FORMATS) + " (none: print the current one)")
     @line_magic
     def kvcache(self, line):
-        """Choose the KV-cache dtype for the next runs (no reload).
+        """Choose the KV-cache format for the next runs (no reload); without an argument,
+        print the current one.
 
         Examples::
 
           In [1]: %kvcache int8
+          In [2]: %kvcache
         """
         self._switch("kv_cache", parse_argstring(self.kvcache, line).dtype)
 
@@ -163,10 +186,10 @@ class WorkbenchMagics(Magics):
         print(out.report())
 
     @magic_arguments()
-    @argument("--attention", type=_csv(str, ATTENTION_BACKENDS), default=list(ATTENTION_BACKENDS))
-    @argument("--kvcache", type=_csv(str, KV_FORMATS), default=list(KV_FORMATS))
-    @argument("--prompt-len", type=_csv(int), default=[128])
-    @argument("--batch", type=_csv(int), default=[1])
+    @argument("--attention", type=_csv("--attention", str, ATTENTION_BACKENDS), default=list(ATTENTION_BACKENDS))
+    @argument("--kvcache", type=_csv("--kvcache", str, KV_FORMATS), default=list(KV_FORMATS))
+    @argument("--prompt-len", type=_csv("--prompt-len", int), default=[128])
+    @argument("--batch", type=_csv("--batch", int), default=[1])
     @argument("--new-tokens", type=int, default=16)
     @argument("-o", dest="output", default=None, help="store the results DataFrame in this variable")
     @line_magic
@@ -221,7 +244,7 @@ class WorkbenchMagics(Magics):
             import workbench as wb
             from IPython.display import display
 
-            p = wb.panel(self.model)
+            p = wb.panel()  # follows the session: the model loaded now or later
             display(p)
             return
         from workbench.runtime.status import status_report

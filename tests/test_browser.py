@@ -1,7 +1,14 @@
 """The quickstart in a real browser: JupyterLab on localhost, headless Chromium driven by
-Playwright runs all cells, checks that the control panel and the live figures rendered,
-switches the KV-cache toggle to int8, runs again, checks a figure changed, and saves
-screenshots under results/screenshots/.
+Playwright runs all cells and then uses the control panel as a person would:
+
+- the panel shows the KV format `%kvcache int8` chose before it was opened;
+- a panel run before it was displayed draws its peak line flat at the measured triad;
+- `%kvcache fp16` typed after the panel moves its toggle, and Run then uses fp16;
+- the figure's per-layer decode latency matches `%generate`'s for the same settings;
+- Export JSON writes the runs;
+- after a page reload the figures still draw, and a new Run updates them.
+
+Screenshots of each state land under results/screenshots/.
 
 Needs Debian's chromium (/usr/bin/chromium) and the playwright and jupyterlab packages;
 .ci/run installs them. Outside CI the test is skipped when they are missing.
@@ -55,6 +62,9 @@ def lab(tmp_path_factory):
     nb = nbformat.read(ROOT / "notebooks" / "01-quickstart.ipynb", as_version=4)
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     params.source = 'MODEL = "smollm2-135m"\nNEW_TOKENS = 6\nABLATE_PROMPT_LEN = "24"\nABLATE_NEW_TOKENS = 3'
+    # A panel run before it is displayed (its figures must arrive whole, the peak flat).
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "q = wb.panel()\nq.new_tokens.value, q.warmup.value = 4, False\nq.run()\nq"))
     nbformat.write(nb, work / "quickstart.ipynb")
     port, token = _free_port(), "workbench-test"
     proc = subprocess.Popen(
@@ -82,7 +92,7 @@ def lab(tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"JupyterLab exited:\n{''.join(log)[-3000:]}")
             time.sleep(0.2)
-    yield url, token
+    yield url, token, work
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -90,56 +100,126 @@ def lab(tmp_path_factory):
         proc.kill()
 
 
-def _bandwidth_trace(page) -> str:
-    # plotly keeps each figure's data on its div; the bandwidth figure is the second of three.
-    return page.evaluate("""() => {
-        const plots = document.querySelectorAll('.jp-OutputArea .js-plotly-plot');
-        return plots.length >= 2 ? JSON.stringify(plots[1].data[0].y || []) : '';
-    }""")
+# The figures are plotly divs in output areas, three per panel; the quickstart's first panel
+# owns plots 0-2 and the panel run before display (the last cell) the last three.
+FIGURES = "document.querySelectorAll('.jp-OutputArea .js-plotly-plot')"
+
+
+def _figure(page, index: int) -> dict:
+    """data and layout of the index-th plotly figure on the page (negative: from the end)."""
+    return page.evaluate(f"""(i) => {{ const p = Array.from({FIGURES}); const d = p[i < 0 ? p.length + i : i];
+        return d ? {{data: d.data, shapes: (d.layout.shapes || [])}} : null; }}""", index)
+
+
+def _kernel(page, code: str) -> str:
+    """Run code in the notebook's kernel (as typing it in a cell would) and return its stdout."""
+    return page.evaluate("""async (code) => {
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        let out = '';
+        const future = kernel.requestExecute({code});
+        future.onIOPub = (msg) => { if (msg.header.msg_type === 'stream') out += msg.content.text; };
+        await future.done;
+        return out; }""", code)
+
+
+_ACTIVE_KV_JS = """() => { const groups = document.querySelectorAll('.jp-OutputArea .widget-toggle-buttons');
+    const kv = Array.from(groups).find(g => g.innerText.includes('KV cache') && !g.innerText.includes('attention'));
+    const b = kv && kv.querySelector('button.mod-active'); return b ? b.innerText.trim() : ''; }"""
+
+
+def _active_kv(page) -> str:
+    """The selected button of the first panel's KV-cache toggle."""
+    return page.evaluate(_ACTIVE_KV_JS)
 
 
 def test_quickstart_in_jupyterlab(lab):
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, work = lab
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         # Every wait below is for a condition, with no time limit: the test checks what the
         # page does, not how fast (a hang is CI's to stop).
         page.set_default_timeout(0)
-        page.goto(f"{url}/lab/tree/quickstart.ipynb?token={token}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell")
-        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands.hasCommand('notebook:run-all-cells')")
-        page.wait_for_function("() => { const s = window.jupyterapp.shell.currentWidget?.sessionContext?.session;"
-                               " return s?.kernel?.status === 'idle'; }")  # the kernel has started
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        # The last cell (%workbench) prints the measured peaks: wait for it.
-        page.wait_for_function("() => document.body.innerText.includes('triad') && "
-                               "document.body.innerText.includes('micro-kernel')")
-        page.wait_for_function("() => document.querySelectorAll('.jp-OutputArea .js-plotly-plot').length >= 3")
-        assert page.locator(".jp-OutputArea .widget-toggle-buttons").count() >= 2  # attention + KV toggles
-        assert "Paris" in page.inner_text(".jp-Notebook")
-        panel_button = page.locator(".jp-OutputArea button", has_text="Run").first
-        panel_button.scroll_into_view_if_needed()
-        page.screenshot(path=str(SHOTS / "quickstart-after-run-all.png"), full_page=False)
-        before = _bandwidth_trace(page)
-        assert before not in ("", "[]")
 
-        page.locator(".jp-OutputArea .widget-toggle-buttons button", has_text="int8").first.click()
-        panel_button.click()
-        # Done when the bandwidth figure holds a full new run: one point per decode step (5),
-        # different from the fp32 run's.
-        page.wait_for_function("(before) => { const plots = document.querySelectorAll('.jp-OutputArea .js-plotly-plot');"
-                               " const y = plots.length >= 2 ? (plots[1].data[0].y || []) : [];"
-                               " return y.length >= 5 && JSON.stringify(y) !== before; }",
-                               arg=before)
-        page.wait_for_function("() => document.body.innerText.includes('Idle')")
-        page.screenshot(path=str(SHOTS / "quickstart-after-int8-run.png"), full_page=False)
-        after = _bandwidth_trace(page)
-        assert after != before
-        json.loads(after)
+        def open_notebook():
+            page.goto(f"{url}/lab/tree/quickstart.ipynb?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell")
+            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands.hasCommand('notebook:run-all-cells')")
+            page.wait_for_function("() => { const s = window.jupyterapp.shell.currentWidget?.sessionContext?.session;"
+                                   " return s?.kernel?.status === 'idle'; }")  # the kernel has started
+
+        open_notebook()
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        # The panel run before display (the last cell) is done when its figures are drawn.
+        page.wait_for_function(f"() => {FIGURES}.length >= 6 && document.body.innerText.includes('micro-kernel')")
+        page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'")
+        assert page.locator(".jp-OutputArea .widget-toggle-buttons").count() >= 4  # two panels' toggles
+        assert "Paris" in page.inner_text(".jp-Notebook")
+        assert _active_kv(page) == "int8"  # %kvcache int8 ran before the panel was opened
+        page.screenshot(path=str(SHOTS / "quickstart-after-run-all.png"), full_page=False)
+
+        # The panel run before it was displayed: its peak line is flat at the measured triad.
+        early = _figure(page, -2)
+        (peak,) = early["shapes"]
+        assert peak["y0"] == peak["y1"] > 0 and peak["x0"] == 0 and peak["x1"] == 1  # across the whole plot
+        assert len(early["data"][-1]["y"]) == 3  # 4 new tokens: 3 decode steps, all drawn
+        triad = float(_kernel(page, "from workbench.hw.peaks import measured_peaks; print(measured_peaks().triad_gbps)"))
+        assert abs(peak["y0"] - triad) < 1e-6 * triad
+
+        # %kvcache typed after the panel moves its toggle; Run uses it.
+        assert "kv_cache = fp16" in _kernel(page, "%kvcache fp16")
+        page.wait_for_function("() => (" + _ACTIVE_KV_JS + ")() === 'fp16'")
+        prompt = "The capital of France is"
+        page.locator(".jp-OutputArea textarea").first.fill(prompt)  # the panel's prompt box
+        before = json.dumps(_figure(page, 1)["data"])
+        run_button = page.locator(".jp-OutputArea button", has_text="Run").first
+        run_button.scroll_into_view_if_needed()
+        run_button.click()
+        page.wait_for_function(f"""(before) => {{ const d = {FIGURES}[1];
+            return d && JSON.stringify(d.data) !== before; }}""", arg=before)
+        page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'")
+        assert _kernel(page, "print(p.result.switches.kv_cache, p.prompt.value)").split() == ["fp16", *prompt.split()]
+        assert "fp16 KV" in page.inner_text(".jp-Notebook")  # the summary names what ran
+        page.screenshot(path=str(SHOTS / "quickstart-after-fp16-run.png"), full_page=False)
+
+        # The figure's per-layer decode ms are the run's, and agree with %generate's for the
+        # same settings (a unit or aggregation slip is a factor of 1000 or of the layer count,
+        # far outside run-to-run noise).
+        def decode_ms(expr: str) -> float:
+            return float(_kernel(page, f"print(sum(sum(r.values()) - r['layer'] for r in {expr}.per_layer()))"))
+
+        figure_ms = sum(sum(t["y"]) for t in _figure(page, 0)["data"] if t.get("xaxis") == "x2" and t["type"] == "bar")
+        assert abs(figure_ms - decode_ms("p.result.timings")) < 1e-6 * figure_ms
+        _kernel(page, f"%generate -n {6} --kv-cache fp16 --attention slim {prompt}")  # the panel's settings
+        generate_ms = decode_ms("wb_result.timings")
+        assert 1 / 3 < figure_ms / generate_ms < 3, (figure_ms, generate_ms)
+
+        # Export the runs.
+        page.locator(".jp-OutputArea button", has_text="Export JSON").first.click()
+        page.wait_for_function("() => document.body.innerText.includes('wrote ') && document.body.innerText.includes('.json')")
+        exported = sorted((work / "results").glob("panel-*.json"))
+        assert exported and json.loads(exported[-1].read_text())["runs"][-1]["kv_cache"] == "fp16"
+
+        # Reload: the figures come back drawn, and a new run updates them.
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty")
+        open_notebook()
+        page.wait_for_function(f"() => {FIGURES}.length >= 6 && ({FIGURES}[1].data || []).some(t => (t.y || []).length)")
+        page.screenshot(path=str(SHOTS / "quickstart-after-reload.png"), full_page=False)
+        reloaded = json.dumps(_figure(page, 1)["data"])
+        run_button = page.locator(".jp-OutputArea button", has_text="Run").first
+        run_button.scroll_into_view_if_needed()
+        run_button.click()
+        page.wait_for_function(f"""(before) => {{ const d = {FIGURES}[1];
+            return d && JSON.stringify(d.data) !== before; }}""", arg=reloaded)
+        page.screenshot(path=str(SHOTS / "quickstart-after-reload-run.png"), full_page=False)
         browser.close()
+    state_errors = [e for e in errors if "Error setting state" in e or "out of bounds" in e]
+    assert not state_errors, state_errors[:3]

@@ -41,6 +41,18 @@ def test_load_switch_generate(shell, capsys):
     out = capsys.readouterr().out
     assert "Paris" in out and "tokens/s" in out and "per decode step, all 30 layers" in out
     assert shell.user_ns["wb_result"].switches.kv_cache == "int8"
+    assert run(shell, "%attention")[1] is None and run(shell, "%kvcache")[1] is None  # no argument: the current one
+    assert capsys.readouterr().out.split() == ["attention", "=", "flash", "kv_cache", "=", "int8"]
+
+
+def test_a_trained_model_cut_short_warns(shell, capsys):
+    _, err = run(shell, "%load_model smollm2-135m --layers 2")
+    assert err is None
+    out = capsys.readouterr().out
+    assert "warning: " in out and "first 2 of its 30 trained layers" in out and "--random" in out
+    _, err = run(shell, "%load_model llama2-7b --random --layers 1")  # random weights: nothing to warn about
+    assert err is None and "warning" not in capsys.readouterr().out
+    run(shell, "%load_model smollm2-135m")
 
 
 def test_mistakes_raise_usage_errors_and_keep_the_model(shell):
@@ -57,7 +69,7 @@ def test_mistakes_raise_usage_errors_and_keep_the_model(shell):
         "%generate -n 0 hi": "max_new_tokens must be a positive integer",
         "%ablate --attention slim,warp": "warp not accepted",
         "%ablate --prompt-len 12x": "comma-separated list of int",
-        "%ablate --batch 0": "positive",
+        "%ablate --batch 0": "--batch values must be positive",
         "%ablate -o 1bad": "variable name",
     }
     for line, message in cases.items():

@@ -4,6 +4,9 @@ real kernel."""
 
 from __future__ import annotations
 
+import csv
+import json
+
 import pytest
 
 pytest.importorskip("ipywidgets")
@@ -18,36 +21,105 @@ def model():
     return wb.load_model("smollm2-135m")
 
 
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def drawn(plots, i):
+    """The figure JSON the i-th Output widget holds (what the browser draws)."""
+    (out,) = plots.outputs[i].outputs
+    return out["data"][PLOTLY]
+
+
 @pytest.mark.parametrize("widget", [False, True])
 def test_live_plots_follow_a_generation(model, widget):
     plots = LivePlots(widget=widget, peak_gbps=50.0, max_fps=1000)
     out = model.generate("The capital of France is", max_new_tokens=6, stop_at_eos=False, on_step=plots.on_step)
-    plots.update(out.timings)
+    plots.finish(out.timings, "slim / fp32")
     n_layers = model.config.n_layers
-    decode_attention = plots.latency.data[3]  # decode attention trace
+    latency = plots.latency
+    decode_attention = [t for t in latency.data if t.xaxis == "x2"][0]  # decode panel, first part (attention)
     assert list(decode_attention.x) == list(range(n_layers)) and len(decode_attention.y) == n_layers
     assert all(y > 0 for y in decode_attention.y)
-    assert len(plots.bandwidth.data[0].y) == 5 and all(y > 0 for y in plots.bandwidth.data[0].y)
-    assert list(plots.bandwidth.data[1].y) == [50.0, 50.0]  # the peak line
+    assert [r["attention_ms"] for r in out.timings.per_layer("decode")] == list(decode_attention.y)
+    bandwidth = plots.bandwidth
+    assert len(bandwidth.data[0].y) == 5 and all(y > 0 for y in bandwidth.data[0].y)
+    assert list(bandwidth.data[0].y) == [s.gbps() for s in out.timings.decode_steps]
+    (peak,) = bandwidth.layout.shapes  # the peak: a flat line at the measured triad
+    assert peak.y0 == peak.y1 == 50.0
     assert len(plots.throughput.data[0].y) == 5
-    assert plots.updates >= 2  # refreshed during the run, not only at the end
+    assert plots.updates >= 3  # drawn during the run, not only at the end
+    for fig in plots.figures:  # units in every axis title, y from 0
+        assert all(ax.title.text for ax in (fig.layout.xaxis, fig.layout.yaxis))
+        assert fig.layout.yaxis.rangemode == "tozero" or fig.layout.yaxis.range[0] == 0
+    if widget:
+        assert drawn(plots, 1)["layout"]["shapes"][0]["y0"] == 50.0
+        assert list(drawn(plots, 1)["data"][0]["y"]) == list(bandwidth.data[0].y)
+    # The next run draws the finished one as a faint trace.
+    again = model.generate("Once upon a time", max_new_tokens=4, stop_at_eos=False)
+    plots.finish(again.timings, "second")
+    assert [t.name for t in plots.bandwidth.data] == ["earlier: slim / fp32", "this run"]
 
 
 def test_refresh_rate_is_bounded(model):
     plots = LivePlots(widget=False, peak_gbps=50.0, max_fps=0.001)  # at most one refresh per 1000 s
     model.generate("Hello", max_new_tokens=8, stop_at_eos=False, on_step=plots.on_step)
-    assert plots.updates == 1
+    assert plots.updates == 2  # the empty figures at creation, then the first step
+    quiet = LivePlots(widget=False, peak_gbps=50.0, live=False)  # draws only when told
+    model.generate("Hello", max_new_tokens=8, stop_at_eos=False, on_step=quiet.on_step)
+    assert quiet.updates == 1
 
 
-def test_panel_load_switch_run(model):
+def test_panel_load_switch_run_export(model, tmp_path):
     p = wb.panel(model)
     p.attention.value, p.kv_cache.value = "flash", "int8"
-    p.batch.value, p.prompt_len.value, p.new_tokens.value = 2, 32, 5
+    assert (model.attention, model.kv_cache) == ("flash", "int8")  # the toggles are the model's switches
+    p.batch.value, p.prompt_len.value, p.new_tokens.value, p.repeats.value = 2, 32, 5, 2
     p.run_button.click()
     assert p.result is not None and p.result.switches.kv_cache == "int8"
-    assert p.progress.value == 5 and p.progress.description == "done"
-    assert len(p.plots.latency.data[3].y) == model.config.n_layers
-    assert any("tokens/s" in o.get("text", "") for o in p.output.outputs)
+    assert p.progress.value == 10 and p.progress.description == "done"
+    assert len(p.runs) == 2 and all(r["kv_cache"] == "int8" for r in p.runs)
+    assert "per sequence" in p.summary.value and "median (min-max) of 2 runs" in p.summary.value
+    assert p.runs[0]["decode_tokens_per_s_per_sequence"] == pytest.approx(p.runs[0]["decode_tokens_per_s"] / 2)
+    decode_attention = [t for t in p.plots.latency.data if t.xaxis == "x2"][0]
+    assert len(decode_attention.y) == model.config.n_layers
+    shown = p.output.outputs[-1]["data"]["text/plain"]
+    assert "HTML" in shown  # the sequences' text as HTML, not a repr
+    js = json.loads(p.export(tmp_path / "run.json").read_text())
+    assert len(js["runs"]) == 2 and len(js["per_layer_ms"]["decode"]) == model.config.n_layers
+    rows = list(csv.DictReader(p.export(tmp_path / "run.csv").open()))
+    assert [r["repeat"] for r in rows] == ["1", "2"] and rows[0]["kv_cache"] == "int8"
+    with pytest.raises(ValueError, match="json or .csv"):
+        p.export(tmp_path / "run.txt")
+    model.attention, model.kv_cache = "slim", "fp32"  # the magics' way: the toggles follow
+    assert (p.attention.value, p.kv_cache.value) == ("slim", "fp32")
+
+
+def test_panel_follows_the_session_model(model):
+    from workbench.runtime import session
+
+    before = session.current.model
+    try:
+        session.current.model = None
+        p = wb.panel()  # opened before anything is loaded
+        p.run()
+        assert any("no model loaded" in o.get("text", "") for o in p.output.outputs)
+        model.kv_cache = "int8"
+        session.current.model = model  # what %load_model does
+        assert p.model is model and p.kv_cache.value == "int8" and "smollm2" in p.status.value
+        p.prompt.value, p.new_tokens.value, p.warmup.value = "The capital of France is", 4, False
+        p.run()
+        assert p.result.switches.kv_cache == "int8" and p.result.prompt_token_ids[0] == \
+            model.tokenizer.encode("The capital of France is")
+    finally:
+        model.kv_cache = "fp32"
+        session.current.model = before
+
+
+def test_layers_box_only_for_random_presets(model):
+    p = wb.panel(model)
+    assert p.layers.layout.display == "none"  # the bundled model is a trained model
+    p.model_picker.value = "llama2-7b --random"
+    assert p.layers.layout.display is None
 
 
 def test_panel_shows_errors_and_keeps_the_model(model):

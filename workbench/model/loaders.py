@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +36,21 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelLoadError(ValueError):
     """A model could not be loaded; the message says why and what would work."""
+
+
+class TruncatedModelWarning(UserWarning):
+    """A trained model was cut to fewer layers: its outputs are no longer meaningful."""
+
+
+def _trained_layers(cfg: ModelConfig, layers: int | None, where) -> ModelConfig:
+    """cfg cut to `layers` layers, warning that a trained model cut short generates nonsense."""
+    if layers is None or layers == cfg.n_layers:
+        return cfg
+    cut = cfg.with_layers(layers)
+    warnings.warn(f"{where}: keeping only the first {layers} of its {cfg.n_layers} trained layers, so its "
+                  f"outputs are meaningless (fine for timing a layer, not for text); for speed work with exact "
+                  f"shapes use a preset with random=True (--random)", TruncatedModelWarning, stacklevel=4)
+    return cut
 
 
 def models_dirs() -> list[Path]:
@@ -142,9 +158,7 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
             continue
     cfg = _gguf_config(fields, name)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = replace(cfg, tied_embeddings="output.weight" not in tensors)
-    if layers is not None:
-        cfg = cfg.with_layers(layers)
+    cfg = _trained_layers(replace(cfg, tied_embeddings="output.weight" not in tensors), layers, path.name)
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
@@ -211,8 +225,7 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads)
     if isinstance(cfg.eos_token_id, list):
         cfg = replace(cfg, eos_token_id=cfg.eos_token_id[0])
-    if layers is not None:
-        cfg = cfg.with_layers(layers)
+    cfg = _trained_layers(cfg, layers, folder)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
     files = sorted(folder.glob("*.safetensors"))
     if not files:

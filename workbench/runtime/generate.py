@@ -55,6 +55,18 @@ class Model:
         self.tokenizer = tokenizer
         self.description = description
         self.switches = Switches()
+        self._switch_listeners: list[Callable[[Switches], None]] = []
+
+    def on_switch(self, listener: Callable[[Switches], None]) -> None:
+        """listener(switches) after every change of attention or kv_cache (the panel's toggles
+        follow %attention / %kvcache this way)."""
+        self._switch_listeners.append(listener)
+
+    def _set_switches(self, switches: Switches) -> None:
+        if switches != self.switches:
+            self.switches = switches
+            for listener in list(self._switch_listeners):
+                listener(switches)
 
     @property
     def config(self):
@@ -68,7 +80,7 @@ class Model:
 
     @attention.setter
     def attention(self, value: str) -> None:
-        self.switches = Switches(value, self.switches.kv_cache)
+        self._set_switches(Switches(value, self.switches.kv_cache))
 
     @property
     def kv_cache(self) -> str:
@@ -76,7 +88,7 @@ class Model:
 
     @kv_cache.setter
     def kv_cache(self, value: str) -> None:
-        self.switches = Switches(self.switches.attention, value)
+        self._set_switches(Switches(self.switches.attention, value))
 
     @property
     def threads(self) -> int:

@@ -142,6 +142,28 @@ class Timings:
             "decode_gflops": self.gflops("decode"),
         }
 
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"<Timings: {len(self.decode_steps)} decode steps | prefill {s['prefill_ms']:.1f} ms, first token "
+                f"{s['time_to_first_token_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s "
+                f"(all sequences), {s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s>")
+
+    def _repr_html_(self) -> str:
+        s = self.summary()
+        rows = [("prefill", f"{s['prefill_ms']:.1f} ms"), ("time to first token", f"{s['time_to_first_token_ms']:.1f} ms"),
+                ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s (all sequences)"),
+                ("decode bandwidth", f"{s['decode_gbps']:.2f} GB/s (bytes read / step time)"),
+                ("decode arithmetic", f"{s['decode_gflops']:.1f} GFLOP/s")]
+        for phase in ("prefill", "decode"):
+            layers = self.per_layer(phase)
+            if layers:
+                split = ", ".join(f"{p.label.split(' (')[0]} {sum(r[p.name + '_ms'] for r in layers):.2f} ms"
+                                  for p in PARTS)
+                rows.append((f"{phase} step, all layers", split))
+        body = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
+                       for k, v in rows)
+        return f"<table>{body}</table>"
+
     def per_part_text(self, phase: str = "decode") -> str:
         """'per step, all N layers: attention x ms (a%), MLP ...': the split of a step."""
         layers = self.per_layer(phase)

@@ -1,16 +1,33 @@
-"""The control panel: an ipywidgets front end over load_model / generate and the live plots.
+"""The control panel: an ipywidgets front end over load_model / generate and the figures.
 
     import workbench as wb
-    wb.panel()            # in JupyterLab or Jupyter Notebook
+    wb.panel()              # follows the notebook's model (%load_model), loaded before or after
+    wb.panel(model)         # bound to this model
 
-Model picker and Load button; attention and KV-cache toggles; batch, prompt-length and
-new-token sliders; a Run button, a progress bar, an output area for text and errors, and
-the three live figures of workbench.ui.plots, refreshed while a run is in progress. Every
-action calls the library; a failure is shown in the output area and leaves the loaded
-model as it was.
+Model picker and Load (the "layers" box only for random presets); attention and KV-cache
+toggles that are the model's own switches (so `%kvcache int8` moves the toggle, and the
+toggle moves `model.kv_cache`); batch, prompt length and new tokens; a prompt box (empty:
+an excerpt of a license text); repeats and warm-up; whether to draw while running; Run,
+a progress bar, the sequences' text, the summary (median and min-max over the repeats);
+export of the runs as JSON or CSV; the three figures of workbench.ui.plots, earlier runs
+kept as faint traces.
+
+Numbers: the warm-up run (same settings, untimed) takes first-call costs out of the
+measured runs; the figures show the run whose decode tokens/s is the median. Drawing
+during a run costs the machine CPU time: the browser repaints the figures while the model
+runs, which on a 2-core machine took 60-80% of a core and cut tokens/s by up to 4x; so on
+machines with few cores the panel draws only when a run ends, unless "draw live" is on.
 """
 
 from __future__ import annotations
+
+import csv
+import html
+import json
+import os
+import statistics
+import time
+from pathlib import Path
 
 import ipywidgets as W
 
@@ -20,85 +37,239 @@ from workbench.model.kv_formats import KV_FORMATS
 from workbench.model.loaders import BUNDLED_MODEL
 from workbench.ui.plots import LivePlots
 
+RANDOM = " --random"
+FEW_CORES = 4  # at or below this many CPUs, figures are drawn only at the end of a run
+RUN_FIELDS = ("attention", "kv_cache", "batch", "prompt_len", "new_tokens", "repeat", "prefill_ms",
+              "time_to_first_token_ms", "decode_tokens_per_s", "decode_tokens_per_s_per_sequence", "decode_gbps",
+              "decode_gflops")
+
+
+def _slider(cls, **kw):
+    # A minimum width keeps the sliders usable in a narrow (split) JupyterLab view.
+    return cls(layout=W.Layout(min_width="260px", flex="1 1 260px"), style={"description_width": "initial"}, **kw)
+
 
 class Panel:
     def __init__(self, model=None, peak_gbps: float | None = None):
-        self.model = model
+        from workbench.runtime import session
+
+        self.session = session.current
+        self.follows_session = model is None
+        self.model = None
         self.result = None
-        names = [BUNDLED_MODEL] + [f"{p} --random" for p in PRESETS if p != BUNDLED_MODEL]
+        self.runs: list[dict] = []  # every measured run, for export
+        names = [BUNDLED_MODEL] + [f"{p}{RANDOM}" for p in PRESETS if p != BUNDLED_MODEL]
         self.model_picker = W.Dropdown(options=names, value=BUNDLED_MODEL, description="model")
         self.layers = W.BoundedIntText(value=2, min=1, max=80, description="layers", layout=W.Layout(width="160px"),
-                                       tooltip="for --random presets: how many layers to keep")
+                                       tooltip="random presets: keep this many layers")
         self.load_button = W.Button(description="Load", icon="download")
         self.attention = W.ToggleButtons(options=list(ATTENTION_BACKENDS), value="slim", description="attention")
         self.kv_cache = W.ToggleButtons(options=list(KV_FORMATS), value="fp32", description="KV cache")
-        self.batch = W.IntSlider(value=1, min=1, max=16, description="batch")
-        self.prompt_len = W.IntSlider(value=64, min=8, max=1024, step=8, description="prompt len")
-        self.new_tokens = W.IntSlider(value=32, min=2, max=256, description="new tokens")
+        self.batch = _slider(W.IntSlider, value=1, min=1, max=16, description="batch")
+        self.prompt_len = _slider(W.IntSlider, value=64, min=8, max=1024, step=8, description="prompt tokens")
+        self.new_tokens = _slider(W.IntSlider, value=32, min=2, max=256, description="new tokens")
+        self.prompt = W.Textarea(value="", placeholder="prompt (empty: an excerpt of the Apache license, cut to "
+                                 "'prompt tokens')", layout=W.Layout(width="100%", height="60px"))
+        self.repeats = W.BoundedIntText(value=1, min=1, max=20, description="repeats", layout=W.Layout(width="160px"))
+        self.warmup = W.Checkbox(value=True, description="warm-up run first", indent=False)
+        few = (os.cpu_count() or 1) <= FEW_CORES
+        self.live = W.Checkbox(value=not few, description="draw live", indent=False,
+                               tooltip="redraw the figures during the run (costs CPU time in the browser)")
         self.run_button = W.Button(description="Run", icon="play", button_style="primary")
         self.progress = W.IntProgress(value=0, min=0, max=1, description="idle")
-        self.status = W.HTML(value=self._status_html())
-        self.output = W.Output(layout=W.Layout(border="1px solid #ddd", min_height="40px"))
-        self.plots = LivePlots(widget=True, peak_gbps=peak_gbps)
+        self.export_json = W.Button(description="Export JSON", icon="save")
+        self.export_csv = W.Button(description="Export CSV", icon="save")
+        self.status = W.HTML()
+        self.note = W.HTML(value=(f"<small>{os.cpu_count()} CPUs: the figures are drawn when a run ends, so the "
+                                  f"browser does not compete with the run for the CPU (tick 'draw live' to "
+                                  f"watch it anyway).</small>" if few else ""))
+        self.summary = W.HTML()
+        self.output = W.Output(layout=W.Layout(border="1px solid #ddd", min_height="40px", width="100%"))
+        self.plots = LivePlots(widget=True, peak_gbps=peak_gbps, live=self.live.value)
         self.load_button.on_click(self.load)
         self.run_button.on_click(self.run)
+        self.export_json.on_click(lambda _: self._export_clicked("json"))
+        self.export_csv.on_click(lambda _: self._export_clicked("csv"))
+        self.model_picker.observe(self._show_layers, "value")
+        self.attention.observe(lambda c: self._toggle("attention", c["new"]), "value")
+        self.kv_cache.observe(lambda c: self._toggle("kv_cache", c["new"]), "value")
+        self.live.observe(lambda c: setattr(self.plots, "live", c["new"]), "value")
         self.widget = W.VBox([
             W.HBox([self.model_picker, self.layers, self.load_button]), self.status,
             self.attention, self.kv_cache,
-            W.HBox([self.batch, self.prompt_len, self.new_tokens]),
-            W.HBox([self.run_button, self.progress]), self.output, self.plots.box(),
-        ])
+            W.HBox([self.batch, self.prompt_len, self.new_tokens], layout=W.Layout(flex_flow="row wrap")),
+            self.prompt,
+            W.HBox([self.repeats, self.warmup, self.live], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.run_button, self.progress, self.export_json, self.export_csv],
+                   layout=W.Layout(flex_flow="row wrap")),
+            self.note, self.summary, self.output, self.plots.box(),
+        ], layout=W.Layout(width="100%"))
+        self._show_layers()
+        if self.follows_session:
+            self.session.on_model(self._bind)
+            model = self.session.model
+        self._bind(model)
+
+    # -- state: the model and its switches ------------------------------------------------
+
+    def _bind(self, model) -> None:
+        """Follow `model`: its description, and its switches in both directions."""
+        self.model = model
+        if model is not None:
+            model.on_switch(lambda sw, m=model: self._show_switches(m))
+            self._show_switches(model)
+        self.status.value = self._status_html()
+
+    def _show_switches(self, model) -> None:
+        if model is self.model:
+            self.attention.value, self.kv_cache.value = model.attention, model.kv_cache
+
+    def _toggle(self, name: str, value: str) -> None:
+        if self.model is not None and getattr(self.model, name) != value:
+            setattr(self.model, name, value)
+
+    def _show_layers(self, _=None) -> None:
+        self.layers.layout.display = None if self.model_picker.value.endswith(RANDOM) else "none"
 
     def _status_html(self) -> str:
         if self.model is None:
-            return "<i>no model loaded: pick one and press Load</i>"
+            return "<i>no model loaded: pick one and press Load (or run %load_model)</i>"
         c = self.model.config
-        return (f"<b>{self.model.description}</b>: {c.n_layers} layers, dim {c.dim}, "
+        return (f"<b>{html.escape(self.model.description)}</b>: {c.n_layers} layers, dim {c.dim}, "
                 f"{c.n_heads} heads ({c.n_kv_heads} KV), weights {self.model.llama.weight_dtype}")
+
+    def _error(self, message: str) -> None:
+        self.output.append_stdout(f"error: {message}\n")
+
+    # -- actions ----------------------------------------------------------------------------
 
     def load(self, _=None) -> None:
         import workbench as wb
 
         name = self.model_picker.value
-        random = name.endswith(" --random")
+        random = name.endswith(RANDOM)
         self.output.clear_output()
         try:
-            model = wb.load_model(name.removesuffix(" --random"), random=random,
+            model = wb.load_model(name.removesuffix(RANDOM), random=random,
                                   layers=self.layers.value if random else None)
         except (wb.ModelLoadError, ValueError) as e:
-            self.output.append_stdout(f"error: {e}\n")
+            self._error(str(e))
             return
-        self.model = model
-        self.status.value = self._status_html()
+        model.attention, model.kv_cache = self.attention.value, self.kv_cache.value
+        if self.follows_session:
+            self.session.model = model  # the magics see it too; _bind follows
+        else:
+            self._bind(model)
 
-    def run(self, _=None) -> None:
+    def prompts(self) -> list:
+        """The batch's prompts: the prompt box's text for every sequence, or license-text
+        excerpts of exactly `prompt tokens` tokens."""
         from workbench.analysis.text import sample_prompts
 
+        text = self.prompt.value.strip()
+        if text:
+            return [text] * self.batch.value
+        return sample_prompts(self.model.tokenizer, self.prompt_len.value, self.batch.value)
+
+    def run(self, _=None) -> None:
+        """Warm up (if ticked), then `repeats` measured runs with the current settings."""
         self.output.clear_output()
         if self.model is None:
-            self.load()
-            if self.model is None:
-                return
-        prompts = sample_prompts(self.model.tokenizer, self.prompt_len.value, self.batch.value)
-        self.progress.max, self.progress.value, self.progress.description = self.new_tokens.value, 0, "running"
+            self._error("no model loaded: pick one and press Load, or run %load_model first")
+            return
+        prompts, n = self.prompts(), self.new_tokens.value
+        settings = dict(max_new_tokens=n, attention=self.attention.value, kv_cache=self.kv_cache.value,
+                        stop_at_eos=False)
+        repeats = self.repeats.value
+        self.progress.max, self.progress.value = repeats * n, 0
         self.run_button.disabled = True
-
-        def on_token(step, ids):
-            self.progress.value = step + 1
-
+        results = []
         try:
-            self.result = self.model.generate(prompts, max_new_tokens=self.new_tokens.value,
-                                              attention=self.attention.value, kv_cache=self.kv_cache.value,
-                                              stop_at_eos=False, on_token=on_token, on_step=self.plots.on_step)
+            if self.warmup.value:
+                self.progress.description = "warm-up"
+                self.model.generate(prompts, **{**settings, "max_new_tokens": min(n, 8)}, record=False)
+            for r in range(repeats):
+                self.progress.description = f"run {r + 1}/{repeats}"
+
+                def on_token(step, ids, done=r * n):
+                    self.progress.value = done + step + 1
+
+                results.append(self.model.generate(prompts, **settings, on_token=on_token,
+                                                   on_step=self.plots.on_step))
         except ValueError as e:
-            self.output.append_stdout(f"error: {e}\n")
+            self._error(str(e))
             return
         finally:
             self.run_button.disabled = False
             self.progress.description = "done"
-        self.plots.update(self.result.timings)  # the final state, whatever the refresh rate skipped
-        text = self.result.text[0] if isinstance(self.result.text, list) else self.result.text
-        self.output.append_stdout(f"{self.result.summary_line()}\nsequence 0 continues: {text[:300]!r}\n")
+        self._finish(results)
+
+    def _finish(self, results) -> None:
+        batch = self.batch.value
+        rows = []
+        for i, res in enumerate(results):
+            s = res.timings.summary()
+            rows.append({"attention": res.switches.attention, "kv_cache": res.switches.kv_cache, "batch": batch,
+                         "prompt_len": len(res.prompt_token_ids[0]), "new_tokens": self.new_tokens.value,
+                         "repeat": i + 1, **s, "decode_tokens_per_s_per_sequence": s["decode_tokens_per_s"] / batch,
+                         "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.runs.extend(rows)
+        order = sorted(range(len(results)), key=lambda i: rows[i]["decode_tokens_per_s"])
+        median = order[len(order) // 2]
+        self.result = results[median]
+        label = f"{self.result.switches.attention} / {self.result.switches.kv_cache}, batch {batch}"
+        self.plots.finish(self.result.timings, label, batch)
+        self.summary.value = self._summary_html(rows)
+        texts = self.result.text if isinstance(self.result.text, list) else [self.result.text]
+        self.output.append_display_data(W.HTML(
+            "".join(f"<div><b>sequence {b}</b> continues:<pre style='white-space: pre-wrap; margin: 2px 0'>"
+                    f"{html.escape(t)}</pre></div>" for b, t in enumerate(texts))))
+
+    @staticmethod
+    def _summary_html(rows: list[dict]) -> str:
+        def spread(key: str, digits: int) -> str:
+            values = [r[key] for r in rows]
+            med = statistics.median(values)
+            if len(values) == 1:
+                return f"{med:.{digits}f}"
+            return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+        r0 = rows[0]
+        what = "median (min-max) of " + (f"{len(rows)} runs" if len(rows) > 1 else "1 run")
+        batch = r0["batch"]
+        rate = (f"{spread('decode_tokens_per_s', 1)} tokens/s for all {batch} sequences together = "
+                f"{spread('decode_tokens_per_s_per_sequence', 1)} per sequence" if batch > 1 else
+                f"{spread('decode_tokens_per_s', 1)} tokens/s (one sequence)")
+        return (f"<b>{r0['attention']} / {r0['kv_cache']} KV, batch {batch}, {r0['prompt_len']} prompt tokens,"
+                f" {r0['new_tokens']} new</b> ({what}): prefill {spread('prefill_ms', 1)} ms | decode {rate} | "
+                f"{spread('decode_gbps', 2)} GB/s, {spread('decode_gflops', 1)} GFLOP/s")
+
+    def export(self, path) -> Path:
+        """Write every measured run to `path`: .json (the runs, and the shown run's per-layer
+        ms for prefill and decode) or .csv (one row per run)."""
+        path = Path(path)
+        if path.suffix not in (".json", ".csv"):
+            raise ValueError(f"export path must end in .json or .csv, got {str(path)!r}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".json":
+            shown = self.result.timings if self.result else None
+            path.write_text(json.dumps({
+                "model": self.model.description if self.model else None, "runs": self.runs,
+                "per_layer_ms": {p: shown.per_layer(p) for p in ("prefill", "decode")} if shown else {},
+            }, indent=2))
+        else:
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=[*RUN_FIELDS, "time"], extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(self.runs)
+        return path
+
+    def _export_clicked(self, kind: str) -> None:
+        if not self.runs:
+            self._error("nothing to export yet: press Run first")
+            return
+        path = self.export(Path("results") / f"panel-{time.strftime('%Y%m%d-%H%M%S')}.{kind}")
+        self.output.append_stdout(f"wrote {path.resolve()}\n")
 
     def _ipython_display_(self):
         from IPython.display import display

@@ -1,0 +1,36 @@
+"""The analysis layer's measurements of quality, checked for what they must be by
+construction (the reference against itself) and for sense (a quantized cache differs)."""
+
+from __future__ import annotations
+
+import pytest
+
+import workbench as wb
+from workbench.analysis.quality import kv_quality
+from workbench.analysis.tables import format_table
+
+
+@pytest.fixture(scope="module")
+def model():
+    return wb.load_model("smollm2-135m")
+
+
+def test_kv_quality_against_the_fp32_cache(model):
+    rows = {r["kv_cache"]: r for r in kv_quality(model, ("fp32", "int8", "bf16"), context=256, steps=24)}
+    ref = rows["fp32"]
+    assert ref["kl_nats"] == 0 and ref["top1_agreement_vs_fp32"] == 1 and ref["positions"] == 23
+    assert rows["int8"]["kl_nats"] > 0 and rows["int8"]["kl_nats"] < 0.05  # differs, but only a little
+    assert rows["int8"]["bytes_per_element"] == pytest.approx(1 + 4 / 64)  # d = 64: a 4-byte scale per 64 values
+    assert 1 < ref["perplexity"] < 100  # a trained model on English text
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        kv_quality(model, ("int4",))
+    with pytest.raises(ValueError, match="steps must be"):
+        kv_quality(model, context=16, steps=16)
+
+
+def test_format_table_aligns_and_formats():
+    text = format_table([{"a": 1.23456, "b": "x"}, {"a": 10.0, "b": "longer"}], ["a", "b"], {"a": "{:.1f}"})
+    lines = text.splitlines()
+    assert lines[0].split() == ["a", "b"] and lines[2].split() == ["1.2", "x"] and lines[3].split() == ["10.0", "longer"]
+    assert len({line.index(line.split()[1]) for line in (lines[0], lines[2], lines[3])}) == 1  # one column start
+    assert format_table([], ["a"]).splitlines() == ["a", "-"]

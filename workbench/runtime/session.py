@@ -1,0 +1,32 @@
+"""The model a notebook is working with, shared by the magics and the control panel.
+
+`%load_model` puts the model here; a panel opened without a model follows it, whichever
+was opened first. The switches live on the model itself (Model.on_switch tells listeners
+when they change), so `%kvcache int8` and the panel's KV toggle are one state."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Session:
+    def __init__(self):
+        self._model = None
+        self._listeners: list[Callable] = []
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, model) -> None:
+        self._model = model
+        for listener in list(self._listeners):
+            listener(model)
+
+    def on_model(self, listener: Callable) -> None:
+        """listener(model) after every change of the current model."""
+        self._listeners.append(listener)
+
+
+current = Session()
