@@ -38,68 +38,99 @@ FAINT = "rgba(120, 120, 120, 0.45)"
 MARGIN = dict(l=60, r=20, t=50, b=45)
 
 
-def latency_figure(timings: Timings, previous=()) -> go.Figure:
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
-                        subplot_titles=("prefill: ms per prompt, per layer", "decode: ms per token, per layer"))
-    for col, phase in ((1, "prefill"), (2, "decode")):
+def _axis(title: str, **kw) -> dict:
+    return {"title": {"text": title}, **kw}
+
+
+def _faint(name: str, x, y, **kw) -> dict:
+    return {"type": "scatter", "name": f"earlier: {name}", "x": list(x), "y": list(y), "mode": "lines",
+            "line": {"color": FAINT, "dash": "dot"}, **kw}
+
+
+# The figures are written as plotly JSON (dicts) rather than built through graph_objects:
+# validating a Figure costs about 25 ms, which a live redraw four times a second would take
+# from the run it is drawing (bench/generation.py --only plots). go.Figure(spec) validates
+# once, for users who want Figure objects.
+
+def latency_spec(timings: Timings, previous=()) -> dict:
+    data = []
+    for axis, phase in (("", "prefill"), ("2", "decode")):
         layers = timings.per_layer(phase)
         for part in PARTS:
-            fig.add_bar(name=part.label.split(" (")[0], legendgroup=part.name, showlegend=col == 1,
-                        x=[r["layer"] for r in layers], y=[r[f"{part.name}_ms"] for r in layers],
-                        marker_color=part.color, row=1, col=col,
-                        hovertemplate=f"{part.label}<br>layer %{{x}}: %{{y:.3f}} ms<extra></extra>")
+            data.append({"type": "bar", "name": part.label.split(" (")[0], "legendgroup": part.name,
+                         "showlegend": axis == "", "x": [r["layer"] for r in layers],
+                         "y": [r[f"{part.name}_ms"] for r in layers], "marker": {"color": part.color},
+                         "xaxis": f"x{axis}", "yaxis": f"y{axis}",
+                         "hovertemplate": f"{part.label}<br>layer %{{x}}: %{{y:.3f}} ms<extra></extra>"})
         for label, earlier in previous:
             rows = earlier.per_layer(phase)
-            fig.add_scatter(name=f"earlier: {label}", legendgroup=f"earlier {label}", showlegend=col == 1,
-                            x=[r["layer"] for r in rows], y=[sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows],
-                            mode="lines", line=dict(color=FAINT, dash="dot"), row=1, col=col)
-    fig.update_layout(barmode="stack", height=330, margin=MARGIN, legend=dict(orientation="h", y=-0.25),
-                      title="Per-layer latency")
-    fig.update_xaxes(title_text="layer")
-    fig.update_yaxes(title_text="ms per prompt", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="ms per token", rangemode="tozero", row=1, col=2)
-    return fig
+            data.append(_faint(label, (r["layer"] for r in rows), (sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows),
+                               legendgroup=f"earlier {label}", showlegend=axis == "", xaxis=f"x{axis}",
+                               yaxis=f"y{axis}"))
+    title = {"xref": "paper", "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False}
+    layout = {"title": {"text": "Per-layer latency"}, "barmode": "stack", "height": 330, "margin": MARGIN,
+              "legend": {"orientation": "h", "y": -0.25},
+              "xaxis": _axis("layer", domain=[0, 0.46]), "xaxis2": _axis("layer", domain=[0.54, 1], anchor="y2"),
+              "yaxis": _axis("ms per prompt", rangemode="tozero"),
+              "yaxis2": _axis("ms per token", rangemode="tozero", anchor="x2"),
+              "annotations": [{**title, "x": 0.23, "text": "prefill: ms per prompt, per layer"},
+                              {**title, "x": 0.77, "text": "decode: ms per token, per layer"}]}
+    return {"data": data, "layout": layout}
+
+
+def bandwidth_spec(timings: Timings, peak_gbps: float, previous=()) -> dict:
+    data = []
+    for label, earlier in previous:
+        steps = earlier.decode_steps
+        data.append(_faint(label, range(1, len(steps) + 1), (s.gbps() for s in steps)))
+    decode = timings.decode_steps
+    data.append({"type": "scatter", "name": "this run", "x": list(range(1, len(decode) + 1)),
+                 "y": [s.gbps() for s in decode], "mode": "lines+markers"})
+    top = 1.15 * max([peak_gbps, *(s.gbps() for s in decode)])
+    # The peak is a shape across the whole plot, not a trace: it cannot be drawn with half its points.
+    layout = {"title": {"text": "Achieved memory bandwidth per decode step"}, "height": 300, "margin": MARGIN,
+              "xaxis": _axis("decode step"), "yaxis": _axis("GB/s (bytes read / step time)", range=[0, top]),
+              "shapes": [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": peak_gbps,
+                          "y1": peak_gbps, "line": {"dash": "dash", "color": "gray"}}],
+              "annotations": [{"xref": "paper", "x": 0, "xanchor": "left", "yref": "y", "y": peak_gbps,
+                               "yanchor": "bottom", "showarrow": False,
+                               "text": f"measured peak: triad {peak_gbps:.1f} GB/s"}]}
+    return {"data": data, "layout": layout}
+
+
+def throughput_spec(timings: Timings, batch: int, previous=()) -> dict:
+    data = []
+    for label, earlier in previous:
+        steps = earlier.decode_steps
+        data.append(_faint(label, range(1, len(steps) + 1), (s.tokens / s.total_s for s in steps)))
+    decode = timings.decode_steps
+    x = list(range(1, len(decode) + 1))
+    data.append({"type": "scatter", "name": f"all {batch} sequences" if batch > 1 else "tokens/s", "x": x,
+                 "y": [s.tokens / s.total_s for s in decode], "mode": "lines+markers"})
+    if batch > 1:
+        data.append({"type": "scatter", "name": "per sequence", "x": x, "mode": "lines+markers",
+                     "y": [s.tokens / s.total_s / batch for s in decode], "line": {"dash": "dash"}})
+    layout = {"title": {"text": f"Decode throughput per step (batch {batch})"}, "height": 300, "margin": MARGIN,
+              "xaxis": _axis("decode step"), "yaxis": _axis("tokens/s", rangemode="tozero")}
+    return {"data": data, "layout": layout}
+
+
+def latency_figure(timings: Timings, previous=()) -> go.Figure:
+    return go.Figure(latency_spec(timings, previous))
 
 
 def bandwidth_figure(timings: Timings, peak_gbps: float, previous=()) -> go.Figure:
-    fig = go.Figure(layout=dict(title="Achieved memory bandwidth per decode step", height=300, margin=MARGIN,
-                                xaxis_title="decode step", yaxis=dict(title="GB/s (bytes read / step time)",
-                                                                      rangemode="tozero")))
-    for label, earlier in previous:
-        steps = earlier.decode_steps
-        fig.add_scatter(name=f"earlier: {label}", x=list(range(1, len(steps) + 1)), y=[s.gbps() for s in steps],
-                        mode="lines", line=dict(color=FAINT, dash="dot"))
-    decode = timings.decode_steps
-    fig.add_scatter(name="this run", x=list(range(1, len(decode) + 1)), y=[s.gbps() for s in decode],
-                    mode="lines+markers")
-    # The peak is a shape across the whole plot, not a trace: it cannot be drawn with half its points.
-    fig.add_hline(y=peak_gbps, line=dict(dash="dash", color="gray"),
-                  annotation_text=f"measured peak: triad {peak_gbps:.1f} GB/s", annotation_position="top left")
-    fig.update_yaxes(range=[0, 1.15 * max([peak_gbps, *(s.gbps() for s in decode)])])
-    return fig
+    return go.Figure(bandwidth_spec(timings, peak_gbps, previous))
 
 
 def throughput_figure(timings: Timings, batch: int, previous=()) -> go.Figure:
-    fig = go.Figure(layout=dict(title=f"Decode throughput per step (batch {batch})", height=300, margin=MARGIN,
-                                xaxis_title="decode step", yaxis=dict(title="tokens/s", rangemode="tozero")))
-    for label, earlier in previous:
-        steps = earlier.decode_steps
-        fig.add_scatter(name=f"earlier: {label}", x=list(range(1, len(steps) + 1)),
-                        y=[s.tokens / s.total_s for s in steps], mode="lines", line=dict(color=FAINT, dash="dot"))
-    decode = timings.decode_steps
-    x = list(range(1, len(decode) + 1))
-    fig.add_scatter(name=f"all {batch} sequences" if batch > 1 else "tokens/s", x=x,
-                    y=[s.tokens / s.total_s for s in decode], mode="lines+markers")
-    if batch > 1:
-        fig.add_scatter(name="per sequence", x=x, y=[s.tokens / s.total_s / batch for s in decode],
-                        mode="lines+markers", line=dict(dash="dash"))
-    return fig
+    return go.Figure(throughput_spec(timings, batch, previous))
 
 
-def mime_bundle(fig: go.Figure) -> dict:
-    """The figure as a display_data output: plotly's JSON for JupyterLab, text elsewhere."""
+def mime_bundle(spec: dict) -> dict:
+    """A figure's plotly JSON as a display_data output: drawn by JupyterLab, text elsewhere."""
     return {"output_type": "display_data", "metadata": {},
-            "data": {PLOTLY_MIME: fig.to_plotly_json(), "text/plain": f"<{fig.layout.title.text}>"}}
+            "data": {PLOTLY_MIME: spec, "text/plain": f"<{spec['layout']['title']['text']}>"}}
 
 
 class LivePlots:
@@ -184,8 +215,10 @@ class LivePlots:
         self.updates += 1
         if self.outputs is None:
             return
-        for out, fig in zip(self.outputs, self.figures):
-            out.outputs = (mime_bundle(fig),)  # one message per figure, replacing what was there
+        specs = (latency_spec(self.timings, self.previous), bandwidth_spec(self.timings, self.peak_gbps, self.previous),
+                 throughput_spec(self.timings, self.batch, self.previous))
+        for out, spec in zip(self.outputs, specs):
+            out.outputs = (mime_bundle(spec),)  # one message per figure, replacing what was there
 
 
 def ablation_figure(rows) -> go.Figure:
