@@ -224,7 +224,11 @@ class WorkbenchMagics(Magics):
 
         from workbench.ui.plots import ablation_figure
 
-        display(table)
+        from workbench.analysis.ablation import DIGITS
+
+        print("top1_agreement: share of positions whose most likely next token is the reference's "
+              "(naive attention with an fp32 KV cache, same prompts); decode rates: all sequences together")
+        display(table.round(DIGITS) if hasattr(table, "round") else table)  # -o keeps full precision
         display(ablation_figure(rows))
 
     @magic_arguments()

@@ -112,6 +112,9 @@ def rows_as_dicts(rows: list[AblationRow]) -> list[dict]:
 
 COLUMNS = ["attention", "kv_cache", "prompt_len", "batch", "prefill_ms", "decode_tokens_per_s", "decode_gbps",
            "pct_peak_bandwidth", "decode_gflops", "pct_peak_fma", "top1_agreement"]
+# Meaningful digits per column, for tables people read (FORMATS for text, DIGITS for DataFrames).
+DIGITS = {"prefill_ms": 1, "decode_tokens_per_s": 1, "decode_gbps": 2, "pct_peak_bandwidth": 0, "decode_gflops": 1,
+          "pct_peak_fma": 0, "top1_agreement": 3}
 FORMATS = {"prefill_ms": "{:.1f}", "decode_tokens_per_s": "{:.1f}", "decode_gbps": "{:.2f}",
            "pct_peak_bandwidth": "{:.0f}", "decode_gflops": "{:.1f}", "pct_peak_fma": "{:.0f}",
            "top1_agreement": "{:.3f}"}
