@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "shm_comm.h"
 
 namespace {
 
@@ -279,7 +280,7 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
   wbk::kv_cache_append(a);
 }
 
-Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
+Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out) {
   const char* fn = "linear";
   check_tensor(x, fn, "x", 2, "[M, K]");
   check_tensor(w, fn, "w", 2, "[N, K]");
@@ -290,7 +291,16 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows) {
   TORCH_CHECK_VALUE(w.size(1) == K, fn, ": x has K = ", K, " columns but w has ", w.size(1),
                     " (w is [out_features, in_features])");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
-  Tensor y = at::empty({M, N}, x.options());
+  Tensor y;
+  if (out.has_value()) {  // write into the caller's buffer (e.g. a collective's: zero copy)
+    check_tensor(*out, fn, "out", 2, "[M, N]");
+    TORCH_CHECK_TYPE(out->scalar_type() == at::kFloat, fn, ": out must be float32, got ", out->scalar_type());
+    TORCH_CHECK_VALUE(out->size(0) == M && out->size(1) == N, fn, ": out must be [M, N] = [", M, ", ", N,
+                      "], got ", out->sizes());
+    y = *out;
+  } else {
+    y = at::empty({M, N}, x.options());
+  }
   if (y.numel() == 0) return y;
   if (K == 0) return y.zero_();
   if (M <= matvec_max_rows) {
@@ -322,6 +332,60 @@ void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64
   if (T == 0 || heads == 0) return;
   wbk::rope_rotate_half(x.data_ptr<float>(), T, x.stride(0), heads, head_dim, cos.data_ptr<float>(),
                         sin.data_ptr<float>());
+}
+
+// -- shared-memory collectives -------------------------------------------------------------
+
+wbk::ShmArgs shm_args(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                      const char* fn) {
+  check_tensor(seg, fn, "segment", 1, "[bytes] uint8");
+  TORCH_CHECK_TYPE(seg.scalar_type() == at::kByte, fn, ": segment must be uint8, got ", seg.scalar_type());
+  TORCH_CHECK_VALUE(world >= 1 && world <= wbk::kShmMaxRanks, fn, ": world must be in 1..", wbk::kShmMaxRanks,
+                    ", got ", world);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, fn, ": rank must be in 0..", world - 1, ", got ", rank);
+  TORCH_CHECK_VALUE(capacity > 0 && capacity % 64 == 0, fn, ": capacity must be a positive multiple of 64, got ",
+                    capacity);
+  TORCH_CHECK_VALUE(seg.numel() >= wbk::shm_segment_bytes(world, capacity), fn, ": segment has ", seg.numel(),
+                    " bytes, ", world, " ranks with ", capacity, "-byte slots need ",
+                    wbk::shm_segment_bytes(world, capacity));
+  TORCH_CHECK_VALUE(timeout_s > 0, fn, ": timeout_s must be > 0, got ", timeout_s);
+  return {seg.data_ptr<uint8_t>(), static_cast<int>(rank), static_cast<int>(world), capacity, timeout_s};
+}
+
+void check_shm_data(const Tensor& t, const char* fn, int64_t capacity) {
+  TORCH_CHECK_VALUE(t.defined() && t.device().is_cpu() && t.is_contiguous(), fn,
+                    ": data must be a contiguous CPU tensor");
+  TORCH_CHECK_VALUE(t.nbytes() <= static_cast<size_t>(capacity), fn, ": data has ", t.nbytes(),
+                    " bytes, more than a slot's ", capacity);
+}
+
+void shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                    Tensor& data, int64_t seq) {
+  const char* fn = "shm_all_reduce";
+  auto a = shm_args(seg, rank, world, capacity, timeout_s, fn);
+  check_shm_data(data, fn, capacity);
+  TORCH_CHECK_TYPE(data.scalar_type() == at::kFloat, fn, ": data must be float32, got ", data.scalar_type());
+  wbk::shm_all_reduce_sum(a, data.data_ptr<float>(), data.numel(), seq);
+}
+
+void shm_broadcast(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                   Tensor& data, int64_t root, int64_t seq) {
+  const char* fn = "shm_broadcast";
+  auto a = shm_args(seg, rank, world, capacity, timeout_s, fn);
+  check_shm_data(data, fn, capacity);
+  TORCH_CHECK_VALUE(root >= 0 && root < world, fn, ": root must be in 0..", world - 1, ", got ", root);
+  wbk::shm_broadcast(a, data.data_ptr(), static_cast<int64_t>(data.nbytes()), static_cast<int>(root), seq);
+}
+
+void shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                    const Tensor& data, Tensor& out, int64_t seq) {
+  const char* fn = "shm_all_gather";
+  auto a = shm_args(seg, rank, world, capacity, timeout_s, fn);
+  check_shm_data(data, fn, capacity);
+  TORCH_CHECK_VALUE(out.defined() && out.is_contiguous() && out.scalar_type() == data.scalar_type() &&
+                        out.nbytes() == data.nbytes() * world,
+                    fn, ": out must be a contiguous ", data.scalar_type(), " tensor of world x data's size");
+  wbk::shm_all_gather(a, data.data_ptr(), static_cast<int64_t>(data.nbytes()), out.data_ptr(), seq);
 }
 
 void check_probe_buffer(const Tensor& t, const char* name) {
@@ -367,8 +431,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"),
+  m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"), py::arg("out") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("shm_segment_bytes", [](int64_t world, int64_t capacity) { return wbk::shm_segment_bytes(world, capacity); });
+  m.def("shm_all_reduce", &shm_all_reduce, py::call_guard<py::gil_scoped_release>());
+  m.def("shm_broadcast", &shm_broadcast, py::call_guard<py::gil_scoped_release>());
+  m.def("shm_all_gather", &shm_all_gather, py::call_guard<py::gil_scoped_release>());
   m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &wbk::isa);

@@ -133,7 +133,7 @@ class KernelSet:
 
     # -- linear layers -----------------------------------------------------------------
 
-    def linear(self, x, w, *, matvec_max_rows: int = 10) -> torch.Tensor:
+    def linear(self, x, w, *, matvec_max_rows: int = 10, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32 or bf16 and fp32 x [..., K]
         -> fp32 [..., N].
 
@@ -141,12 +141,16 @@ class KernelSet:
         matrix-vector kernel, which reads each weight byte once, widening bf16 in registers;
         more rows (batched decode, prefill) run our packed GEMM, which widens w slice by slice
         into an fp32 buffer for a register-blocked micro-kernel. The default is the measured
-        crossover (bench/linear.py: the GEMM wins from about 10-12 rows on); 0 always uses the GEMM."""
+        crossover (bench/linear.py: the GEMM wins from about 10-12 rows on); 0 always uses the GEMM.
+        out: an fp32 [rows, N] tensor to write y into (a collective's buffer: zero copy)."""
         _check_tensor_args(x=x, w=w)
+        if out is not None:
+            _check_tensor_args(out=out)
         if x.dim() < 1:
             raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0))
+        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0),
+                            out)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:

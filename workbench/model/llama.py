@@ -13,10 +13,10 @@ backend and which KV-cache format are used is decided per call (`Switches`), so 
 change between generations without touching the weights.
 
 Weights arrive unfused, one dict per layer (wq, wk, wv, wo, w_gate, w_up, w_down and the
-two norms). An optional `shard(layer, weights) -> weights` hook sees each dict before Q/K/V
-and gate/up are fused, so tensor parallelism can keep a slice of every matrix without this
-file knowing about ranks; head counts are then read from the weights' shapes (the model's
-local heads), never from the config.
+two norms). An optional `shard(cfg, layer, weights) -> weights` hook sees each dict before
+Q/K/V and gate/up are fused, so tensor parallelism can keep a slice of every matrix without
+this file knowing about ranks (workbench.distributed.shard); head counts are then read
+from the weights' shapes (the model's local heads), never from the config.
 
 Every step can record, per layer and per part (workbench.runtime.timing.PARTS), the time
 spent, the bytes read and the floating-point operations done (`StepRecord`).
@@ -40,9 +40,10 @@ from workbench.runtime.timing import Clock, StepRecord
 
 NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
 
-# shard(layer index, unfused weights) -> the weights this process keeps; layer None is the
-# embedding / final norm / LM head dict.
-ShardHook = Callable[[int | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+# shard(config, layer index, unfused weights) -> the weights this process keeps; layer None
+# is the embedding / final norm / LM head dict. Entries a hook adds to that dict beyond those
+# three are kept in LlamaModel.extras (for the layer that asked for them).
+ShardHook = Callable[[ModelConfig, int | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class Linear:
@@ -130,19 +131,20 @@ class LlamaModel:
         weight_dtype(weight_dtype_name)  # a ValueError naming the accepted dtypes
         self.cfg = cfg
         self.weight_dtype = weight_dtype_name
-        keep = shard or (lambda layer, w: w)
+        keep = shard or (lambda cfg, layer, w: w)
         # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
         # layer: a 7B model never exists twice in memory.
         self.layers = []
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(Layer(keep(i, unfused), cfg.head_dim))
-        head = keep(None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
-                           "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
-        self.embedding = head["embedding"]  # [vocab, dim], fp32 or bf16 (rows widened on lookup)
-        self.final_norm = head["final_norm"]
-        self.lm_head = Linear(head["lm_head"])
+            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim))
+        head = keep(cfg, None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
+                                "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
+        self.embedding = head.pop("embedding")  # [vocab, dim], fp32 or bf16 (rows widened on lookup)
+        self.final_norm = head.pop("final_norm")
+        self.lm_head = Linear(head.pop("lm_head"))
+        self.extras = head
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
 

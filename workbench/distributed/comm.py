@@ -1,0 +1,220 @@
+"""Collectives between the ranks of a tensor-parallel run: one small interface, several
+backends (`BACKENDS`).
+
+    all_reduce_(x)          x <- sum over ranks, in place (fp32)
+    broadcast_(x, root)     x <- root's x, in place (any dtype)
+    all_gather(x)           [world, *x.shape]: every rank's x
+    buffer(shape)           an fp32 tensor that all_reduce_ reduces without copying it first:
+                            a kernel that writes its output there (linear(..., out=buffer))
+                            is the paper's "zero copy"; any other tensor is copied in
+
+Backends:
+    gloo    torch.distributed's gloo over TCP on 127.0.0.1 (always available)
+    shm     our shared-memory collectives (kernels/shm_comm.cpp): ranks on one host write
+            into one /dev/shm segment and reduce a slice each, with flag barriers
+Each call is timed and its payload counted while `recording` is on (`log`), which is how
+the runtime splits a step into compute and communication.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+class CommError(RuntimeError):
+    """A collective failed: a rank died, timed out or was misconfigured."""
+
+
+@dataclass
+class CommCall:
+    op: str
+    bytes: int  # this rank's payload
+    seconds: float
+
+
+class Communicator:
+    """The interface; see the module docstring."""
+
+    name = "?"
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.recording = False
+        self.log: list[CommCall] = []
+
+    # -- what a backend implements ---------------------------------------------------------
+    def _all_reduce(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, x: torch.Tensor, root: int) -> None:
+        raise NotImplementedError
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def buffer(self, shape) -> torch.Tensor:
+        return torch.empty(shape)
+
+    def close(self) -> None:
+        pass
+
+    # -- the timed interface ---------------------------------------------------------------
+    def _timed(self, op: str, nbytes: int, fn, *args):
+        if not self.recording:
+            return fn(*args)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.log.append(CommCall(op, nbytes, time.perf_counter() - t0))
+        return out
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"all_reduce_ needs a contiguous float32 tensor, got {x.dtype}")
+        if self.world > 1:
+            self._timed("all_reduce", x.nbytes, self._all_reduce, x)
+        return x
+
+    def broadcast_(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if self.world > 1:
+            self._timed("broadcast", x.nbytes, self._broadcast, x.contiguous() if not x.is_contiguous() else x, root)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if self.world == 1:
+            return x.unsqueeze(0)
+        return self._timed("all_gather", x.nbytes, self._all_gather, x)
+
+    def barrier(self) -> None:
+        self.all_reduce_(torch.zeros(1))
+
+    def take_log(self) -> list[CommCall]:
+        log, self.log = self.log, []
+        return log
+
+
+class GlooComm(Communicator):
+    """torch.distributed's gloo backend; the rendezvous is a TCP store on 127.0.0.1."""
+
+    name = "gloo"
+
+    def __init__(self, rank: int, world: int, timeout_s: float, init_method: str):
+        super().__init__(rank, world, timeout_s)
+        import torch.distributed as dist
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: the ranks share a host
+        self.dist = dist
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        self.group = dist.group.WORLD
+
+    def _call(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except RuntimeError as e:
+            raise CommError(f"gloo collective on rank {self.rank} failed: {e}") from None
+
+    def _all_reduce(self, x):
+        self._call(self.dist.all_reduce, x)
+
+    def _broadcast(self, x, root):
+        self._call(self.dist.broadcast, x, src=root)
+
+    def _all_gather(self, x):
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._call(self.dist.all_gather, parts, x)
+        return torch.stack(parts)
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_capacity_bytes(capacity_mb: float) -> int:
+    return int(capacity_mb * 2**20) // 64 * 64
+
+
+def create_shm_segment(name: str, world: int, capacity_bytes: int) -> Path:
+    """The segment file (sparse: pages cost memory only once touched); the client creates it
+    before the ranks map it."""
+    from workbench.kernels import native
+
+    path = SHM_DIR / name
+    with open(path, "wb") as f:
+        f.truncate(native.ext.shm_segment_bytes(world, capacity_bytes))
+    return path
+
+
+class ShmComm(Communicator):
+    """Our shared-memory collectives (kernels/shm_comm.cpp) over a /dev/shm segment.
+    Collectives larger than a slot run in slot-sized chunks."""
+
+    name = "shm"
+
+    def __init__(self, rank: int, world: int, timeout_s: float, path: str, capacity_bytes: int):
+        super().__init__(rank, world, timeout_s)
+        from workbench.kernels import native
+
+        self.ext = native.ext
+        self.path, self.capacity = Path(path), capacity_bytes
+        size = self.ext.shm_segment_bytes(world, capacity_bytes)
+        if not self.path.is_file() or self.path.stat().st_size != size:
+            raise CommError(f"shm segment {self.path} is missing or has the wrong size (expected {size} bytes)")
+        self.segment = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
+        header = 64 * 64  # kShmHeaderBytes
+        start = header + rank * capacity_bytes
+        self.slot = self.segment[start:start + capacity_bytes].view(torch.float32)  # this rank's input slot
+        self.seq = 1
+
+    def _next(self) -> int:
+        seq, self.seq = self.seq, self.seq + 2
+        return seq
+
+    def _run(self, fn, *args):
+        try:
+            fn(self.segment, self.rank, self.world, self.capacity, self.timeout_s, *args)
+        except RuntimeError as e:
+            raise CommError(str(e)) from None
+
+    def buffer(self, shape) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        if 4 * n > self.capacity:
+            return torch.empty(shape)  # too big for a slot: all_reduce_ copies it in, chunk by chunk
+        return self.slot[:n].view(shape)
+
+    def _all_reduce(self, x):
+        flat = x.view(-1)
+        step = self.capacity // 4
+        for lo in range(0, flat.numel(), step):
+            self._run(self.ext.shm_all_reduce, flat[lo:lo + step], self._next())
+
+    def _broadcast(self, x, root):
+        flat = x.view(-1).view(torch.uint8) if x.dtype != torch.uint8 else x.view(-1)
+        for lo in range(0, flat.numel(), self.capacity):
+            chunk = flat[lo:lo + self.capacity]
+            self._run(self.ext.shm_broadcast, chunk, root, self._next())
+
+    def _all_gather(self, x):
+        if x.nbytes > self.capacity:
+            raise CommError(f"shm all_gather of {x.nbytes} bytes exceeds a slot ({self.capacity} bytes); "
+                            f"start the cluster with a larger shm capacity")
+        out = torch.empty((self.world, *x.shape), dtype=x.dtype)
+        self._run(self.ext.shm_all_gather, x, out, self._next())
+        return out
+
+    def close(self) -> None:
+        self.segment = self.slot = None
+
+
+BACKENDS = ("gloo", "shm")

@@ -1,0 +1,157 @@
+"""What runs inside each ipyparallel engine: one engine is one rank. The client
+(workbench.distributed.cluster) calls these functions on every engine at once (SPMD), one
+request per generation, never one per token; the state of the rank lives in STATE.
+
+Rank 0 streams its progress while a generation runs through ipyparallel's datapub: the
+token ids so far and the steps recorded so far (the client's live figures draw those).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+
+STATE: dict = {}
+PUBLISH_EVERY_S = 0.1  # rank 0 publishes its step records at most this often (tokens: every step)
+
+
+def make_comm(backend: str, rank: int, world: int, timeout_s: float, rendezvous: dict):
+    from workbench.distributed import comm
+
+    if backend == "gloo":
+        return comm.GlooComm(rank, world, timeout_s, rendezvous["init_method"])
+    if backend == "shm":
+        return comm.ShmComm(rank, world, timeout_s, rendezvous["path"], rendezvous["capacity"])
+    raise ValueError(f"backend must be one of {', '.join(comm.BACKENDS)}, got {backend!r}")
+
+
+def setup(rank: int, world: int, backend: str, rendezvous: dict, threads: int, cpus: list[int] | None,
+          timeout_s: float) -> dict:
+    """Pin (if asked), set the thread count, build the kernels, join the collective."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # memory this process touches from now on lands on these CPUs' node
+    torch.set_num_threads(threads)
+    from workbench.kernels import native
+
+    native.ext  # compile (or load) the kernels before the collective's clock starts
+    STATE.clear()
+    STATE.update(rank=rank, world=world, backend=backend,
+                 comm=make_comm(backend, rank, world, timeout_s, rendezvous), model=None)
+    return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "threads": torch.get_num_threads(),
+            "cpus": sorted(os.sched_getaffinity(0))}
+
+
+def load(name: str, kwargs: dict, options: dict) -> dict:
+    """Load the model from its name or path, keeping this rank's shard only."""
+    import workbench as wb
+    from workbench.distributed.shard import plan, shard_hook
+    from workbench.distributed.tp import TPOptions, apply_tensor_parallel
+
+    STATE["model"] = None
+    rank, world, comm = STATE["rank"], STATE["world"], STATE["comm"]
+    model = wb.load_model(name, shard=shard_hook(rank, world), **kwargs)
+    apply_tensor_parallel(model, comm, TPOptions(**options))
+    STATE["model"] = model
+    p = plan(model.config, rank, world)
+    return {"rank": rank, "description": model.description, "weight_bytes": model.llama.weight_bytes,
+            "kv_heads": p.kv_heads, "q_heads": p.q_heads, "ffn": p.ffn, "vocab": p.vocab,
+            "config": model.config, "tokenizer": model.tokenizer if rank == 0 else None,
+            "weight_dtype": model.llama.weight_dtype}
+
+
+def _model():
+    model = STATE.get("model")
+    if model is None:
+        raise RuntimeError("no model loaded on this engine")
+    return model
+
+
+def set_options(options: dict) -> dict:
+    from dataclasses import asdict, replace
+
+    model = _model()
+    model.tp.options = replace(model.tp.options, **options)  # validated by TPOptions
+    return asdict(model.tp.options)
+
+
+def set_switches(attention: str, kv_cache: str) -> None:
+    model = _model()
+    model.attention, model.kv_cache = attention, kv_cache
+
+
+def generate(prompt, kwargs: dict, check_topk: bool):
+    """One generation on this rank; rank 0 returns the result and streams its progress."""
+    from dataclasses import replace
+
+    model, rank = _model(), STATE["rank"]
+    tp = model.tp
+    saved = tp.options
+    tp.options = replace(saved, check_topk=check_topk)
+    tp.topk_log.clear()
+    hooks = {}
+    if rank == 0:
+        from ipyparallel.datapub import publish_data
+
+        state = {"ids": [], "last": 0.0, "steps": []}
+
+        def on_token(step, ids):
+            state["ids"].append(list(ids))
+            publish_data({"ids": state["ids"], "steps": state["steps"]})
+
+        def on_step(record, timings):
+            state["steps"].append(record)
+            now = time.perf_counter()
+            if now - state["last"] >= PUBLISH_EVERY_S:
+                state["last"] = now
+                publish_data({"ids": state["ids"], "steps": state["steps"]})
+
+        hooks = {"on_token": on_token, "on_step": on_step}
+    try:
+        out = model.generate(prompt, **kwargs, **hooks)
+    finally:
+        tp.options = saved
+    if rank != 0:
+        return None
+    out.topk_log = list(tp.topk_log)
+    return out
+
+
+def logits(token_ids) -> torch.Tensor | None:
+    """Every position's full logits (the LM head's gather mode for this call), on rank 0."""
+    from dataclasses import replace
+
+    model = _model()
+    saved = model.tp.options
+    model.tp.options = replace(saved, lm_head="gather", check_topk=False)
+    try:
+        out = model.logits(token_ids)
+    finally:
+        model.tp.options = saved
+    return out if STATE["rank"] == 0 else None
+
+
+def comm_latency(sizes: list[int], repeats: int) -> list[dict] | None:
+    """All-reduce seconds per size (floats), after a barrier each, for the alpha-beta fit."""
+    comm = STATE["comm"]
+    rows = []
+    for n in sizes:
+        x = comm.buffer((n,))
+        x.fill_(1.0)
+        samples = []
+        for _ in range(repeats + 1):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce_(x)
+            samples.append(time.perf_counter() - t0)
+        rows.append({"floats": n, "bytes": 4 * n, "seconds": samples[1:]})
+    return rows if STATE["rank"] == 0 else None
+
+
+def teardown() -> None:
+    comm = STATE.get("comm")
+    STATE.clear()
+    if comm is not None:
+        comm.close()
