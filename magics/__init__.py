@@ -22,6 +22,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.kv_formats import KV_FORMATS
+from workbench.distributed.cluster import LAUNCHERS
+from workbench.distributed.comm import BACKENDS
+from workbench.distributed.tp import LM_HEAD, TOKEN_BROADCAST
 from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options
 
 
@@ -55,6 +58,8 @@ class WorkbenchMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.last_result = None
+        self._last_load = None  # (name, load arguments) of the last %load_model, for %ablate --ranks
+        self._single = None  # the single-process model while a cluster runs
 
     @property
     def model(self):
@@ -87,20 +92,23 @@ class WorkbenchMagics(Magics):
           In [2]: %load_model llama2-7b --random --layers 4 --dtype bf16
           In [3]: %load_model ~/models/TinyLlama-1.1B-Chat-v1.0
         """
-        import workbench as wb
-
         import warnings
 
+        import workbench as wb
+        from workbench.distributed.cluster import DistributedError, running
+
         args = parse_argstring(self.load_model, line)
+        cluster = running()  # with %distributed start, every engine loads the model and keeps its shard
+        load = cluster.load_model if cluster is not None else wb.load_model
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                model = wb.load_model(args.name, random=args.random, layers=args.layers, dtype=args.dtype,
-                                      seed=args.seed)
-            except (wb.ModelLoadError, ValueError) as e:
+                model = load(args.name, random=args.random, layers=args.layers, dtype=args.dtype, seed=args.seed)
+            except (wb.ModelLoadError, ValueError, DistributedError) as e:
                 raise UsageError(str(e)) from None
         for w in caught:
             print(f"warning: {w.message}")
+        self._last_load = (args.name, dict(random=args.random, layers=args.layers, dtype=args.dtype, seed=args.seed))
         from workbench.runtime.session import current
 
         if self.model is not None:
@@ -191,24 +199,41 @@ class WorkbenchMagics(Magics):
     @argument("--prompt-len", type=_csv("--prompt-len", int), default=[128])
     @argument("--batch", type=_csv("--batch", int), default=[1])
     @argument("--new-tokens", type=int, default=16)
+    @argument("--ranks", type=_csv("--ranks", int), default=None,
+              help="tensor-parallel ablation: rank counts (1 = one process on the same cores)")
+    @argument("--backend", type=_csv("--backend", str, BACKENDS), default=None, help="with --ranks")
+    @argument("--token-broadcast", type=_csv("--token-broadcast", str, TOKEN_BROADCAST), default=None)
+    @argument("--lm-head", type=_csv("--lm-head", str, LM_HEAD), default=None)
+    @argument("--zero-copy", type=_csv("--zero-copy", str, ["on", "off"]), default=None)
+    @argument("--repeats", type=int, default=2, help="with --ranks: measured runs per setting")
     @argument("-o", dest="output", default=None, help="store the results DataFrame in this variable")
     @line_magic
     def ablate(self, line):
         """Run a grid of configurations and show one row per configuration: prefill ms,
         decode tokens/s, GB/s, % of the measured peak bandwidth, top-1 agreement with the
-        naive / fp32-cache reference.
+        naive / fp32-cache reference. With --ranks (and --backend, --token-broadcast,
+        --lm-head, --zero-copy), a tensor-parallel grid instead: decode ms/token, comm
+        ms/token, % comm, bytes per token, whether the tokens equal one process's.
 
         Examples::
 
           In [1]: %ablate --attention slim,flash --kvcache int8,fp32 --prompt-len 128,1024 --batch 1,16
           In [2]: %ablate --kvcache int8,fp16 --new-tokens 32 -o results
+          In [3]: %ablate --ranks 1,2 --backend gloo,shm --zero-copy on,off -o tp
         """
         from workbench.analysis.ablation import rows_as_dicts, run_ablation
+        from workbench.distributed.cluster import DistributedModel, running
 
         args = parse_argstring(self.ablate, line)
         model = self._require_model()
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
+        tp_options = (args.ranks, args.backend, args.token_broadcast, args.lm_head, args.zero_copy)
+        if any(v is not None for v in tp_options):
+            return self._tp_ablate(args)
+        if isinstance(model, DistributedModel) or running() is not None:
+            raise UsageError("a cluster is running: use %ablate --ranks 1,2 ... for a tensor-parallel grid, or "
+                             "%distributed stop for the single-process one")
         bar = _Progress()
         try:
             rows = run_ablation(model, args.attention, args.kvcache, args.prompt_len, args.batch, args.new_tokens,
@@ -230,6 +255,98 @@ class WorkbenchMagics(Magics):
               "(naive attention with an fp32 KV cache, same prompts); decode rates: all sequences together")
         display(table.round(DIGITS) if hasattr(table, "round") else table)  # -o keeps full precision
         display(ablation_figure(rows))
+
+    def _tp_ablate(self, args):
+        from workbench.distributed.ablation import tp_ablation
+        from workbench.distributed.cluster import DistributedError, running
+
+        if running() is not None:
+            raise UsageError("%ablate --ranks starts its own clusters: %distributed stop first")
+        if self._last_load is None:
+            raise UsageError("load the model with %load_model first (its name is what every engine loads)")
+        name, kwargs = self._last_load
+        try:
+            rows = tp_ablation(name, kwargs, ranks=args.ranks or [1, 2], backends=args.backend or list(BACKENDS),
+                               token_broadcast=args.token_broadcast or ["ids"], lm_head=args.lm_head or ["topk"],
+                               zero_copy=[z == "on" for z in (args.zero_copy or ["on"])],
+                               prompt_len=args.prompt_len[0], new_tokens=args.new_tokens, repeats=args.repeats,
+                               progress=print)
+        except (ValueError, DistributedError) as e:
+            raise UsageError(str(e)) from None
+        table = _dataframe(rows)
+        if args.output:
+            self.shell.user_ns[args.output] = table
+        from IPython.display import display
+
+        display(table.round(2) if hasattr(table, "round") else table)
+
+    @magic_arguments()
+    @argument("action", nargs="?", choices=["start", "status", "stop"], default=None,
+              help="start engines, show their status, or stop them; none: change the switches below")
+    @argument("-n", type=int, default=2, help="ranks (one ipyparallel engine each), default 2")
+    @argument("--backend", default="shm", help="collectives: " + ", ".join(BACKENDS) + " (default shm)")
+    @argument("--threads-per-rank", type=int, default=1)
+    @argument("--pin", action="store_true", help="bind each rank to its own cores (and NUMA node)")
+    @argument("--launcher", default="local", help="ipyparallel launcher: " + ", ".join(LAUNCHERS))
+    @argument("--timeout", type=float, default=30.0, help="seconds a collective waits for a rank")
+    @argument("--oversubscribe", action="store_true", help="allow more threads than CPUs")
+    @argument("--token-broadcast", choices=list(TOKEN_BROADCAST), default=None)
+    @argument("--lm-head", choices=list(LM_HEAD), default=None)
+    @argument("--zero-copy", choices=["on", "off"], default=None)
+    @argument("--check-topk", choices=["on", "off"], default=None,
+              help="also gather all logits every step and compare the distributed top-k")
+    @line_magic
+    def distributed(self, line):
+        """Tensor-parallel runs on ipyparallel engines: start them, switch the paper's three
+        communication optimizations, stop them. While a cluster runs, %load_model loads on
+        every engine (each keeps its shard) and %generate runs on them.
+
+        Examples::
+
+          In [1]: %distributed start -n 2 --backend shm --threads-per-rank 1 --pin
+          In [2]: %load_model smollm2-135m
+          In [3]: %generate -n 32 The capital of France is
+          In [4]: %distributed --token-broadcast embeddings --lm-head gather --zero-copy off
+          In [5]: %distributed status
+          In [6]: %distributed stop
+        """
+        from workbench.distributed.cluster import Cluster, DistributedError, running
+        from workbench.runtime.session import current
+
+        args = parse_argstring(self.distributed, line)
+        switches = {k: v for k, v in (("token_broadcast", args.token_broadcast), ("lm_head", args.lm_head),
+                                      ("zero_copy", None if args.zero_copy is None else args.zero_copy == "on"),
+                                      ("check_topk", None if args.check_topk is None else args.check_topk == "on"))
+                    if v is not None}
+        cluster = running()
+        try:
+            if args.action == "start":
+                if cluster is not None:
+                    raise UsageError(f"a cluster is already running ({cluster!r}): %distributed stop first")
+                cluster = Cluster(args.n, backend=args.backend, threads_per_rank=args.threads_per_rank, pin=args.pin,
+                                  launcher=args.launcher, timeout_s=args.timeout,
+                                  oversubscribe=args.oversubscribe).start()
+                self._single = self.model  # back in use after %distributed stop
+                current.model = None
+                print(f"{cluster!r}: " + ", ".join(f"rank {e['rank']} pid {e['pid']} cpus {e['cpus']}"
+                                                   for e in cluster.engines))
+                print("now %load_model loads on every engine")
+            elif args.action == "stop":
+                if cluster is not None:
+                    cluster.stop()
+                current.model = self._single
+                self.shell.user_ns["wb_model"] = current.model
+                print("cluster stopped" if cluster is not None else "no cluster was running")
+            elif args.action == "status":
+                print(_cluster_status(cluster))
+            if switches:
+                model = cluster.model if cluster is not None else None
+                if model is None:
+                    raise UsageError("no distributed model: %distributed start, then %load_model")
+                options = model.set_options(**switches)
+                print(", ".join(f"{k} = {v}" for k, v in vars(options).items()))
+        except (ValueError, DistributedError) as e:
+            raise UsageError(str(e)) from None
 
     @magic_arguments()
     @argument("--panel", action="store_true", help="show the control panel with live plots")
@@ -254,6 +371,22 @@ class WorkbenchMagics(Magics):
         from workbench.runtime.status import status_report
 
         print(status_report(self.model))
+
+
+def _cluster_status(cluster) -> str:
+    if cluster is None:
+        return "no cluster running (%distributed start -n 2 --backend shm)"
+    st = cluster.status()
+    lines = [repr(cluster), f"launcher {st['launcher']}, collective timeout {st['timeout_s']} s, "
+                            f"backend settings {st['environment']}"]
+    lines += [f"rank {e['rank']}: pid {e['pid']} on {e['host']}, {e['threads']} thread(s), cpus {e['cpus']}"
+              for e in st["engines"]]
+    if cluster.model is not None:
+        lines.append(repr(cluster.model))
+        lines += [f"rank {sh['rank']}: KV heads {sh['kv_heads']}, query heads {sh['q_heads']}, FFN {sh['ffn']}, "
+                  f"vocabulary {sh['vocab']}, {sh['weight_bytes'] / 2**20:.0f} MiB of weights"
+                  for sh in cluster.model.shards]
+    return "\n".join(lines)
 
 
 def _dataframe(rows: list[dict]):

@@ -79,3 +79,47 @@ def test_bad_cluster_arguments_are_clear():
     finally:
         cluster.stop()
     assert torch.get_num_threads() >= 1
+
+
+def test_distributed_magics_in_a_real_shell(capsys):
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "workbench")
+
+    def run(line):
+        r = sh.run_cell(line)
+        return capsys.readouterr().out, r.error_in_exec or r.error_before_exec
+
+    run("%load_model smollm2-135m")
+    single = sh.user_ns["wb_model"]
+    for line, message in {"%distributed start -n 0": "positive integer",
+                          "%distributed start --backend nccl": "backend must be one of",
+                          "%distributed start -n 3": "oversubscribe",
+                          "%distributed --lm-head gather": "no distributed model"}.items():
+        _, err = run(line)
+        assert isinstance(err, UsageError) and message in str(err), (line, err)
+    out, err = run("%distributed start -n 2 --backend shm --pin")
+    assert err is None and "rank 1 pid" in out
+    try:
+        assert isinstance(run("%distributed start")[1], UsageError)  # one at a time
+        out, err = run("%load_model smollm2-135m")
+        assert err is None and "tensor parallel over 2 ranks" in out
+        out, err = run("%generate -n 6 The capital of France is")
+        assert err is None and "Paris" in out and "communication per decode step" in out
+        out, err = run("%distributed --token-broadcast embeddings --lm-head gather --zero-copy off --check-topk on")
+        assert err is None and "lm_head = gather" in out and "zero_copy = False" in out
+        out, err = run("%generate -n 4 The capital of France is")
+        assert err is None and "top-1 agrees at 4 of 4 positions" in out
+        out, err = run("%distributed status")
+        assert "rank 1: KV heads (2, 3)" in out and "segment" in out
+        assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
+    finally:
+        out, err = run("%distributed stop")
+    assert err is None and "cluster stopped" in out
+    assert sh.user_ns["wb_model"] is single  # the single-process model is back
+    out, err = run("%ablate --ranks 1,2 --backend shm --zero-copy on,off --new-tokens 4 --repeats 1 --prompt-len 16 -o tp")
+    assert err is None, err
+    df = sh.user_ns["tp"]
+    assert list(df.ranks) == [1, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()

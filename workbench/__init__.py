@@ -12,6 +12,7 @@ Layers, bottom up (each imports only from those before it):
     workbench.runtime    a loaded Model: generate, sampling, timing records, streaming, threads
     workbench.analysis   experiments: teacher forcing, ablation grids, the demo, kernel comparisons
     workbench.ui         the live plotly figures and the ipywidgets control panel
+    workbench.distributed  tensor parallel: collectives, sharding, ipyparallel engines
     workbench.magics     the IPython magics (the repository's magics/), `%load_ext workbench`
     workbench.cli        the `workbench` command
 """
@@ -22,7 +23,16 @@ from workbench.model.loaders import ModelLoadError  # noqa: E402
 from workbench.runtime.generate import GenerationResult, Model, load_model  # noqa: E402
 from workbench.runtime.status import status_report  # noqa: E402
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "load_model", "panel", "status_report"]
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "load_model", "panel", "status_report"]
+
+
+def cluster(n: int = 2, **kwargs):
+    """Start a tensor-parallel cluster of n ranks on ipyparallel engines (see
+    workbench.distributed.cluster.Cluster): backend="shm" | "gloo", threads_per_rank, pin,
+    launcher, timeout_s. Then cluster.load_model(name) gives a DistributedModel."""
+    from workbench.distributed.cluster import cluster as start
+
+    return start(n, **kwargs)
 
 
 def panel(model=None):

@@ -42,6 +42,13 @@ class DistributedError(RuntimeError):
     """A distributed run failed; the message names the rank and what happened."""
 
 
+class DistributedUsageError(DistributedError, ValueError):
+    """Every rank refused the request (a bad name or value): the cluster keeps running."""
+
+
+USER_ERRORS = ("ValueError", "TypeError", "ModelLoadError", "TruncatedModelWarning")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,16 +239,18 @@ class Cluster:
             time.sleep(0.02)
         if poll is not None:
             poll()
-        results = []
+        results, failures = [], []
         for rank, ar in enumerate(ars):
             try:
                 results.append(ar.get())
             except Exception as e:  # ipyparallel wraps the engine's exception
-                name = getattr(e, "ename", type(e).__name__)
-                value = getattr(e, "evalue", str(e))
-                self.stop()
-                raise DistributedError(f"rank {rank} failed while {what}: {name}: {value}; the cluster was "
-                                       f"stopped") from None
+                failures.append((rank, getattr(e, "ename", type(e).__name__), getattr(e, "evalue", str(e))))
+        if failures and len(failures) == len(ars) and all(name in USER_ERRORS for _, name, _ in failures):
+            raise DistributedUsageError(failures[0][2])  # the same mistake on every rank: say it once
+        if failures:
+            rank, name, value = failures[0]
+            self.stop()
+            raise DistributedError(f"rank {rank} failed while {what}: {name}: {value}; the cluster was stopped")
         return results
 
     def run(self, fn, *args, what: str = "running", poll=None) -> list:
@@ -331,12 +340,13 @@ class DistributedModel:
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
                  kv_cache: str | None = None, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
-                 on_token=None, on_step=None, check_topk: bool = False):
+                 on_token=None, on_step=None, check_topk: bool | None = None):
         """Model.generate on every rank at once (see workbench.runtime.generate); rank 0's
         result, with `topk_log` (check_topk: per step, whether the distributed top-1 is the
         true one and the top-k overlap)."""
         from workbench.distributed import engine
 
+        check_topk = self.options.check_topk if check_topk is None else check_topk
         if self.options.lm_head != "gather" and temperature > 0 and (top_k is None or top_k > self.options.topk):
             raise ValueError(f"sampling with temperature > 0 needs top_k <= {self.options.topk} with "
                              f"lm_head={self.options.lm_head} (only that many candidates are exchanged); pass "

@@ -44,7 +44,21 @@ class GenerationResult:
         n = len(self.token_ids) if self.token_ids and isinstance(self.token_ids[0], int) else \
             sum(map(len, self.token_ids))
         split = self.timings.per_part_text("decode") or self.timings.per_part_text("prefill")
-        return "\n".join(line for line in (f"{n} tokens | {self.summary_line()}", split) if line)
+        lines = [f"{n} tokens | {self.summary_line()}", split]
+        decode = self.timings.decode_steps
+        if decode and decode[0].comm_bytes:  # tensor parallel: what the collectives cost per token
+            comm_ms = 1e3 * sum(s.comm_s for s in decode) / len(decode)
+            step_ms = 1e3 * sum(s.total_s for s in decode) / len(decode)
+            kb = sum(s.comm_bytes for s in decode) / len(decode) / 1e3
+            lines.append(f"communication per decode step: {comm_ms:.2f} ms ({100 * comm_ms / step_ms:.0f}% of the "
+                         f"step), {kb:.1f} KB sent by rank 0")
+        checks = getattr(self, "topk_log", None)
+        if checks:
+            agree = sum(c["top1_agrees"] for c in checks)
+            overlap = sum(c["topk_overlap"] for c in checks) / len(checks)
+            lines.append(f"top-k check against all logits: top-1 agrees at {agree} of {len(checks)} positions, "
+                         f"mean top-k overlap {overlap:.3f}")
+        return "\n".join(line for line in lines if line)
 
 
 class Model:

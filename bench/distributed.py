@@ -1,0 +1,69 @@
+"""Tensor-parallel benchmarks (2 ranks on this host, one thread each, pinned):
+
+    latency   all-reduce latency of each backend from 1 KB to 16 MB (median, min-max over
+              repeats, a barrier before each call) and its alpha-beta fit
+              t = alpha + bytes / beta, which the cost model and reports reuse
+    tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
+              zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
+              decode ms/token, comm ms/token, % comm, bytes per token; switch settings
+              interleaved within a cluster; ranks 1 is one process with 2 threads
+
+    python bench/distributed.py [--only latency,tp] [--repeats 3] [--models smollm2-135m,llama2-7b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import print_table, write_results  # noqa: E402
+
+from workbench.distributed.ablation import allreduce_latency, tp_ablation  # noqa: E402
+
+MODELS = {
+    "smollm2-135m": ("smollm2-135m", {}),
+    "llama2-7b": ("llama2-7b", {"random": True, "layers": 4, "dtype": "bf16", "max_seq_len": 512}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="latency,tp")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="smollm2-135m,llama2-7b")
+    parser.add_argument("--backends", default="gloo,shm")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    parts, backends = args.only.split(","), tuple(args.backends.split(","))
+    payload = {}
+    if "latency" in parts:
+        lat = allreduce_latency(backends, repeats=max(20, 10 * args.repeats))
+        payload["allreduce_latency"] = lat
+        rows = [{"backend": b, "bytes": r["bytes"], "median us (min-max)":
+                 f"{r['median_us']:.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})"} for b, v in lat.items() for r in v["sizes"]]
+        print_table(rows, ["backend", "bytes", "median us (min-max)"], title="All-reduce latency, 2 ranks")
+        print_table([{"backend": b, "alpha us": f"{v['alpha_us']:.1f}", "beta GB/s": f"{v['beta_gbps']:.2f}"}
+                     for b, v in lat.items()], ["backend", "alpha us", "beta GB/s"], title="alpha-beta fit")
+    if "tp" in parts:
+        payload["tp"] = {}
+        for key in args.models.split(","):
+            name, kwargs = MODELS[key]
+            rows = tp_ablation(name, kwargs, backends=backends, repeats=args.repeats, new_tokens=args.new_tokens,
+                               progress=lambda msg: print("  " + msg, flush=True))
+            payload["tp"][key] = rows
+            table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
+                      f"{r['decode_ms_max']:.2f})", "comm ms": f"{r['comm_ms_per_token']:.2f}",
+                      "% comm": f"{r['pct_comm']:.0f}", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}"}
+                     for r in rows]
+            print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy",
+                                "decode ms/token (min-max)", "comm ms", "% comm", "comm KB/token",
+                                "same_tokens_as_tp1"], title=f"Tensor parallel decode, {key}")
+    write_results("distributed", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
