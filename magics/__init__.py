@@ -266,7 +266,9 @@ class WorkbenchMagics(Magics):
             raise UsageError("load the model with %load_model first (its name is what every engine loads)")
         name, kwargs = self._last_load
         try:
-            rows = tp_ablation(name, kwargs, ranks=args.ranks or [1, 2], backends=args.backend or list(BACKENDS),
+            from workbench.distributed.comm import available_backends
+
+            rows = tp_ablation(name, kwargs, ranks=args.ranks or [1, 2], backends=args.backend or available_backends(),
                                token_broadcast=args.token_broadcast or ["ids"], lm_head=args.lm_head or ["topk"],
                                zero_copy=[z == "on" for z in (args.zero_copy or ["on"])],
                                prompt_len=args.prompt_len[0], new_tokens=args.new_tokens, repeats=args.repeats,

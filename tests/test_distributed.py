@@ -29,8 +29,14 @@ def single():
     return wb.load_model("smollm2-135m")
 
 
-@pytest.fixture(scope="module", params=["shm", "gloo"])
+@pytest.fixture(scope="module", params=["shm", "gloo", "ccl"])
 def tp2(request):
+    from workbench.distributed import ccl
+
+    if request.param == "ccl" and not ccl.available():
+        if os.environ.get("CI"):
+            pytest.fail("CI installs the ccl extra (scripts/bootstrap): " + ccl.INSTALL_HINT)
+        pytest.skip(ccl.INSTALL_HINT)
     cluster = Cluster(2, backend=request.param, pin=True, timeout_s=20).start()
     model = cluster.load_model("smollm2-135m")
     yield cluster, model

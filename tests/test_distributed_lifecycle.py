@@ -123,3 +123,47 @@ def test_distributed_magics_in_a_real_shell(capsys):
     assert err is None, err
     df = sh.user_ns["tp"]
     assert list(df.ranks) == [1, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()
+
+
+def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():
+    from workbench.distributed.cluster import running
+
+    p = wb.panel(wb.load_model("smollm2-135m"))
+    p.ranks.value, p.backend.value, p.check_topk.value = 2, "shm", True
+    p.new_tokens.value, p.warmup.value = 4, False
+    try:
+        p.load_button.click()
+        assert running() is p.cluster and "tensor parallel over 2 ranks" in p.status.value
+        p.run_button.click()
+        assert p.result is not None and len(p.result.topk_log) == 4
+        assert all(c["top1_agrees"] for c in p.result.topk_log)  # the default LM head (topk) is exact
+        comm_out, topk_out = p.plots.distributed_outputs
+        assert comm_out.layout.display is None and topk_out.layout.display is None  # both shown
+        comm = comm_out.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]
+        assert [t["name"] for t in comm] == ["compute", "communication (all-reduces)"]
+        assert all(y > 0 for y in comm[1]["y"])
+        p.ranks.value = 1
+        p.load_button.click()  # back to one process: the panel's cluster is stopped
+        assert running() is None and "tensor parallel" not in p.status.value
+    finally:
+        if p.cluster is not None:
+            p.cluster.stop()
+
+
+def test_mpi_launcher_with_the_ccl_extras_mpiexec(single):
+    """ipyparallel's MPI launcher, with Intel MPI's mpiexec from the impi-rt wheel on one host
+    (-bootstrap fork, interface lo), the engines talking over oneCCL."""
+    from workbench.distributed import ccl
+
+    if not ccl.available():
+        if os.environ.get("CI"):
+            pytest.fail("CI installs the ccl extra (scripts/bootstrap): " + ccl.INSTALL_HINT)
+        pytest.skip(ccl.INSTALL_HINT)
+    cluster = Cluster(2, backend="ccl", launcher="mpi").start()
+    try:
+        model = cluster.load_model("smollm2-135m")
+        out = model.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)
+        assert out.token_ids == single.generate(PROMPT, max_new_tokens=8, stop_at_eos=False).token_ids
+        assert cluster.environment()["CCL_ATL_TRANSPORT"] == "ofi"
+    finally:
+        cluster.stop()

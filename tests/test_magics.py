@@ -11,6 +11,9 @@ from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 @pytest.fixture(scope="module")
 def shell():
+    from workbench.runtime import session
+
+    session.current.model = None  # the shell is one per process: start from nothing loaded
     sh = InteractiveShell.instance()
     sh.run_line_magic("load_ext", "workbench")
     return sh

@@ -104,16 +104,33 @@ def pin_plan(ranks: int, threads_per_rank: int) -> list[list[int]]:
     return plan
 
 
+def mpi_defaults(iface: str | None) -> dict:
+    """The MPI launcher on one host with the mpiexec of the ccl extra's impi-rt wheel (Intel
+    MPI's hydra): processes forked locally, talking over `iface`. For several hosts, pass
+    launcher_config={"MPIEngineSetLauncher": {"mpi_args": ["-hosts", "a,b", "-iface", "eth0"]}}."""
+    import sys
+    from pathlib import Path
+
+    mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
+    args = ["-bootstrap", "fork"] + (["-iface", iface] if iface else [])
+    return {"mpi_cmd": [str(mpiexec) if mpiexec.is_file() else "mpiexec"], "mpi_args": args}
+
+
 class Cluster:
     def __init__(self, n: int = 2, *, backend: str = "gloo", threads_per_rank: int = 1, pin: bool = False,
                  launcher: str = "local", timeout_s: float = 30.0, oversubscribe: bool = False,
-                 shm_capacity_mb: float = 64.0, ip: str = "127.0.0.1"):
+                 shm_capacity_mb: float = 64.0, ip: str = "127.0.0.1", iface: str | None = None,
+                 launcher_config: dict | None = None):
         cpus = len(os.sched_getaffinity(0))
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"ranks (-n) must be a positive integer, got {n!r}")
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}" +
-                             ("; ccl (oneCCL) is not built into this version yet" if backend == "ccl" else ""))
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend == "ccl":
+            from workbench.distributed import ccl
+
+            if not ccl.available():
+                raise ValueError(ccl.INSTALL_HINT)
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
         if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
@@ -121,12 +138,15 @@ class Cluster:
         if n * threads_per_rank > cpus and not oversubscribe:
             raise ValueError(f"{n} ranks x {threads_per_rank} threads need {n * threads_per_rank} CPUs but this "
                              f"process may use {cpus}; use fewer, or pass oversubscribe=True (--oversubscribe)")
-        if backend == "shm" and launcher != "local":
-            raise ValueError("the shm backend needs every rank on this host: use launcher='local'")
+        if backend == "shm" and launcher not in ("local", "mpi"):
+            raise ValueError("the shm backend needs every rank on this host: use launcher='local' (or 'mpi' on one host)")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.n, self.backend, self.threads_per_rank, self.pin = n, backend, threads_per_rank, pin
         self.launcher, self.timeout_s, self.ip = launcher, timeout_s, ip
+        # The interface the ranks talk over: loopback on one host; on several, the one they share.
+        self.iface = iface or ("lo" if launcher in ("local", "mpi") else None)
+        self.launcher_config = launcher_config or {}  # e.g. {"SSHEngineSetLauncher": {"engines": {...}}}
         self.shm_capacity = shm_capacity_bytes(shm_capacity_mb)
         self.cpus = pin_plan(n, threads_per_rank) if pin else [None] * n
         self.ipp_cluster = self.client = None
@@ -143,22 +163,44 @@ class Cluster:
 
         _running = self
         try:
-            self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40)
+            from traitlets.config import Config
+
+            config = Config(self.launcher_config)
+            if self.launcher == "mpi" and "MPIEngineSetLauncher" not in self.launcher_config:
+                config.MPIEngineSetLauncher = Config(mpi_defaults(self.iface))
+            if self.backend == "ccl":
+                # Given to the engines when they start: set later, from inside a running
+                # process, the same settings made a 2 KB all-reduce 10-20x slower (measured).
+                from workbench.distributed import ccl
+
+                env = ccl.environment(0, self.n, self.iface)
+                env.pop("CCL_LOCAL_RANK")  # differs per rank: each engine sets its own
+                config.BaseLauncher.environment = {**config.BaseLauncher.get("environment", {}), **env}
+            self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40,
+                                           config=config)
             self.client = self.ipp_cluster.start_and_connect_sync(activate=False)
             self.client.wait_for_engines(self.n, timeout=120)
             ids = sorted(self.client.ids)[:self.n]
+            self.engine_ids = ids
+            from workbench.distributed import engine
+
+            self._gather([self.client[eid].apply_async(engine.prepare, self.threads_per_rank, self.cpus[rank],
+                                                       self.backend) for rank, eid in enumerate(ids)],
+                         "building the kernels")
             if self.backend == "gloo":
-                rendezvous = {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
+                # rank 0 hosts the rendezvous: on its own address, on a port free there
+                host, port = (("127.0.0.1", _free_port()) if self.launcher == "local" else
+                              self.client[ids[0]].apply_sync(engine.address_and_port, self.iface))
+                rendezvous = {"init_method": f"tcp://{host}:{port}", "iface": self.iface}
+            elif self.backend == "ccl":
+                rendezvous = {"address": self.client[ids[0]].apply_sync(engine.ccl_address, self.n, self.iface),
+                              "iface": self.iface}
             else:
                 self.shm_path = create_shm_segment(f"workbench-{uuid.uuid4().hex[:12]}", self.n, self.shm_capacity)
                 rendezvous = {"path": str(self.shm_path), "capacity": self.shm_capacity}
-            from workbench.distributed import engine
-
-            ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous,
-                                                self.threads_per_rank, self.cpus[rank], self.timeout_s)
+            ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)
                    for rank, eid in enumerate(ids)]
-            self.engine_ids = ids
-            self.engines = self._gather(ars, "setting up")
+            self.engines = self._gather(ars, "joining the collective")
         except BaseException:
             self.stop()
             raise
@@ -211,7 +253,11 @@ class Cluster:
     def environment(self) -> dict:
         """The backend's settings the workbench applies on every engine."""
         if self.backend == "gloo":
-            return {"GLOO_SOCKET_IFNAME": "lo"}
+            return {"GLOO_SOCKET_IFNAME": self.iface or "(gloo's choice)"}
+        if self.backend == "ccl":
+            from workbench.distributed import ccl
+
+            return ccl.environment(0, self.n, self.iface)  # rank 0's; CCL_LOCAL_RANK differs per rank
         return {"segment": str(self.shm_path), "slot_bytes": self.shm_capacity}
 
     def __repr__(self) -> str:

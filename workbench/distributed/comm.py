@@ -12,13 +12,14 @@ Backends:
     gloo    torch.distributed's gloo over TCP on 127.0.0.1 (always available)
     shm     our shared-memory collectives (kernels/shm_comm.cpp): ranks on one host write
             into one /dev/shm segment and reduce a slice each, with flag barriers
+    ccl     oneCCL through our binding (kernels/ccl_comm.cpp, workbench.distributed.ccl),
+            with the `ccl` extra installed
 Each call is timed and its payload counted while `recording` is on (`log`), which is how
 the runtime splits a step into compute and communication.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,7 +109,6 @@ class GlooComm(Communicator):
         super().__init__(rank, world, timeout_s)
         import torch.distributed as dist
 
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: the ranks share a host
         self.dist = dist
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
@@ -217,4 +217,10 @@ class ShmComm(Communicator):
         self.segment = self.slot = None
 
 
-BACKENDS = ("gloo", "shm")
+BACKENDS = ("gloo", "shm", "ccl")  # ccl: workbench.distributed.ccl, with the ccl extra installed
+
+
+def available_backends() -> list[str]:
+    from workbench.distributed import ccl
+
+    return [b for b in BACKENDS if b != "ccl" or ccl.available()]

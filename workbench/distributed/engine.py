@@ -18,25 +18,61 @@ STATE: dict = {}
 PUBLISH_EVERY_S = 0.1  # rank 0 publishes its step records at most this often (tokens: every step)
 
 
+def address_and_port(iface: str | None) -> tuple[str, int]:
+    """This engine's address (of `iface` when given) and a free TCP port on it: the gloo
+    rendezvous of a multi-machine run is hosted by rank 0."""
+    import fcntl
+    import struct
+
+    if iface:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # SIOCGIFADDR
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))
+            host = socket.inet_ntoa(packed[20:24])
+    else:
+        host = socket.gethostbyname(socket.gethostname())
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
 def make_comm(backend: str, rank: int, world: int, timeout_s: float, rendezvous: dict):
     from workbench.distributed import comm
 
     if backend == "gloo":
+        if rendezvous.get("iface"):
+            os.environ["GLOO_SOCKET_IFNAME"] = rendezvous["iface"]
         return comm.GlooComm(rank, world, timeout_s, rendezvous["init_method"])
     if backend == "shm":
         return comm.ShmComm(rank, world, timeout_s, rendezvous["path"], rendezvous["capacity"])
+    if backend == "ccl":
+        from workbench.distributed.ccl import CclComm
+
+        return CclComm(rank, world, timeout_s, rendezvous["address"], rendezvous.get("iface"))
     raise ValueError(f"backend must be one of {', '.join(comm.BACKENDS)}, got {backend!r}")
 
 
-def setup(rank: int, world: int, backend: str, rendezvous: dict, threads: int, cpus: list[int] | None,
-          timeout_s: float) -> dict:
-    """Pin (if asked), set the thread count, build the kernels, join the collective."""
+def prepare(threads: int, cpus: list[int] | None, backend: str) -> None:
+    """Pin (if asked), set the thread count, build the kernels (and the backend's binding)."""
     if cpus:
         os.sched_setaffinity(0, cpus)  # memory this process touches from now on lands on these CPUs' node
     torch.set_num_threads(threads)
     from workbench.kernels import native
 
     native.ext  # compile (or load) the kernels before the collective's clock starts
+    if backend == "ccl":
+        from workbench.distributed import ccl
+
+        ccl.extension()
+
+
+def ccl_address(world: int, iface: str | None) -> bytes:
+    from workbench.distributed import ccl
+
+    return ccl.main_kvs_address(0, world, iface)
+
+
+def setup(rank: int, world: int, backend: str, rendezvous: dict, timeout_s: float) -> dict:
+    """Join the collective (every rank at once)."""
     STATE.clear()
     STATE.update(rank=rank, world=world, backend=backend,
                  comm=make_comm(backend, rank, world, timeout_s, rendezvous), model=None)

@@ -86,6 +86,10 @@ class Model:
     def config(self):
         return self.llama.cfg
 
+    @property
+    def weight_dtype(self) -> str:
+        return self.llama.weight_dtype
+
     # -- switches (validated; changing them never touches the weights) --------------------
 
     @property

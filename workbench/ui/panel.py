@@ -63,6 +63,16 @@ class Panel:
         self.layers = W.BoundedIntText(value=2, min=1, max=80, description="layers", layout=W.Layout(width="160px"),
                                        tooltip="random presets: keep this many layers")
         self.load_button = W.Button(description="Load", icon="download")
+        # Tensor parallel: 1 rank is this process; more start ipyparallel engines on Load.
+        from workbench.distributed.comm import BACKENDS
+
+        cpus = len(os.sched_getaffinity(0))
+        self.ranks = W.Dropdown(options=list(range(1, cpus + 1)), value=1, description="ranks",
+                                layout=W.Layout(width="140px"))
+        self.backend = W.ToggleButtons(options=list(BACKENDS), value="shm", description="backend",
+                                       tooltip="collectives between the ranks (used when ranks > 1)")
+        self.check_topk = W.Checkbox(value=False, description="check top-k (ranks > 1)", indent=False)
+        self.cluster = None  # the cluster this panel started
         self.attention = W.ToggleButtons(options=list(ATTENTION_BACKENDS), value="slim", description="attention")
         self.kv_cache = W.ToggleButtons(options=list(KV_FORMATS), value="fp32", description="KV cache")
         self.batch = _slider(W.IntSlider, value=1, min=1, max=16, description="batch")
@@ -95,7 +105,9 @@ class Panel:
         self.kv_cache.observe(lambda c: self._toggle("kv_cache", c["new"]), "value")
         self.live.observe(lambda c: setattr(self.plots, "live", c["new"]), "value")
         self.widget = W.VBox([
-            W.HBox([self.model_picker, self.layers, self.load_button]), self.status,
+            W.HBox([self.model_picker, self.layers, self.ranks, self.load_button],
+                   layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.backend, self.check_topk], layout=W.Layout(flex_flow="row wrap")), self.status,
             self.attention, self.kv_cache,
             W.HBox([self.batch, self.prompt_len, self.new_tokens], layout=W.Layout(flex_flow="row wrap")),
             self.prompt,
@@ -136,7 +148,7 @@ class Panel:
             return "<i>no model loaded: pick one and press Load (or run %load_model)</i>"
         c = self.model.config
         return (f"<b>{html.escape(self.model.description)}</b>: {c.n_layers} layers, dim {c.dim}, "
-                f"{c.n_heads} heads ({c.n_kv_heads} KV), weights {self.model.llama.weight_dtype}")
+                f"{c.n_heads} heads ({c.n_kv_heads} KV), weights {self.model.weight_dtype}")
 
     def _error(self, message: str) -> None:
         self.output.append_stdout(f"error: {message}\n")
@@ -146,14 +158,29 @@ class Panel:
     def load(self, _=None) -> None:
         import workbench as wb
 
+        from workbench.distributed.cluster import Cluster, DistributedError, running
+
         name = self.model_picker.value
         random = name.endswith(RANDOM)
+        kwargs = dict(random=random, layers=self.layers.value if random else None)
         self.output.clear_output()
         try:
-            model = wb.load_model(name.removesuffix(RANDOM), random=random,
-                                  layers=self.layers.value if random else None)
-        except (wb.ModelLoadError, ValueError) as e:
+            if self.ranks.value > 1:
+                if running() is not None and running() is not self.cluster:
+                    raise ValueError("a cluster started elsewhere is running: %distributed stop first")
+                if self.cluster is not None:
+                    self.cluster.stop()
+                self.status.value = f"<i>starting {self.ranks.value} engines ({self.backend.value})...</i>"
+                self.cluster = Cluster(self.ranks.value, backend=self.backend.value, pin=True).start()
+                model = self.cluster.load_model(name.removesuffix(RANDOM), **kwargs)
+            else:
+                model = wb.load_model(name.removesuffix(RANDOM), **kwargs)
+                if self.cluster is not None:
+                    self.cluster.stop()
+                    self.cluster = None
+        except (wb.ModelLoadError, ValueError, DistributedError) as e:
             self._error(str(e))
+            self.status.value = self._status_html()
             return
         model.attention, model.kv_cache = self.attention.value, self.kv_cache.value
         if self.follows_session:
@@ -194,9 +221,10 @@ class Panel:
                 def on_token(step, ids, done=r * n):
                     self.progress.value = done + step + 1
 
+                extra = {"check_topk": self.check_topk.value} if hasattr(self.model, "cluster") else {}
                 results.append(self.model.generate(prompts, **settings, on_token=on_token,
-                                                   on_step=self.plots.on_step))
-        except ValueError as e:
+                                                   on_step=self.plots.on_step, **extra))
+        except (ValueError, RuntimeError) as e:
             self._error(str(e))
             return
         finally:
@@ -218,7 +246,7 @@ class Panel:
         median = order[len(order) // 2]
         self.result = results[median]
         label = f"{self.result.switches.attention} / {self.result.switches.kv_cache}, batch {batch}"
-        self.plots.finish(self.result.timings, label, batch)
+        self.plots.finish(self.result.timings, label, batch, getattr(self.result, "topk_log", None))
         self.summary.value = self._summary_html(rows)
         texts = self.result.text if isinstance(self.result.text, list) else [self.result.text]
         self.output.append_display_data(W.HTML(

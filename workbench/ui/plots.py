@@ -115,6 +115,39 @@ def throughput_spec(timings: Timings, batch: int, previous=()) -> dict:
     return {"data": data, "layout": layout}
 
 
+def comm_spec(timings: Timings) -> dict:
+    """Tensor parallel: per layer, a decode step's compute and communication (rank 0's view)."""
+    layers = timings.per_layer("decode")
+    compute = [sum(r[f"{p.name}_ms"] for p in PARTS if p.name != "comm") for r in layers]
+    x = [r["layer"] for r in layers]
+    data = [{"type": "bar", "name": "compute", "x": x, "y": compute, "marker": {"color": "#636efa"}},
+            {"type": "bar", "name": "communication (all-reduces)", "x": x, "y": [r["comm_ms"] for r in layers],
+             "marker": {"color": "#ab63fa"}}]
+    decode = timings.decode_steps
+    head = 1e3 * sum(s.head_comm_s for s in decode) / len(decode) if decode else 0.0
+    layout = {"title": {"text": f"Compute vs communication per layer, per decode token (head's collectives: "
+                                f"{head:.2f} ms)"}, "barmode": "group", "height": 300, "margin": MARGIN,
+              "xaxis": _axis("layer"), "yaxis": _axis("ms per token", rangemode="tozero")}
+    return {"data": data, "layout": layout}
+
+
+def topk_spec(topk_log: list[dict]) -> dict:
+    """Tensor parallel with check_topk: the distributed top-1's agreement with the true top-1
+    (running share) and the top-k overlap of each position."""
+    x = list(range(1, len(topk_log) + 1))
+    agree, running = 0, []
+    for i, c in enumerate(topk_log):
+        agree += c["top1_agrees"]
+        running.append(agree / (i + 1))
+    data = [{"type": "scatter", "name": "top-1 agreement so far", "x": x, "y": running, "mode": "lines+markers"},
+            {"type": "scatter", "name": "top-k overlap at the position", "x": x,
+             "y": [c["topk_overlap"] for c in topk_log], "mode": "markers"}]
+    layout = {"title": {"text": "Distributed top-k against all logits gathered"}, "height": 300, "margin": MARGIN,
+              "xaxis": _axis("position (prefill's last token, then each decode step)"),
+              "yaxis": _axis("fraction", range=[0, 1.05])}
+    return {"data": data, "layout": layout}
+
+
 def latency_figure(timings: Timings, previous=()) -> go.Figure:
     return go.Figure(latency_spec(timings, previous))
 
@@ -158,11 +191,15 @@ class LivePlots:
         self.batch = 1
         self.updates = 0
         self._last = float("-inf")  # the first step always draws (perf_counter may start near 0)
-        self.outputs = None
+        self.outputs = self.distributed_outputs = None
         if widget:
             import ipywidgets
 
             self.outputs = [ipywidgets.Output(layout=ipywidgets.Layout(width="100%")) for _ in range(3)]
+            # Tensor parallel only: compute vs communication, and the top-k checks.
+            self.distributed_outputs = [ipywidgets.Output(layout=ipywidgets.Layout(width="100%", display="none"))
+                                        for _ in range(2)]
+        self.topk_log: list[dict] = []
         self._draw()
 
     @property
@@ -183,10 +220,10 @@ class LivePlots:
         return throughput_figure(self.timings, self.batch, self.previous)
 
     def box(self):
-        """The three figures in one ipywidgets VBox (widget mode)."""
+        """The figures in one ipywidgets VBox (widget mode)."""
         import ipywidgets
 
-        return ipywidgets.VBox(self.outputs, layout=ipywidgets.Layout(width="100%"))
+        return ipywidgets.VBox(self.outputs + self.distributed_outputs, layout=ipywidgets.Layout(width="100%"))
 
     def on_step(self, record, timings: Timings) -> None:
         """generate(on_step=...) hook: redraw, unless live is off or the last redraw was under
@@ -204,11 +241,13 @@ class LivePlots:
             self.batch = batch
         self._draw()
 
-    def finish(self, timings: Timings, label: str, batch: int | None = None) -> None:
-        """Draw the run's final state; the run finished before it becomes a faint trace."""
+    def finish(self, timings: Timings, label: str, batch: int | None = None, topk_log=None) -> None:
+        """Draw the run's final state; the run finished before it becomes a faint trace.
+        topk_log: a tensor-parallel run's top-k checks (GenerationResult.topk_log)."""
         if self._finished is not None:
             self.previous = ([self._finished] + self.previous)[:self.keep_previous]
         self._finished = (label, timings)
+        self.topk_log = list(topk_log or [])
         self.update(timings, batch)
 
     def _draw(self) -> None:
@@ -219,6 +258,14 @@ class LivePlots:
                  throughput_spec(self.timings, self.batch, self.previous))
         for out, spec in zip(self.outputs, specs):
             out.outputs = (mime_bundle(spec),)  # one message per figure, replacing what was there
+        distributed = any(s.comm_bytes for s in self.timings.steps)
+        comm_out, topk_out = self.distributed_outputs
+        comm_out.layout.display = None if distributed else "none"
+        topk_out.layout.display = None if self.topk_log else "none"
+        if distributed:
+            comm_out.outputs = (mime_bundle(comm_spec(self.timings)),)
+        if self.topk_log:
+            topk_out.outputs = (mime_bundle(topk_spec(self.topk_log)),)
 
 
 def ablation_figure(rows) -> go.Figure:
