@@ -72,6 +72,15 @@ def test_bad_cluster_arguments_are_clear():
         Cluster(2, backend="nccl")
     with pytest.raises(ValueError, match="launcher"):
         Cluster(2, launcher="kubernetes")
+    from workbench.distributed import ccl
+
+    real = ccl.available
+    ccl.available = lambda: False  # as on a machine without the ccl extra
+    try:
+        with pytest.raises(ValueError, match=r"pip install -e '\.\[ccl\]'"):
+            Cluster(2, backend="ccl")
+    finally:
+        ccl.available = real
     cluster = Cluster(1, backend="gloo").start()
     try:
         with pytest.raises(DistributedError, match="already running"):
@@ -104,6 +113,8 @@ def test_distributed_magics_in_a_real_shell(capsys):
     assert err is None and "rank 1 pid" in out
     try:
         assert isinstance(run("%distributed start")[1], UsageError)  # one at a time
+        out, err = run("%px import os; print(os.getpid())")  # ipyparallel's own magics on the engines
+        assert err is None and "[stdout:0]" in out and "[stdout:1]" in out
         out, err = run("%load_model smollm2-135m")
         assert err is None and "tensor parallel over 2 ranks" in out
         out, err = run("%generate -n 6 The capital of France is")

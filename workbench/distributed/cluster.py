@@ -180,6 +180,13 @@ class Cluster:
                                            config=config)
             self.client = self.ipp_cluster.start_and_connect_sync(activate=False)
             self.client.wait_for_engines(self.n, timeout=120)
+            try:  # %px / %%px on these engines, for power users in IPython
+                from IPython import get_ipython
+
+                if get_ipython() is not None:
+                    self.client.activate()
+            except ImportError:
+                pass
             ids = sorted(self.client.ids)[:self.n]
             self.engine_ids = ids
             from workbench.distributed import engine

@@ -148,6 +148,14 @@ def topk_spec(topk_log: list[dict]) -> dict:
     return {"data": data, "layout": layout}
 
 
+def comm_figure(timings: Timings) -> go.Figure:
+    return go.Figure(comm_spec(timings))
+
+
+def topk_figure(topk_log: list[dict]) -> go.Figure:
+    return go.Figure(topk_spec(topk_log))
+
+
 def latency_figure(timings: Timings, previous=()) -> go.Figure:
     return go.Figure(latency_spec(timings, previous))
 
