@@ -122,6 +122,16 @@ def _kernel(page, code: str) -> str:
         return out; }""", code)
 
 
+def _run_panel(page) -> None:
+    """Click the first panel's Run and wait until its bandwidth figure shows a new run."""
+    before = json.dumps(_figure(page, 1)["data"])
+    run_button = page.locator(".jp-OutputArea button", has_text="Run").first
+    run_button.scroll_into_view_if_needed()
+    run_button.click()
+    page.wait_for_function(f"""(before) => {{ const d = {FIGURES}[1];
+        return d && JSON.stringify(d.data) !== before; }}""", arg=before)
+
+
 _ACTIVE_KV_JS = """() => { const groups = document.querySelectorAll('.jp-OutputArea .widget-toggle-buttons');
     const kv = Array.from(groups).find(g => g.innerText.includes('KV cache') && !g.innerText.includes('attention'));
     const b = kv && kv.querySelector('button.mod-active'); return b ? b.innerText.trim() : ''; }"""
@@ -178,12 +188,7 @@ def test_quickstart_in_jupyterlab(lab):
         page.wait_for_function("() => (" + _ACTIVE_KV_JS + ")() === 'fp16'")
         prompt = "The capital of France is"
         page.locator(".jp-OutputArea textarea").first.fill(prompt)  # the panel's prompt box
-        before = json.dumps(_figure(page, 1)["data"])
-        run_button = page.locator(".jp-OutputArea button", has_text="Run").first
-        run_button.scroll_into_view_if_needed()
-        run_button.click()
-        page.wait_for_function(f"""(before) => {{ const d = {FIGURES}[1];
-            return d && JSON.stringify(d.data) !== before; }}""", arg=before)
+        _run_panel(page)
         page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'")
         assert _kernel(page, "print(p.result.switches.kv_cache, p.prompt.value)").split() == ["fp16", *prompt.split()]
         assert "fp16 KV" in page.inner_text(".jp-Notebook")  # the summary names what ran
@@ -213,12 +218,7 @@ def test_quickstart_in_jupyterlab(lab):
         open_notebook()
         page.wait_for_function(f"() => {FIGURES}.length >= 6 && ({FIGURES}[1].data || []).some(t => (t.y || []).length)")
         page.screenshot(path=str(SHOTS / "quickstart-after-reload.png"), full_page=False)
-        reloaded = json.dumps(_figure(page, 1)["data"])
-        run_button = page.locator(".jp-OutputArea button", has_text="Run").first
-        run_button.scroll_into_view_if_needed()
-        run_button.click()
-        page.wait_for_function(f"""(before) => {{ const d = {FIGURES}[1];
-            return d && JSON.stringify(d.data) !== before; }}""", arg=reloaded)
+        _run_panel(page)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload-run.png"), full_page=False)
         browser.close()
     state_errors = [e for e in errors if "Error setting state" in e or "out of bounds" in e]
