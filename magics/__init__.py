@@ -60,6 +60,7 @@ class WorkbenchMagics(Magics):
         self.last_result = None
         self._last_load = None  # (name, load arguments) of the last %load_model, for %ablate --ranks
         self._single = None  # the single-process model while a cluster runs
+        self._last_load_line = None
 
     @property
     def model(self):
@@ -72,6 +73,11 @@ class WorkbenchMagics(Magics):
         if value is not None:
             setattr(model, name, value)  # validated by the model; no reload
         print(f"{name} = {getattr(model, name)}")
+
+    def _command(self, magic: str, line: str) -> str:
+        """The magics that reproduce a measurement: the model's load, then this one."""
+        load = f"%load_model {self._last_load_line}\n" if self._last_load_line else ""
+        return f"%load_ext workbench\n{load}%{magic} {line}".strip()
 
     def _require_model(self):
         if self.model is None:
@@ -109,6 +115,7 @@ class WorkbenchMagics(Magics):
         for w in caught:
             print(f"warning: {w.message}")
         self._last_load = (args.name, dict(random=args.random, layers=args.layers, dtype=args.dtype, seed=args.seed))
+        self._last_load_line = line
         from workbench.runtime.session import current
 
         if self.model is not None:
@@ -190,6 +197,9 @@ class WorkbenchMagics(Magics):
             raise UsageError(str(e)) from None
         self.last_result = out
         self.shell.user_ns["wb_result"] = out
+        from workbench import report
+
+        report.record(out, model, command=self._command("generate", line), prompt=prompt)
         print("\n")
         print(out.report())
 
@@ -247,7 +257,10 @@ class WorkbenchMagics(Magics):
             self.shell.user_ns[args.output] = table
         from IPython.display import display
 
+        from workbench import report
         from workbench.ui.plots import ablation_figure
+
+        report.record(rows, model, command=self._command("ablate", line))
 
         from workbench.analysis.ablation import DIGITS
 
@@ -280,6 +293,9 @@ class WorkbenchMagics(Magics):
             self.shell.user_ns[args.output] = table
         from IPython.display import display
 
+        from workbench import report
+
+        report.record(rows, kind="tp_ablation", command=self._command("ablate", "--ranks " + ",".join(map(str, args.ranks or [1, 2]))))
         display(table.round(2) if hasattr(table, "round") else table)
 
     @magic_arguments()
@@ -349,6 +365,32 @@ class WorkbenchMagics(Magics):
                 print(", ".join(f"{k} = {v}" for k, v in vars(options).items()))
         except (ValueError, DistributedError) as e:
             raise UsageError(str(e)) from None
+
+    @magic_arguments()
+    @argument("--title", default="Workbench report", help="the report's title")
+    @argument("-o", dest="output", default="results/report.html", help="the HTML file (the JSON goes beside it)")
+    @line_magic
+    def report(self, line):
+        """Write a shareable report of everything measured in this session (every %generate
+        and %ablate so far): one self-contained HTML page that opens offline and its JSON.
+
+        Examples::
+
+          In [1]: %report
+          In [2]: %report --title "SmolLM2, int8 vs fp16" -o results/kv.html
+        """
+        from workbench import report
+
+        args = parse_argstring(self.report, line)
+        entries = report.recorded()
+        if not entries:
+            raise UsageError("nothing measured yet: run %generate or %ablate first, then %report")
+        try:
+            out = report.write(args.output, title=args.title)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        kinds = ", ".join(f"{sum(e['kind'] == k for e in entries)} {k}" for k in sorted({e["kind"] for e in entries}))
+        print(f"wrote {out['html']} and {out['json']}: {out['entries']} measurements ({kinds})")
 
     @magic_arguments()
     @argument("--panel", action="store_true", help="show the control panel with live plots")

@@ -28,3 +28,29 @@ def kernels(request) -> KernelSet:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# -- a real browser (Debian's chromium driven by Playwright), shared by the browser tests ----
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# As root, without a GPU, on a machine whose only network is the package registries.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def require_browser() -> None:
+    """Skip without Chromium and Playwright, except in CI, which must provide them."""
+    def need(cond: bool, why: str) -> None:
+        if not cond:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must provide this: {why}")
+            pytest.skip(why)
+
+    need(Path(CHROMIUM).exists(), f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        need(False, "playwright is not installed")

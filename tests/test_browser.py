@@ -17,8 +17,6 @@ Needs Debian's chromium (/usr/bin/chromium) and the playwright and jupyterlab pa
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,17 +26,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import CHROMIUM, CHROMIUM_ARGS, require_browser
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = ROOT / "results" / "screenshots"
-
-
-def _require(cond: bool, why: str) -> None:
-    if not cond:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must provide this: {why}")
-        pytest.skip(why)
 
 
 def _free_port() -> int:
@@ -50,12 +41,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     pytest.importorskip("nbformat")
-    _require(Path(CHROMIUM).exists(), f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    try:
-        import jupyterlab  # noqa: F401
-        import playwright  # noqa: F401
-    except ImportError as e:
-        _require(False, f"{e.name} is not installed")
+    require_browser()
+    pytest.importorskip("jupyterlab")
     import nbformat
 
     work = tmp_path_factory.mktemp("lab")
@@ -148,9 +135,7 @@ def test_quickstart_in_jupyterlab(lab):
     url, token, work = lab
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
         errors = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

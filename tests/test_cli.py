@@ -31,6 +31,7 @@ def test_demo_writes_a_row_per_configuration(tmp_path):
     naive_fp32 = [r for r in rows if r["attention"] == "naive" and r["kv_cache"] == "fp32"]
     assert all(r["top1_agreement"] == 1.0 for r in naive_fp32)  # the reference agrees with itself
     assert "top1_agreement" in r.stdout
+    assert (tmp_path / "demo-report.html").is_file() and (tmp_path / "demo-report.json").is_file()
 
 
 def test_user_mistakes_exit_with_a_message():

@@ -13,6 +13,7 @@ Layers, bottom up (each imports only from those before it):
     workbench.analysis   experiments: teacher forcing, ablation grids, the demo, kernel comparisons
     workbench.ui         the live plotly figures and the ipywidgets control panel
     workbench.distributed  tensor parallel: collectives, sharding, ipyparallel engines
+    workbench.report     shareable reports: JSON (workbench/report/schema.json) and offline HTML
     workbench.magics     the IPython magics (the repository's magics/), `%load_ext workbench`
     workbench.cli        the `workbench` command
 """
@@ -22,8 +23,9 @@ __version__ = "0.1.0"
 from workbench.model.loaders import ModelLoadError  # noqa: E402
 from workbench.runtime.generate import GenerationResult, Model, load_model  # noqa: E402
 from workbench.runtime.status import status_report  # noqa: E402
+from workbench import report  # noqa: E402  (wb.report.record / wb.report.write)
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "load_model", "panel", "status_report"]
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "load_model", "panel", "report", "status_report"]
 
 
 def cluster(n: int = 2, **kwargs):

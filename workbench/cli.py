@@ -70,7 +70,11 @@ def cmd_demo(args) -> int:
         "model": model.description, "config": model.config.as_dict(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(), "seconds": time.perf_counter() - t0,
         "command": " ".join(sys.argv), "rows": rows_as_dicts(rows)}, indent=2))
-    print(f"\nwrote {out}")
+    from workbench import report
+
+    report.record(rows, model, command=" ".join(["workbench", *sys.argv[1:]]))
+    paths = report.write(out.with_name(out.stem + "-report.html"), title=f"workbench demo: {model.description}")
+    print(f"\nwrote {out}, {paths['html']} (opens offline) and {paths['json']}")
     return 0
 
 

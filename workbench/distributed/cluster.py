@@ -162,6 +162,9 @@ class Cluster:
         import ipyparallel as ipp
 
         _running = self
+        import atexit
+
+        atexit.register(self.stop)  # a script or kernel that exits without stopping leaves no engines behind
         try:
             from traitlets.config import Config
 

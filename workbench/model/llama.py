@@ -131,6 +131,7 @@ class LlamaModel:
         weight_dtype(weight_dtype_name)  # a ValueError naming the accepted dtypes
         self.cfg = cfg
         self.weight_dtype = weight_dtype_name
+        self.source: str | None = None  # the file or directory the weights came from (None: random)
         keep = shard or (lambda cfg, layer, w: w)
         # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
         # layer: a 7B model never exists twice in memory.

@@ -327,6 +327,7 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
     if key == BUNDLED_MODEL:
         path = bundled_gguf_path()
         model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, shard)
+        model.source = str(path)
         return model, tok, f"{BUNDLED_MODEL} ({path.name}, dequantized to {dtype})"
     if key in PRESETS:
         for d in models_dirs():
@@ -340,11 +341,13 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
                              f"or pass a path to a model directory or .gguf file")
     if path.is_dir():
         model, tok = load_hf_directory(path, dtype, layers, max_batch, max_seq_len, shard)
+        model.source = str(path)
         return model, tok, f"{path} ({dtype})"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a model directory")
         model, tok = load_gguf(path, dtype, layers, None, max_batch, max_seq_len, shard)
+        model.source = str(path)
         return model, tok, f"{path} ({dtype})"
     raise ModelLoadError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(PRESETS))}), "
                          f"not a file or directory")

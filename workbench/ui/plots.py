@@ -33,6 +33,7 @@ from plotly.subplots import make_subplots
 
 from workbench.runtime.timing import PARTS, Timings
 
+PHASES = ("prefill", "decode")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 FAINT = "rgba(120, 120, 120, 0.45)"
 MARGIN = dict(l=60, r=20, t=50, b=45)
@@ -52,29 +53,38 @@ def _faint(name: str, x, y, **kw) -> dict:
 # from the run it is drawing (bench/generation.py --only plots). go.Figure(spec) validates
 # once, for users who want Figure objects.
 
-def latency_spec(timings: Timings, previous=()) -> dict:
+def latency_spec(timings: Timings, previous=(), title: str = "Per-layer latency") -> dict:
+    """Per-layer ms of each part, prefill (per prompt) and decode (per token) side by side;
+    earlier runs as faint totals."""
+    earlier = [(label, {phase: t.per_layer(phase) for phase in PHASES}) for label, t in previous]
+    return per_layer_spec({phase: timings.per_layer(phase) for phase in PHASES}, earlier, title)
+
+
+def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-layer latency") -> dict:
+    """latency_spec from Timings.per_layer rows ({"prefill": [...], "decode": [...]}), which is
+    also what a report's JSON keeps."""
     data = []
     for axis, phase in (("", "prefill"), ("2", "decode")):
-        layers = timings.per_layer(phase)
+        rows = layers[phase]
         for part in PARTS:
             data.append({"type": "bar", "name": part.label.split(" (")[0], "legendgroup": part.name,
-                         "showlegend": axis == "", "x": [r["layer"] for r in layers],
-                         "y": [r[f"{part.name}_ms"] for r in layers], "marker": {"color": part.color},
+                         "showlegend": axis == "", "x": [r["layer"] for r in rows],
+                         "y": [r[f"{part.name}_ms"] for r in rows], "marker": {"color": part.color},
                          "xaxis": f"x{axis}", "yaxis": f"y{axis}",
                          "hovertemplate": f"{part.label}<br>layer %{{x}}: %{{y:.3f}} ms<extra></extra>"})
-        for label, earlier in previous:
-            rows = earlier.per_layer(phase)
+        for label, old in earlier:
+            rows = old[phase]
             data.append(_faint(label, (r["layer"] for r in rows), (sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows),
                                legendgroup=f"earlier {label}", showlegend=axis == "", xaxis=f"x{axis}",
                                yaxis=f"y{axis}"))
-    title = {"xref": "paper", "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False}
-    layout = {"title": {"text": "Per-layer latency"}, "barmode": "stack", "height": 330, "margin": MARGIN,
+    note = {"xref": "paper", "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False}
+    layout = {"title": {"text": title}, "barmode": "stack", "height": 330, "margin": MARGIN,
               "legend": {"orientation": "h", "y": -0.25},
               "xaxis": _axis("layer", domain=[0, 0.46]), "xaxis2": _axis("layer", domain=[0.54, 1], anchor="y2"),
               "yaxis": _axis("ms per prompt", rangemode="tozero"),
               "yaxis2": _axis("ms per token", rangemode="tozero", anchor="x2"),
-              "annotations": [{**title, "x": 0.23, "text": "prefill: ms per prompt, per layer"},
-                              {**title, "x": 0.77, "text": "decode: ms per token, per layer"}]}
+              "annotations": [{**note, "x": 0.23, "text": "prefill: ms per prompt, per layer"},
+                              {**note, "x": 0.77, "text": "decode: ms per token, per layer"}]}
     return {"data": data, "layout": layout}
 
 

@@ -1,0 +1,25 @@
+"""Shareable performance reports: one JSON file (with a schema version) and one
+self-contained HTML page that opens offline (plotly's JavaScript inlined once).
+
+    import workbench as wb
+    wb.report.record(result)                          # or: %generate / %ablate record themselves
+    paths = wb.report.write("results/report.html", title="SmolLM2 on my laptop")
+
+What a report holds (workbench/report/schema.json is the contract):
+    machine     CPU model, sockets, cores and threads used, ISA flags, caches, NUMA nodes,
+                RAM, the measured triad and FMA peaks (when measured, how)
+    software    Python, torch, compiler and flags, the kernels' ISA path, package versions,
+                the project's git commit and whether the tree was dirty
+    entries     every recorded measurement: generations (model identity with its file's
+                sha256, workload, switches, raw per-step samples with median / min / max /
+                p90, prefill and decode apart, per-layer milliseconds, bytes and FLOPs) and
+                ablation grids (their rows), each with the command that reproduces it
+    peak_rss    the process's peak resident memory
+
+The session's log (`recorded()`) is what %report writes without re-running anything.
+"""
+
+from workbench.report.collect import SCHEMA_VERSION, build, clear, record, recorded
+from workbench.report.render import write
+
+__all__ = ["SCHEMA_VERSION", "build", "clear", "record", "recorded", "write"]

@@ -1,0 +1,181 @@
+"""What goes into a report: the machine, the software, and the measurements recorded in
+this session, as plain JSON-able dicts (see workbench/report/__init__.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+PACKAGES = ("torch", "numpy", "gguf", "tokenizers", "ipython", "ipywidgets", "plotly", "ipyparallel", "transformers",
+            "oneccl-cpu", "cpu-llm-workbench")
+_log: list[dict] = []
+
+
+def _stats(samples: list[float]) -> dict:
+    """median, min, max and p90 of raw samples (kept beside them)."""
+    if not samples:
+        return {"samples": [], "median": None, "min": None, "max": None, "p90": None}
+    ordered = sorted(samples)
+    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    return {"samples": samples, "median": statistics.median(samples), "min": ordered[0], "max": ordered[-1],
+            "p90": p90}
+
+
+@lru_cache(maxsize=8)
+def _sha256(path: str) -> str | None:
+    p = Path(path)
+    if not p.is_file():
+        return None  # a directory (Hugging Face) or missing: no single file to hash
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_identity(model) -> dict:
+    cfg = model.config
+    llama = getattr(model, "llama", None)
+    source = getattr(llama, "source", None)
+    return {"description": model.description, "name": cfg.name, "source": source,
+            "sha256": _sha256(source) if source else None, "parameters": cfg.parameter_count(),
+            "weight_dtype": model.weight_dtype, "config": cfg.as_dict(),
+            "ranks": getattr(getattr(model, "cluster", None), "n", 1)}
+
+
+def generation_entry(result, model=None, command: str | None = None, prompt: str | None = None) -> dict:
+    """A GenerationResult as a report entry: raw per-step samples and their statistics."""
+    import torch
+
+    t = result.timings
+    decode, prefill = t.decode_steps, t.prefill
+    batch = len(result.prompt_token_ids)
+    entry = {
+        "kind": "generation", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": model_identity(model) if model is not None else None,
+        "workload": {"prompt": prompt, "prompt_tokens": [len(p) for p in result.prompt_token_ids], "batch": batch,
+                     "new_tokens": len(decode) + 1 if prefill else len(decode), "threads": torch.get_num_threads(),
+                     "attention": result.switches.attention, "kv_cache": result.switches.kv_cache},
+        "prefill_ms": 1e3 * prefill.total_s if prefill else None,
+        "time_to_first_token_ms": 1e3 * t.time_to_first_token_s,
+        "decode_step_ms": _stats([1e3 * s.total_s for s in decode]),
+        "decode_tokens_per_s": t.decode_tokens_per_s,
+        "decode_gbps": t.gbps("decode"), "decode_gflops": t.gflops("decode"),
+        "decode_bytes_per_step": statistics.mean(s.bytes_read for s in decode) if decode else None,
+        "decode_flops_per_step": statistics.mean(s.total_flops for s in decode) if decode else None,
+        "decode_comm_ms_per_step": statistics.mean(1e3 * s.comm_s for s in decode) if decode else None,
+        "per_layer_ms": {"prefill": t.per_layer("prefill"), "decode": t.per_layer("decode")},
+        "text": result.text,
+        "command": command,
+    }
+    if getattr(result, "topk_log", None):
+        entry["topk_checks"] = result.topk_log
+    return entry
+
+
+def record(item, model=None, command: str | None = None, prompt: str | None = None, kind: str | None = None) -> dict:
+    """Add a measurement to this session's log: a GenerationResult, or a list of ablation rows
+    (AblationRow objects or dicts; kind "ablation" or "tp_ablation"). Returns the entry."""
+    from dataclasses import asdict, is_dataclass
+
+    if hasattr(item, "timings"):
+        entry = generation_entry(item, model, command, prompt)
+    elif isinstance(item, list):
+        rows = [asdict(r) if is_dataclass(r) else dict(r) for r in item]
+        entry = {"kind": kind or ("tp_ablation" if rows and "ranks" in rows[0] else "ablation"),
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "model": model_identity(model) if model is not None else None, "rows": rows, "command": command}
+    else:
+        raise TypeError(f"record() takes a GenerationResult or a list of ablation rows, got {type(item).__name__}")
+    _log.append(entry)
+    return entry
+
+
+def recorded() -> list[dict]:
+    return list(_log)
+
+
+def clear() -> None:
+    _log.clear()
+
+
+def _git() -> dict:
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit, "dirty": bool(git("status", "--porcelain")) if commit else None}
+
+
+def _numa_nodes() -> int:
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return len(nodes) or 1
+
+
+def _sockets() -> int:
+    ids = set()
+    for p in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/physical_package_id"):
+        try:
+            ids.add(p.read_text().strip())
+        except OSError:
+            pass
+    return len(ids) or 1
+
+
+def machine() -> dict:
+    import torch
+
+    from workbench.hw.machine import machine_info
+    from workbench.hw.peaks import measured_peaks
+    from workbench.model.loaders import available_memory_bytes
+
+    m = machine_info().as_dict()
+    ram = None
+    try:
+        ram = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                       if line.startswith("MemTotal:"))) * 1024
+    except (OSError, StopIteration):
+        pass
+    return {**m, "sockets": _sockets(), "numa_nodes": _numa_nodes(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "threads_used": torch.get_num_threads(), "ram_bytes": ram, "available_bytes": available_memory_bytes(),
+            "peaks": {**measured_peaks().as_dict(),
+                      "how": "triad: a[i] = b[i] + s c[i] over 3 x 256 MiB, 12 bytes per element, best of 5; "
+                             "FMA: independent fp32 FMA chains in registers on every thread, best of 5 "
+                             "(workbench.hw.peaks)"}}
+
+
+def software() -> dict:
+    from workbench.kernels import build_info
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    info = build_info()
+    return {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
+            "compiler": info["compiler"], "flags": info["flags"], "kernels_isa": info["isa"],
+            "gemm_tile": info["gemm_tile"], "packages": versions, "git": _git()}
+
+
+def build(entries: list[dict] | None = None, title: str = "Workbench report") -> dict:
+    """The report as a dict: machine, software, the entries (default: this session's log)."""
+    entries = recorded() if entries is None else entries
+    return {"schema_version": SCHEMA_VERSION, "title": title, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine(), "software": software(), "entries": entries,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "reproduce": [e["command"] for e in entries if e.get("command")]}
