@@ -179,9 +179,10 @@ def test_quickstart_in_jupyterlab(lab):
         assert "fp16 KV" in page.inner_text(".jp-Notebook")  # the summary names what ran
         page.screenshot(path=str(SHOTS / "quickstart-after-fp16-run.png"), full_page=False)
 
-        # The figure's per-layer decode ms are the run's, and agree with %generate's for the
-        # same settings (a unit or aggregation slip is a factor of 1000 or of the layer count,
-        # far outside run-to-run noise).
+        # The figure's per-layer decode ms are exactly the run's, and the same quantity as
+        # %generate's for the same settings: a unit or aggregation slip is a factor of 1000 or
+        # of the layer count (30); this host's run-to-run noise was once seen at 6x, so the
+        # bound is 10x, a units check, not a timing.
         def decode_ms(expr: str) -> float:
             return float(_kernel(page, f"print(sum(sum(r.values()) - r['layer'] for r in {expr}.per_layer()))"))
 
@@ -189,7 +190,7 @@ def test_quickstart_in_jupyterlab(lab):
         assert abs(figure_ms - decode_ms("p.result.timings")) < 1e-6 * figure_ms
         _kernel(page, f"%generate -n {6} --kv-cache fp16 --attention slim {prompt}")  # the panel's settings
         generate_ms = decode_ms("wb_result.timings")
-        assert 1 / 3 < figure_ms / generate_ms < 3, (figure_ms, generate_ms)
+        assert 1 / 10 < figure_ms / generate_ms < 10, (figure_ms, generate_ms)
 
         # Export the runs.
         page.locator(".jp-OutputArea button", has_text="Export JSON").first.click()

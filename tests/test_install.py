@@ -4,6 +4,7 @@ from there. The C++ sources travel as package data and compile in the new place.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,7 +25,12 @@ def run(cmd, **kw):
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", ROOT])
+    # Built from a copy of the source tree: a setuptools build leaves build/ behind, and a stale
+    # one in the checkout broke a later build here.
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", ".cache", "*.egg-info",
+                                                             "__pycache__", ".hypothesis", ".pytest_cache"))
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src])
     wheel = next((tmp / "dist").glob("cpu_llm_workbench-*.whl"))
     env_dir = tmp / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", env_dir])
