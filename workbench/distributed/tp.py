@@ -104,7 +104,7 @@ class TensorParallel:
 def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> TensorParallel:
     """Make `model` (a workbench Model holding this rank's shard) one rank of a tensor-
     parallel run over `comm`. Returns the TensorParallel state (also model.tp)."""
-    from workbench.distributed.shard import plan
+    from workbench.distributed.shard import plan, split
 
     llama, cfg = model.llama, model.config
     p = plan(cfg, comm.rank, comm.world)
@@ -123,19 +123,15 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
         x = llama.embedding[tokens].float() if comm.rank == 0 else torch.empty(tokens.numel(), cfg.dim)
         return comm.broadcast_(x, 0)
 
+    widths = [hi - lo for lo, hi in (split(cfg.vocab_size, comm.world, r) for r in range(comm.world))]
+
     def full_logits(h: torch.Tensor) -> torch.Tensor:
         """Every logit, gathered from the vocabulary slices: [rows, vocab]."""
         local = llama.lm_head(h)
         padded = torch.full((h.shape[0], slice_width), float("-inf"))
         padded[:, :local.shape[1]] = local
         parts = comm.all_gather(padded)  # [world, rows, width]
-        return torch.cat([parts[r, :, :_width(r)] for r in range(comm.world)], dim=1)
-
-    def _width(r: int) -> int:
-        from workbench.distributed.shard import split
-
-        lo, hi = split(cfg.vocab_size, comm.world, r)
-        return hi - lo
+        return torch.cat([parts[r, :, :widths[r]] for r in range(comm.world)], dim=1)
 
     def sparse(rows: int, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Logits that are -inf but at the candidates: what sample() needs for greedy / top-k."""
