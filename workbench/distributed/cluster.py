@@ -31,8 +31,11 @@ import uuid
 from dataclasses import asdict
 from typing import Callable
 
+from workbench.distributed import engine
 from workbench.distributed.comm import BACKENDS, create_shm_segment, shm_capacity_bytes
 from workbench.distributed.tp import TPOptions
+from workbench.model.switches import Switches
+from workbench.runtime.timing import Timings
 
 LAUNCHERS = ("local", "mpi", "ssh", "slurm")
 _running: Cluster | None = None
@@ -192,8 +195,6 @@ class Cluster:
                 pass
             ids = sorted(self.client.ids)[:self.n]
             self.engine_ids = ids
-            from workbench.distributed import engine
-
             self._gather([self.client[eid].apply_async(engine.prepare, self.threads_per_rank, self.cpus[rank],
                                                        self.backend) for rank, eid in enumerate(ids)],
                          "building the kernels")
@@ -316,16 +317,12 @@ class Cluster:
         return self._gather(ars, what, poll), ars
 
     def load_model(self, name: str = "smollm2-135m", *, options: TPOptions | None = None, **kwargs):
-        from workbench.distributed import engine
-
         options = options or TPOptions()
         infos, _ = self.run(engine.load, name, kwargs, asdict(options), what=f"loading {name}")
         self.model = DistributedModel(self, infos, options)
         return self.model
 
     def comm_latency(self, sizes: list[int], repeats: int = 20) -> list[dict]:
-        from workbench.distributed import engine
-
         results, _ = self.run(engine.comm_latency, sizes, repeats, what="timing all-reduce")
         return results[0]
 
@@ -349,9 +346,6 @@ class DistributedModel:
         self._switch_listeners.append(listener)
 
     def _set(self, attention: str, kv_cache: str) -> None:
-        from workbench.distributed import engine
-        from workbench.model.switches import Switches
-
         Switches(attention, kv_cache)  # validate here: a one-line error, not a remote traceback
         if (attention, kv_cache) != (self._attention, self._kv_cache):
             self.cluster.run(engine.set_switches, attention, kv_cache, what="switching")
@@ -379,8 +373,6 @@ class DistributedModel:
         """token_broadcast / lm_head / zero_copy / topk for the next generations."""
         from dataclasses import replace
 
-        from workbench.distributed import engine
-
         options = replace(self.options, **changes)  # validated here first
         self.cluster.run(engine.set_options, changes, what="setting options")
         self.options = options
@@ -400,8 +392,6 @@ class DistributedModel:
         """Model.generate on every rank at once (see workbench.runtime.generate); rank 0's
         result, with `topk_log` (check_topk: per step, whether the distributed top-1 is the
         true one and the top-k overlap)."""
-        from workbench.distributed import engine
-
         check_topk = self.options.check_topk if check_topk is None else check_topk
         if self.options.lm_head != "gather" and temperature > 0 and (top_k is None or top_k > self.options.topk):
             raise ValueError(f"sampling with temperature > 0 needs top_k <= {self.options.topk} with "
@@ -410,9 +400,6 @@ class DistributedModel:
         kwargs = dict(max_new_tokens=max_new_tokens, attention=attention or self.attention,
                       kv_cache=kv_cache or self.kv_cache, temperature=temperature, top_k=top_k, top_p=top_p,
                       seed=seed, stop_at_eos=stop_at_eos, record=record)
-        from workbench.model.switches import Switches
-        from workbench.runtime.timing import Timings
-
         Switches(kwargs["attention"], kwargs["kv_cache"])
         seen = {"ids": 0, "steps": 0}
         live = Timings()
@@ -440,8 +427,6 @@ class DistributedModel:
         return results[0]
 
     def logits(self, token_ids):
-        from workbench.distributed import engine
-
         results, _ = self.cluster.run(engine.logits, token_ids, what="computing logits")
         return results[0]
 

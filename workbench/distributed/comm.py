@@ -20,6 +20,7 @@ the runtime splits a step into compute and communication.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -186,9 +187,7 @@ class ShmComm(Communicator):
             raise CommError(str(e)) from None
 
     def buffer(self, shape) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         if 4 * n > self.capacity:
             return torch.empty(shape)  # too big for a slot: all_reduce_ copies it in, chunk by chunk
         return self.slot[:n].view(shape)
