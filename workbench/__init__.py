@@ -25,7 +25,17 @@ from workbench.runtime.generate import GenerationResult, Model, load_model  # no
 from workbench.runtime.status import status_report  # noqa: E402
 from workbench import report  # noqa: E402  (wb.report.record / wb.report.write)
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "load_model", "panel", "report", "status_report"]
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "load_model", "panel", "predict", "report",
+           "status_report"]
+
+
+def predict(model="smollm2-135m", **kwargs):
+    """The roofline cost model of a prefill and a decode step, per layer and part (see
+    workbench.analysis.costmodel.predict): batch, prompt_len, new_tokens, kv_cache,
+    weight_dtype, ranks, backend, hardware. `.compare(result.timings)` sets it against a run."""
+    from workbench.analysis.costmodel import predict as run
+
+    return run(model, **kwargs)
 
 
 def cluster(n: int = 2, **kwargs):

@@ -126,3 +126,39 @@ def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> dict:
     slope = sum(wi * (x - mx) * (t - my) for wi, x, t in zip(w, nbytes, seconds)) / sxx if sxx else 0.0
     alpha = my - slope * mx
     return {"alpha_us": 1e6 * alpha, "beta_gbps": (1 / slope / 1e9) if slope > 0 else float("inf")}
+
+
+def comm_fit(backend: str, ranks: int = 2, refresh: bool = False, cluster=None) -> dict:
+    """This machine's alpha-beta fit of `backend`'s all-reduce between `ranks` pinned
+    processes: measured once and cached per CPU like the peaks (on `cluster` if given, a
+    running Cluster of that backend and size; else on a new one, about 10 s).
+    {"alpha_us", "beta_gbps", "measured_at", "backend", "ranks", "sizes"}."""
+    import json
+    import time
+
+    from workbench.cache import cache_dir, cpu_key
+    from workbench.distributed.comm import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    path = cache_dir() / f"allreduce-{cpu_key()}-{backend}-{ranks}ranks.json"
+    if not refresh and path.is_file():
+        try:
+            fit = json.loads(path.read_text())
+            if {"alpha_us", "beta_gbps", "measured_at"} <= set(fit):
+                return fit
+        except ValueError:
+            pass  # damaged: measure again
+    if cluster is not None:
+        sizes = [256 * 4 ** i for i in range(8)]
+        rows = cluster.comm_latency(sizes, 10)
+        for row in rows:
+            row["median_us"] = 1e6 * statistics.median(row.pop("seconds"))
+        measured = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
+    else:
+        measured = allreduce_latency((backend,), ranks=ranks)[backend]
+    fit = {"backend": backend, "ranks": ranks, "alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"],
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sizes": measured["sizes"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fit, indent=2))
+    return fit

@@ -59,6 +59,23 @@ def models_dirs() -> list[Path]:
     return dirs + [cache_dir() / "models"]
 
 
+def _gguf_fields(reader) -> dict:
+    fields = {}
+    for key, field in reader.fields.items():
+        try:
+            fields[key] = field.contents()
+        except Exception:  # a field the gguf package cannot decode: not one we need
+            continue
+    return fields
+
+
+def gguf_tokenizer(path: Path | None = None) -> Tokenizer:
+    """The tokenizer of a GGUF file (default: the bundled model's), without its weights."""
+    from gguf import GGUFReader
+
+    return Tokenizer.from_gguf_fields(_gguf_fields(GGUFReader(str(path or bundled_gguf_path()))))
+
+
 def bundled_gguf_path() -> Path:
     # find_spec, not import: the package's __init__ imports `llm`, which --no-deps leaves out.
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
@@ -150,12 +167,7 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
         reader = GGUFReader(str(path))
     except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ... on bad files
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-    fields = {}
-    for key, field in reader.fields.items():
-        try:
-            fields[key] = field.contents()
-        except Exception:  # a field the gguf package cannot decode: not one we need
-            continue
+    fields = _gguf_fields(reader)
     cfg = _gguf_config(fields, name)
     tensors = {t.name: t for t in reader.tensors}
     cfg = _trained_layers(replace(cfg, tied_embeddings="output.weight" not in tensors), layers, path.name)

@@ -210,6 +210,7 @@ class Panel:
         repeats = self.repeats.value
         self.progress.max, self.progress.value = repeats * n, 0
         self.run_button.disabled = True
+        self.plots.predicted = None  # until this run's settings are predicted (at its end)
         results = []
         try:
             if self.warmup.value:
@@ -246,12 +247,25 @@ class Panel:
         median = order[len(order) // 2]
         self.result = results[median]
         label = f"{self.result.switches.attention} / {self.result.switches.kv_cache}, batch {batch}"
+        self.plots.predicted = self._prediction(self.result)
         self.plots.finish(self.result.timings, label, batch, getattr(self.result, "topk_log", None))
         self.summary.value = self._summary_html(rows)
         texts = self.result.text if isinstance(self.result.text, list) else [self.result.text]
         self.output.append_display_data(W.HTML(
             "".join(f"<div><b>sequence {b}</b> continues:<pre style='white-space: pre-wrap; margin: 2px 0'>"
                     f"{html.escape(t)}</pre></div>" for b, t in enumerate(texts))))
+
+    def _prediction(self, result) -> dict | None:
+        """The cost model's per-layer rows for the run's settings (the dashed line of the
+        latency figure); a failure to predict is said below the figures, not raised."""
+        from workbench.analysis.costmodel import predict_run
+
+        try:
+            p = predict_run(self.model, result)
+        except (ValueError, RuntimeError) as e:
+            self.output.append_stdout(f"no roofline prediction drawn: {e}\n")
+            return None
+        return {phase: p.per_layer(phase) for phase in ("prefill", "decode")}
 
     @staticmethod
     def _summary_html(rows: list[dict]) -> str:

@@ -53,16 +53,18 @@ def _faint(name: str, x, y, **kw) -> dict:
 # from the run it is drawing (bench/generation.py --only plots). go.Figure(spec) validates
 # once, for users who want Figure objects.
 
-def latency_spec(timings: Timings, previous=(), title: str = "Per-layer latency") -> dict:
+def latency_spec(timings: Timings, previous=(), title: str = "Per-layer latency", predicted=None) -> dict:
     """Per-layer ms of each part, prefill (per prompt) and decode (per token) side by side;
-    earlier runs as faint totals."""
+    earlier runs as faint totals; the cost model's prediction (Prediction.per_layer rows per
+    phase) as a dashed line."""
     earlier = [(label, {phase: t.per_layer(phase) for phase in PHASES}) for label, t in previous]
-    return per_layer_spec({phase: timings.per_layer(phase) for phase in PHASES}, earlier, title)
+    return per_layer_spec({phase: timings.per_layer(phase) for phase in PHASES}, earlier, title, predicted)
 
 
-def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-layer latency") -> dict:
+def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-layer latency",
+                   predicted: dict[str, list[dict]] | None = None) -> dict:
     """latency_spec from Timings.per_layer rows ({"prefill": [...], "decode": [...]}), which is
-    also what a report's JSON keeps."""
+    also what a report's JSON keeps; `predicted` has the same shape (the cost model's rows)."""
     data = []
     for axis, phase in (("", "prefill"), ("2", "decode")):
         rows = layers[phase]
@@ -77,6 +79,15 @@ def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-
             data.append(_faint(label, (r["layer"] for r in rows), (sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows),
                                legendgroup=f"earlier {label}", showlegend=axis == "", xaxis=f"x{axis}",
                                yaxis=f"y{axis}"))
+        if predicted and predicted.get(phase):
+            rows = predicted[phase]
+            parts = ", ".join(f"{p.name} {rows[0][p.name + '_ms']:.3f}" for p in PARTS)
+            data.append({"type": "scatter", "mode": "lines", "name": "roofline prediction", "legendgroup": "predicted",
+                         "showlegend": axis == "", "x": [r["layer"] for r in rows],
+                         "y": [sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows],
+                         "line": {"color": "black", "dash": "dash", "width": 1.5}, "xaxis": f"x{axis}",
+                         "yaxis": f"y{axis}",
+                         "hovertemplate": f"predicted (roofline) layer %{{x}}: %{{y:.3f}} ms<br>{parts} ms<extra></extra>"})
     note = {"xref": "paper", "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False}
     layout = {"title": {"text": title}, "barmode": "stack", "height": 330, "margin": MARGIN,
               "legend": {"orientation": "h", "y": -0.25},
@@ -166,8 +177,8 @@ def topk_figure(topk_log: list[dict]) -> go.Figure:
     return go.Figure(topk_spec(topk_log))
 
 
-def latency_figure(timings: Timings, previous=()) -> go.Figure:
-    return go.Figure(latency_spec(timings, previous))
+def latency_figure(timings: Timings, previous=(), predicted=None) -> go.Figure:
+    return go.Figure(latency_spec(timings, previous, predicted=predicted))
 
 
 def bandwidth_figure(timings: Timings, peak_gbps: float, previous=()) -> go.Figure:
@@ -218,6 +229,7 @@ class LivePlots:
             self.distributed_outputs = [ipywidgets.Output(layout=ipywidgets.Layout(width="100%", display="none"))
                                         for _ in range(2)]
         self.topk_log: list[dict] = []
+        self.predicted: dict[str, list[dict]] | None = None  # the cost model's per-layer rows, drawn dashed
         self._draw()
 
     @property
@@ -227,7 +239,7 @@ class LivePlots:
 
     @property
     def latency(self) -> go.Figure:
-        return latency_figure(self.timings, self.previous)
+        return latency_figure(self.timings, self.previous, self.predicted)
 
     @property
     def bandwidth(self) -> go.Figure:
@@ -272,7 +284,7 @@ class LivePlots:
         self.updates += 1
         if self.outputs is None:
             return
-        specs = (latency_spec(self.timings, self.previous), bandwidth_spec(self.timings, self.peak_gbps, self.previous),
+        specs = (latency_spec(self.timings, self.previous, predicted=self.predicted), bandwidth_spec(self.timings, self.peak_gbps, self.previous),
                  throughput_spec(self.timings, self.batch, self.previous))
         for out, spec in zip(self.outputs, specs):
             out.outputs = (mime_bundle(spec),)  # one message per figure, replacing what was there

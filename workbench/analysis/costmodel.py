@@ -1,0 +1,372 @@
+"""A cost model for any model, batch, context, KV format and rank count: the roofline
+(bytes / memory bandwidth against FLOPs / FMA peak, the larger one bounds) per layer and
+per part, plus communication from an alpha-beta fit of the backend's all-reduce. It follows
+"Efficiently Scaling Transformer Inference" (Pope et al.): at batch 1 a decode step reads
+every weight once, so its floor is bytes / bandwidth; prefill is FLOPs / FMA peak.
+
+    import workbench as wb
+    p = wb.predict("smollm2-135m", batch=1, prompt_len=64, new_tokens=32, kv_cache="int8")
+    print(p)                            # per part: bytes, FLOPs, time, which roof bounds it
+    p.step_ms("decode")                 # one decode step, all layers and the head
+    rows = p.compare(result.timings)    # predicted vs measured per part, ratio, and why if > 1.5x
+
+What it counts is exactly what StepRecord counts (workbench/runtime/timing.py), from the
+configuration alone (no weights needed, so Llama-2-70B works on a laptop):
+    attention   q, k, v, o weights; in decode the KV cache at the step's length, scales
+                included; FLOPs 2 x tokens x those weights + 4 x heads x head_dim per
+                (query, key) pair (Q K^T and P V)
+    mlp         gate, up, down weights; FLOPs 2 x tokens x weights
+    other       the two norms' fp32 weights: almost nothing, so the roofline predicts almost
+                nothing; what is measured there is per-call overhead
+    comm        tensor parallel: two all-reduces of tokens x dim fp32 per layer, each
+                (ranks - 1) alpha + 2 (ranks - 1) / ranks x bytes / beta (a ring; at 2
+                ranks exactly the fitted alpha + bytes / beta)
+    head        embedding rows, final norm, the LM head (its vocabulary slice per rank),
+                FLOPs over the rows it projects; with ranks > 1 two more collectives (token
+                ids out, top-k pairs back), alpha each
+Decode is predicted at the mean KV length of the generation's decode steps, prompt_len +
+new_tokens / 2, which is what the measured steps average over.
+
+`Hardware` says what one rank has. `Hardware.this_machine(ranks)` takes the measured peaks
+(shared by the ranks: each gets 1 / ranks of the triad and FMA peak) and, for ranks > 1,
+the backend's all-reduce fit measured on this machine (workbench.distributed.ablation.
+comm_fit, cached like the peaks). `Hardware.from_socket(...)` builds one from a socket's
+stated parameters, for projections (notebooks/05-cost-model.ipynb: the paper's Table 2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PHASES = ("prefill", "decode")
+LAYER_PARTS = ("attention", "mlp", "other", "comm")
+NORM_BYTES_PER_ELEM = 4  # as the model counts them: norm weights stay fp32
+RATIO_FLAG = 1.5  # compare() explains every part whose measured / predicted is outside [1/1.5, 1.5]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one rank has. bandwidth and FMA peak are the rank's share; comm_alpha_us and
+    comm_beta_gbps are the all-reduce fit between the ranks (ignored at one rank)."""
+
+    name: str
+    bandwidth_gbps: float
+    fma_gflops: float
+    comm_alpha_us: float = 0.0
+    comm_beta_gbps: float = math.inf
+    cache_bytes: int = 0  # last-level cache a rank can reuse weights from (0: assume none)
+    notes: str = ""
+
+    @classmethod
+    def this_machine(cls, ranks: int = 1, backend: str | None = None, comm: tuple[float, float] | None = None):
+        """The measured peaks of this machine split over `ranks` processes sharing it, and
+        for ranks > 1 the all-reduce fit of `backend` (measured here once and cached, ~10 s;
+        or comm=(alpha_us, beta_gbps) as given)."""
+        from workbench.hw.machine import machine_info
+        from workbench.hw.peaks import measured_peaks
+
+        _check_ranks(ranks)
+        peaks = measured_peaks()
+        alpha, beta, how = 0.0, math.inf, ""
+        if ranks > 1:
+            if comm is None:
+                if backend is None:
+                    raise ValueError("predict: ranks > 1 needs backend= (shm, gloo or ccl) or comm=(alpha_us, beta_gbps)")
+                from workbench.distributed.ablation import comm_fit
+
+                fit = comm_fit(backend)
+                alpha, beta = fit["alpha_us"], fit["beta_gbps"]
+                how = f"; all-reduce {backend}: {alpha:.1f} us + bytes / {beta:.2f} GB/s (fitted {fit['measured_at']})"
+            else:
+                alpha, beta = comm
+                how = f"; all-reduce as given: {alpha:.1f} us + bytes / {beta:.2f} GB/s"
+        l3 = machine_info().cache_bytes(3) or 0
+        return cls(name=f"this machine / {ranks} rank(s)", bandwidth_gbps=peaks.triad_gbps / ranks,
+                   fma_gflops=peaks.fma_gflops / ranks, comm_alpha_us=alpha, comm_beta_gbps=beta,
+                   cache_bytes=int(l3) // ranks,
+                   notes=f"measured peaks ({peaks.measured_at}): triad {peaks.triad_gbps:.1f} GB/s, fp32 FMA "
+                         f"{peaks.fma_gflops:.0f} GFLOP/s on {peaks.threads} threads, shared by {ranks} rank(s){how}")
+
+    @classmethod
+    def from_socket(cls, name: str, *, channels: int, mts: float, bandwidth_efficiency: float, cores: int,
+                    ghz: float, flops_per_cycle_per_core: float, compute_efficiency: float,
+                    link_alpha_us: float, link_gbps: float, llc_bytes: int = 0):
+        """One rank per socket from its stated parameters: DDR channels x MT/s x 8 bytes
+        times the fraction a stream kernel reaches, and cores x GHz x FLOPs per cycle times
+        the fraction a GEMM reaches; the link's all-reduce alpha and bandwidth."""
+        bw = channels * mts * 8 / 1e3 * bandwidth_efficiency
+        fma = cores * ghz * flops_per_cycle_per_core * compute_efficiency
+        return cls(name=name, bandwidth_gbps=bw, fma_gflops=fma, comm_alpha_us=link_alpha_us,
+                   comm_beta_gbps=link_gbps, cache_bytes=llc_bytes,
+                   notes=f"{channels} channels x {mts:.0f} MT/s x 8 B x {bandwidth_efficiency:.0%} = {bw:.0f} GB/s; "
+                         f"{cores} cores x {ghz} GHz x {flops_per_cycle_per_core:g} FLOP/cycle x "
+                         f"{compute_efficiency:.0%} = {fma / 1e3:.1f} TFLOP/s; all-reduce {link_alpha_us:g} us + "
+                         f"bytes / {link_gbps:g} GB/s")
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """One part of one layer (or the head) in one phase, on one rank."""
+
+    bytes: int
+    flops: int
+    memory_s: float  # bytes / bandwidth
+    compute_s: float  # FLOPs / FMA peak
+    comm_s: float = 0.0  # collectives (their own roof: alpha + bytes / beta)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s) + self.comm_s
+
+    @property
+    def bound(self) -> str:
+        if self.comm_s and self.comm_s >= max(self.memory_s, self.compute_s):
+            return "communication"
+        if not self.bytes and not self.flops:
+            return "-"
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+
+@dataclass
+class Prediction:
+    config: object  # ModelConfig
+    hardware: Hardware
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    kv_cache: str
+    weight_dtype: str
+    ranks: int
+    decode_kv_len: float
+    layers: dict[str, dict[str, PartCost]] = field(default_factory=dict)  # phase -> part -> one layer's cost
+    head: dict[str, PartCost] = field(default_factory=dict)  # phase -> cost
+
+    def layer_ms(self, phase: str) -> dict[str, float]:
+        """Predicted milliseconds of each part of one layer."""
+        return {part: 1e3 * c.seconds for part, c in self.layers[phase].items()}
+
+    def per_layer(self, phase: str) -> list[dict]:
+        """Timings.per_layer's shape: one row per layer with "<part>_ms" columns."""
+        ms = self.layer_ms(phase)
+        return [{"layer": i, **{f"{p}_ms": ms[p] for p in LAYER_PARTS}} for i in range(self.config.n_layers)]
+
+    def step_ms(self, phase: str) -> float:
+        """One step on one rank: every layer and the head."""
+        return sum(self.layer_ms(phase).values()) * self.config.n_layers + 1e3 * self.head[phase].seconds
+
+    def step_bytes(self, phase: str) -> int:
+        return sum(c.bytes for c in self.layers[phase].values()) * self.config.n_layers + self.head[phase].bytes
+
+    def step_flops(self, phase: str) -> int:
+        return sum(c.flops for c in self.layers[phase].values()) * self.config.n_layers + self.head[phase].flops
+
+    def decode_tokens_per_s(self) -> float:
+        return self.batch * 1e3 / self.step_ms("decode")
+
+    def rows(self) -> list[dict]:
+        """One row per phase and part, all layers summed: bytes, FLOPs, ms, the bound."""
+        out = []
+        n = self.config.n_layers
+        for phase in PHASES:
+            parts = [(p, c, n) for p, c in self.layers[phase].items()] + [("head", self.head[phase], 1)]
+            for part, c, times in parts:
+                if part == "comm" and self.ranks == 1:
+                    continue
+                out.append({"phase": phase, "part": part, "MB": times * c.bytes / 1e6,
+                            "GFLOP": times * c.flops / 1e9, "predicted_ms": times * 1e3 * c.seconds,
+                            "bound": c.bound})
+        return out
+
+    def compare(self, timings) -> list[dict]:
+        """Predicted vs measured per phase and part (all layers; decode: mean per step), the
+        ratio measured / predicted, and where it is outside 1.5x either way, why."""
+        out = []
+        n = self.config.n_layers
+        for phase in PHASES:
+            steps = timings.phase_steps(phase)
+            if not steps:
+                continue
+            measured = {p: 1e3 * sum(sum(s.parts_s.get(p, ())) for s in steps) / len(steps) for p in LAYER_PARTS}
+            measured["head"] = 1e3 * sum(s.head_s for s in steps) / len(steps)
+            measured["step"] = 1e3 * sum(s.total_s for s in steps) / len(steps)
+            predicted = {p: n * 1e3 * c.seconds for p, c in self.layers[phase].items()}
+            predicted["head"] = 1e3 * self.head[phase].seconds
+            predicted["step"] = self.step_ms(phase)
+            for part in (*LAYER_PARTS, "head", "step"):
+                if part == "comm" and self.ranks == 1:
+                    continue
+                p, m = predicted[part], measured[part]
+                ratio = m / p if p > 0 else math.inf
+                cost = self.head[phase] if part == "head" else self.layers[phase].get(part)
+                out.append({"phase": phase, "part": part, "predicted_ms": p, "measured_ms": m, "ratio": ratio,
+                            "bound": cost.bound if cost else "", "why": self._why(phase, part, cost, p, m, ratio)})
+        return out
+
+    def _why(self, phase, part, cost, predicted_ms, measured_ms, ratio) -> str:
+        if 1 / RATIO_FLAG <= ratio <= RATIO_FLAG:
+            return ""
+        n = self.config.n_layers
+        hw = self.hardware
+        if part == "other":
+            return ("the roofline counts only the norms' weights; the time is per-call overhead of the small "
+                    "ops (two RMSNorms, two residual adds per layer)")
+        if part == "comm":
+            return ("slower than the all-reduce fit: in a step the collective also waits for the slower rank "
+                    "(skew) and shares the cores with compute" if ratio > 1 else
+                    "faster than the fit (which was measured with its own timing loop)")
+        if ratio < 1:
+            step_bytes = self.step_bytes(phase)
+            if hw.cache_bytes and step_bytes <= hw.cache_bytes:
+                return (f"faster than the bandwidth roofline: the step's {step_bytes / 2**20:.0f} MiB fit in the "
+                        f"{hw.cache_bytes / 2**20:.0f} MiB last-level cache, which the triad (3 x 256 MiB) does "
+                        f"not, so weights are reread from cache")
+            return "faster than predicted: the peak used is lower than what this part reaches"
+        per_call_us = 1e3 * predicted_ms / (1 if part in ("head", "step") else n)
+        if part != "step" and per_call_us < 30:
+            return (f"per-call overhead: the roofline time of this part is {per_call_us:.1f} us per layer, "
+                    f"comparable to a kernel call's launch and threading cost")
+        scale = 1 if part in ("head", "step") else n
+        if part == "step":
+            return "the parts above, and work between them (Python between layers, the step's own bookkeeping)"
+        if cost is not None and cost.bound == "memory":
+            achieved = cost.bytes * scale / (measured_ms / 1e3) / 1e9
+            return (f"below the bandwidth roofline: {achieved:.1f} of {hw.bandwidth_gbps:.1f} GB/s at these shapes "
+                    f"(call overhead, matrix-vector products at K = {self.config.dim} short of the bandwidth, or "
+                    f"other load on the machine)")
+        if cost is not None and cost.bound == "compute":
+            achieved = cost.flops * scale / (measured_ms / 1e3) / 1e9
+            return (f"below the compute roofline: {achieved:.0f} of {hw.fma_gflops:.0f} GFLOP/s (fp32 FMA peak; "
+                    f"softmax, RoPE, packing and threading are not FMAs)")
+        return ""
+
+    def utilisation(self, timings, phase: str = "decode") -> dict:
+        """Measured bandwidth utilisation and MFU of the phase against this hardware."""
+        return {"bandwidth_utilisation": timings.gbps(phase) / self.hardware.bandwidth_gbps,
+                "mfu": timings.gflops(phase) / self.hardware.fma_gflops}
+
+    def __repr__(self) -> str:
+        from workbench.analysis.tables import format_table
+
+        cfg = self.config
+        head = (f"<Prediction {cfg.name}: batch {self.batch}, prompt {self.prompt_len}, {self.new_tokens} new "
+                f"tokens (decode at KV length {self.decode_kv_len:g}), KV {self.kv_cache}, weights "
+                f"{self.weight_dtype}, {self.ranks} rank(s) on {self.hardware.name}\n"
+                f"  {self.hardware.notes}\n"
+                f"  prefill {self.step_ms('prefill'):.2f} ms, decode {self.step_ms('decode'):.3f} ms per step "
+                f"({self.decode_tokens_per_s():.1f} tokens/s)>\n")
+        return head + format_table(self.rows(), ["phase", "part", "MB", "GFLOP", "predicted_ms", "bound"],
+                                   {"MB": "{:.2f}", "GFLOP": "{:.3f}", "predicted_ms": "{:.3f}"})
+
+
+def _check_ranks(ranks) -> None:
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
+
+
+def _config(model):
+    from workbench.model.config import ModelConfig, preset
+
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str):
+        return preset(model)
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    raise ValueError(f"model must be a preset name, a ModelConfig or a loaded model, got {type(model).__name__}")
+
+
+def _allreduce_s(nbytes: int, ranks: int, hw: Hardware) -> float:
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) * hw.comm_alpha_us * 1e-6 + 2 * (ranks - 1) / ranks * nbytes / (hw.comm_beta_gbps * 1e9)
+
+
+def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,
+            kv_cache: str = "fp16", weight_dtype: str | None = None, ranks: int = 1, backend: str | None = None,
+            hardware: Hardware | None = None, comm: tuple[float, float] | None = None) -> Prediction:
+    """The roofline prediction of one rank's prefill and decode steps, per layer and part.
+
+    model: a preset name, a ModelConfig or a loaded model (whose weight dtype and KV cache
+    switch are then the defaults); hardware: default this machine's measured peaks shared by
+    `ranks` processes, with `backend`'s all-reduce fit (or comm=(alpha_us, beta_gbps))."""
+    from workbench.model.kv_formats import kv_format
+    from workbench.model.weights import weight_dtype as dtype_of
+
+    cfg = _config(model)
+    if weight_dtype is None:
+        weight_dtype = getattr(model, "weight_dtype", "fp32")
+    wbytes = dtype_of(weight_dtype).itemsize
+    fmt = kv_format(kv_cache)
+    _check_ranks(ranks)
+    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    hw = hardware or Hardware.this_machine(ranks, backend, comm)
+
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    heads, kv_heads = cfg.n_heads / ranks, cfg.n_kv_heads / ranks  # a rank's share (uneven splits: the mean)
+    attn_params = d * hd * (2 * heads + 2 * kv_heads)
+    mlp_params = 3 * d * f / ranks
+    norm_bytes = 2 * d * NORM_BYTES_PER_ELEM
+    kv_len = prompt_len + new_tokens / 2  # the mean KV length the decode steps read
+
+    def cost(nbytes, flops, comm_s=0.0) -> PartCost:
+        return PartCost(int(nbytes), int(flops), nbytes / (hw.bandwidth_gbps * 1e9), flops / (hw.fma_gflops * 1e9),
+                        comm_s)
+
+    layers, head = {}, {}
+    for phase in PHASES:
+        tokens = batch * prompt_len if phase == "prefill" else batch
+        pairs = batch * prompt_len * (prompt_len + 1) / 2 if phase == "prefill" else batch * kv_len
+        kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd)
+        layers[phase] = {
+            "attention": cost(wbytes * attn_params + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs),
+            "mlp": cost(wbytes * mlp_params, 2 * tokens * mlp_params),
+            "other": cost(norm_bytes, 0),
+            "comm": PartCost(0, 0, 0.0, 0.0, 2 * _allreduce_s(4 * tokens * d, ranks, hw)),
+        }
+        vocab = cfg.vocab_size / ranks
+        head_rows = batch  # the last position of each sequence (decode: its one token)
+        head_comm = 2 * (ranks - 1) * hw.comm_alpha_us * 1e-6 if ranks > 1 else 0.0  # ids out, top-k back
+        head[phase] = cost(tokens * d * wbytes + d * NORM_BYTES_PER_ELEM + vocab * d * wbytes,
+                           2 * head_rows * vocab * d, head_comm)
+    return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)
+
+
+def predict_run(model, result) -> Prediction:
+    """The prediction for the settings a GenerationResult ran with: its batch, mean prompt
+    length, new tokens, KV format, and the model's weights and ranks (a tensor-parallel
+    model's backend fit is measured on its own cluster if none is cached)."""
+    lengths = [len(p) for p in result.prompt_token_ids]
+    steps = result.timings.decode_steps
+    cluster = getattr(model, "cluster", None)
+    ranks = getattr(cluster, "n", 1)
+    hardware = None
+    if ranks > 1:
+        from workbench.distributed.ablation import comm_fit
+
+        fit = comm_fit(cluster.backend, ranks, cluster=cluster)
+        hardware = Hardware.this_machine(ranks, comm=(fit["alpha_us"], fit["beta_gbps"]))
+    return predict(model, batch=len(lengths), prompt_len=max(1, round(sum(lengths) / len(lengths))),
+                   new_tokens=len(steps) + 1, kv_cache=result.switches.kv_cache, ranks=ranks, hardware=hardware)
+
+
+def table2_projection(socket: Hardware, sockets=(2, 8), model: str = "llama2-70b", weight_dtype: str = "bf16",
+                      kv_cache: str = "fp16", prompt_len: int = 1024, new_tokens: int = 128) -> list[dict]:
+    """The paper's Table 2 setting on `sockets` ranks of `socket`: predicted ms per token with
+    its split into weights, KV cache and communication."""
+    rows = []
+    for n in sockets:
+        p = predict(model, batch=1, prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache,
+                    weight_dtype=weight_dtype, ranks=n, hardware=socket)
+        comm_ms = 1e3 * (sum(c.comm_s for c in p.layers["decode"].values()) * p.config.n_layers
+                         + p.head["decode"].comm_s)
+        rows.append({"sockets": n, "predicted_ms_per_token": p.step_ms("decode"), "comm_ms": comm_ms,
+                     "memory_ms": p.step_ms("decode") - comm_ms, "bytes_per_rank_GB": p.step_bytes("decode") / 1e9,
+                     "bound": max(((c.seconds, c.bound) for c in p.layers["decode"].values()))[1]})
+    return rows
+
+
+__all__ = ["Hardware", "PartCost", "Prediction", "predict", "predict_run", "table2_projection"]

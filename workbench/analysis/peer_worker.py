@@ -1,0 +1,147 @@
+"""One inference engine in its own process, for workbench.analysis.peers: it loads once,
+prints {"ready": ...} as a JSON line, then answers each request line
+
+    {"prompt": [token ids], "new_tokens": N}
+
+with {"prefill_ms", "decode_ms": [per token], "tokens": [greedy ids]} (or {"error": ...}).
+Every engine does the same thing: the prompt in one forward pass (prefill, timed), then N - 1
+greedy decode steps of one token each (each timed, argmax included), no stop at EOS.
+
+    python -m workbench.analysis.peer_worker '{"engine": "llama.cpp", "path": "...", "threads": 2}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _workbench(spec: dict):
+    import workbench as wb
+    from workbench.runtime.threads import set_threads
+
+    set_threads(spec["threads"])
+    model = wb.load_model(spec.get("model", "smollm2-135m"), dtype=spec.get("dtype", "fp32"))
+    model.attention, model.kv_cache = spec.get("attention", "slim"), spec.get("kv_cache", "fp16")
+
+    def run(prompt: list[int], n: int) -> dict:
+        stamps = []  # wall time at each token: the gaps are decode steps, sampling included
+        out = model.generate([prompt], max_new_tokens=n, stop_at_eos=False, record=False,
+                             on_token=lambda step, ids: stamps.append(time.perf_counter()))
+        return {"prefill_ms": 1e3 * out.timings.time_to_first_token_s,
+                "decode_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], "tokens": out.token_ids[0]}
+
+    return run, model.description
+
+
+def _transformers(spec: dict):
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from workbench.model.loaders import bundled_gguf_path
+
+    torch.set_num_threads(spec["threads"])
+    path = bundled_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                              attn_implementation="sdpa").eval()
+
+    import inspect
+
+    # transformers 5 renamed past_key_values to cache
+    key = "cache" if "cache" in inspect.signature(type(hf).forward).parameters else "past_key_values"
+
+    @torch.inference_mode()
+    def run(prompt: list[int], n: int) -> dict:
+        cache = DynamicCache()
+        t0 = time.perf_counter()
+        out = hf(torch.tensor([prompt]), **{key: cache}, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        prefill = time.perf_counter() - t0
+        tokens, decode = [token], []
+        for _ in range(n - 1):
+            t0 = time.perf_counter()
+            out = hf(torch.tensor([[token]]), **{key: cache}, use_cache=True)
+            token = int(out.logits[0, -1].argmax())
+            decode.append(time.perf_counter() - t0)
+            tokens.append(token)
+        return {"prefill_ms": 1e3 * prefill, "decode_ms": [1e3 * s for s in decode], "tokens": tokens}
+
+    return run, f"transformers {__import__('transformers').__version__}, fp32, sdpa attention"
+
+
+def _llama_cpp(spec: dict):
+    import llama_cpp
+    import llama_cpp.llama_cpp as low
+    import numpy as np
+
+    from workbench.hw.machine import machine_info
+
+    # llama.cpp's AMX matmul (ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36) segfaults on
+    # the AMX hosts we have (gdb shows it; Q4_1 and Q8_0). On a CPU with AMX its extra weight
+    # buffers are turned off, which also turns off its weight repacking; said in the row.
+    amx = "amx_int8" in machine_info().flags
+    if amx:
+        default = low.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        low.llama_model_default_params = params
+
+    kv = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[spec.get("kv", "f16")]
+    llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=spec.get("n_ctx", 4096), n_batch=spec.get("n_ctx", 4096),
+                          n_threads=spec["threads"], n_threads_batch=spec["threads"], type_k=kv, type_v=kv,
+                          flash_attn=spec.get("kv", "f16") != "f16", verbose=False)
+
+    n_vocab = llm.n_vocab()
+
+    def next_token() -> int:  # argmax of the last position's logits (llama.cpp keeps only those)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    def run(prompt: list[int], n: int) -> dict:
+        llm.reset()  # n_tokens = 0: the next eval overwrites the cache from position 0
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        token = next_token()
+        prefill = time.perf_counter() - t0
+        tokens, decode = [token], []
+        for _ in range(n - 1):
+            t0 = time.perf_counter()
+            llm.eval([token])
+            token = next_token()
+            decode.append(time.perf_counter() - t0)
+            tokens.append(token)
+        return {"prefill_ms": 1e3 * prefill, "decode_ms": [1e3 * s for s in decode], "tokens": tokens}
+
+    note = ", extra weight buffers off (its AMX matmul crashes on this CPU; no repacking)" if amx else ""
+    return run, f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), KV {spec.get('kv', 'f16')}{note}"
+
+
+ENGINES = {"workbench": _workbench, "transformers": _transformers, "llama.cpp": _llama_cpp}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything a library prints stays out of the protocol
+    try:
+        run, description = ENGINES[spec["engine"]](spec)
+    except Exception as e:  # reported to the parent, which names the engine
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
+        return 1
+    print(json.dumps({"ready": description}), file=out, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply = run(request["prompt"], request["new_tokens"])
+        except Exception as e:
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), file=out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Peers in the same run: our runtime against Hugging Face transformers and llama.cpp on the
+same weights, the same prompt tokens and the same number of greedy tokens, each engine in
+its own process (loaded once), the engines interleaved in a new random order every round.
+
+    rows = run_peers(prompt_lens=(64, 1024), new_tokens=64, rounds=3)
+    print(format_peers(rows))
+
+Engines (`ENGINES`; a peer whose package is missing is a row saying so, never silently
+dropped):
+    workbench fp32 / bf16        our runtime, slim attention, fp16 KV cache (llama.cpp's default)
+    workbench fp32, int8 KV      the paper's KV cache
+    transformers fp32            the same GGUF through transformers (sdpa attention)
+    llama.cpp F32                an F32 conversion of the bundled Q4_1 file (dequantized with
+                                 gguf, metadata kept): matched precision, f16 KV
+    llama.cpp F32, q8_0 KV       llama.cpp's 8-bit KV cache (flash attention on, as it requires)
+    llama.cpp Q4_1               the file as shipped
+    llama.cpp Q8_0               a Q8_0 conversion of the F32 weights: the int8 weights comparison
+    IPEX                         only in a side environment with torch 2.8 (README): absent here
+Each row: prefill ms and decode tokens/s, median (min-max) over the rounds, and the ratio of
+its matched workbench row's decode speed to its own (> 1: ours faster), with the spread of
+that ratio (worst to best pairing of the rounds), and how many leading greedy tokens equal
+workbench fp32's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from workbench.cache import cache_dir
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    spec: dict  # the worker's spec (workbench.analysis.peer_worker); "path" filled in at start
+    package: str | None  # the module it needs, or None
+    matched: str  # the workbench row its decode speed is compared with
+    gguf: str | None = None  # "F32" / "Q8_0" conversions, "Q4_1" the bundled file
+
+
+ENGINES: tuple[Engine, ...] = (
+    Engine("workbench fp32", {"engine": "workbench", "dtype": "fp32", "kv_cache": "fp16"}, None, "workbench fp32"),
+    Engine("workbench bf16", {"engine": "workbench", "dtype": "bf16", "kv_cache": "fp16"}, None, "workbench fp32"),
+    Engine("workbench fp32, int8 KV", {"engine": "workbench", "dtype": "fp32", "kv_cache": "int8"}, None,
+           "workbench fp32"),
+    Engine("transformers fp32", {"engine": "transformers"}, "transformers", "workbench fp32"),
+    Engine("llama.cpp F32", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench fp32", "F32"),
+    Engine("llama.cpp F32, q8_0 KV", {"engine": "llama.cpp", "kv": "q8_0"}, "llama_cpp", "workbench fp32, int8 KV",
+           "F32"),
+    Engine("llama.cpp Q4_1", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench bf16", "Q4_1"),
+    Engine("llama.cpp Q8_0", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench bf16", "Q8_0"),
+)
+IPEX_ABSENT = ("IPEX", "not run: intel-extension-for-pytorch is end-of-life and pinned to torch 2.8, and this "
+                       "environment has torch 2.13; README 'Peers' has the side-environment recipe")
+INSTALL = {"llama_cpp": "pip install -e '.[peers]' (compiles llama.cpp: minutes on 2 cores)",
+           "transformers": "pip install -e '.[test]'"}
+
+
+def converted_gguf(kind: str, source: Path | None = None) -> Path:
+    """The bundled model's GGUF as `kind`: "Q4_1" is the file itself; "F32" dequantizes every
+    tensor with gguf (lossless: the F32 values are exactly what Q4_1 decodes to); "Q8_0"
+    quantizes the F32 weights (2-D tensors; norms stay F32). All metadata is kept (the file
+    type updated). Cached under the workbench cache directory."""
+    import gguf
+    import numpy as np
+
+    from workbench.model.loaders import bundled_gguf_path
+
+    source = source or bundled_gguf_path()
+    if kind == "Q4_1":
+        return source
+    qtype = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}.get(kind)
+    if qtype is None:
+        raise ValueError(f"kind must be Q4_1, F32 or Q8_0, got {kind!r}")
+    out = cache_dir() / "models" / f"{source.stem.replace('.Q4_1', '')}.{kind}.gguf"
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(source)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(file_type)
+            continue
+        kind_of = field.types[0]
+        sub = field.types[-1] if kind_of == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind_of, sub_type=sub)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and values.ndim == 2 and values.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(out)
+    return out
+
+
+class _Worker:
+    def __init__(self, engine: Engine, threads: int, n_ctx: int):
+        spec = {**engine.spec, "threads": threads, "n_ctx": n_ctx}
+        if engine.gguf:
+            spec["path"] = str(converted_gguf(engine.gguf))
+        self.engine = engine
+        self.proc = subprocess.Popen([sys.executable, "-m", "workbench.analysis.peer_worker", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._read()
+        self.description = hello["ready"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer {self.engine.name!r} exited (code {self.proc.wait()}); see its stderr above")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"peer {self.engine.name!r}: {msg['error']}")
+        return msg
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _available(engine: Engine) -> str | None:
+    """None if the engine can run here, else why not (with the install command)."""
+    import importlib.util
+
+    if engine.package and importlib.util.find_spec(engine.package) is None:
+        return f"not installed: {INSTALL.get(engine.package, engine.package)}"
+    return None
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
+
+
+def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_tokens: int = 64, rounds: int = 3,
+              threads: int | None = None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Every engine on every prompt length, interleaved, `rounds` times. Returns one row per
+    (engine, prompt length), including rows for engines that could not run (with why)."""
+    import torch
+
+    from workbench.analysis.text import sample_prompts
+    from workbench.model.loaders import gguf_tokenizer
+
+    say = progress or (lambda msg: None)
+    threads = threads or torch.get_num_threads()
+    known = {e.name: e for e in ENGINES}
+    chosen = [known[n] if n in known else None for n in (engines or list(known))]
+    if None in chosen:
+        bad = [n for n, e in zip(engines, chosen) if e is None]
+        raise ValueError(f"engines: unknown {', '.join(map(repr, bad))}; known: {', '.join(known)}")
+    for e in list(chosen):  # every ratio is against a workbench row measured in the same run
+        if known[e.matched] not in chosen:
+            chosen.insert(0, known[e.matched])
+    if known["workbench fp32"] not in chosen:
+        chosen.insert(0, known["workbench fp32"])  # the tokens every row is checked against
+    tokenizer = gguf_tokenizer()
+    prompts = {n: sample_prompts(tokenizer, n, 1)[0] for n in prompt_lens}
+    rows, workers = [], {}
+    try:
+        for e in chosen:
+            why = _available(e)
+            if why is None:
+                say(f"starting {e.name}")
+                try:
+                    workers[e.name] = _Worker(e, threads, max(prompt_lens) + new_tokens + 16)
+                except RuntimeError as err:
+                    why = str(err)
+            if why:
+                rows.append({"engine": e.name, "status": why})
+        samples = {(name, n): [] for name in workers for n in prompt_lens}
+        for name in workers:  # warm-up: caches, thread pools, first-touch pages
+            workers[name].run(prompts[prompt_lens[0]], 4)
+        order = random.Random(seed)
+        for r in range(rounds):
+            for n in prompt_lens:
+                for name in order.sample(list(workers), len(workers)):
+                    samples[(name, n)].append(workers[name].run(prompts[n], new_tokens))
+                    last = samples[(name, n)][-1]
+                    say(f"round {r + 1}/{rounds}, prompt {n}: {name} prefill {last['prefill_ms']:.1f} ms, decode "
+                        f"{1e3 / statistics.median(last['decode_ms']):.1f} tokens/s")
+        descriptions = {name: w.description for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    for n in prompt_lens:
+        reference = samples.get(("workbench fp32", n))
+        for e in chosen:
+            if e.name not in workers:
+                continue
+            runs = samples[(e.name, n)]
+            tps = [1e3 / statistics.median(s["decode_ms"]) for s in runs]
+            row = {"engine": e.name, "status": "ok", "description": descriptions[e.name], "prompt_len": n,
+                   "new_tokens": new_tokens, "threads": threads, "prefill_ms": _spread([s["prefill_ms"] for s in runs]),
+                   "decode_tokens_per_s": _spread(tps), "matched": e.matched}
+            base = samples.get((e.matched, n))
+            if base and e.spec["engine"] != "workbench":
+                ours = [1e3 / statistics.median(s["decode_ms"]) for s in base]
+                row["ours_over_peer"] = {"median": statistics.median(ours) / statistics.median(tps),
+                                         "min": min(ours) / max(tps), "max": max(ours) / min(tps)}
+            if reference:
+                a, b = reference[0]["tokens"], runs[0]["tokens"]
+                row["same_tokens_as_workbench_fp32"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                                                            min(len(a), len(b)))
+            rows.append(row)
+    rows.append({"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]})
+    return rows
+
+
+def format_peers(rows: list[dict]) -> str:
+    from workbench.analysis.tables import format_table
+
+    def spread(d, fmt):
+        return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"
+
+    table = []
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        ratio = r.get("ours_over_peer")
+        table.append({"engine": r["engine"], "prompt": r["prompt_len"],
+                      "prefill ms": spread(r["prefill_ms"], "{:.1f}"),
+                      "decode tok/s": spread(r["decode_tokens_per_s"], "{:.1f}"),
+                      "ours/peer decode": (f"{spread(ratio, '{:.2f}')} vs {r['matched']}" if ratio else "-"),
+                      "same tokens": r.get("same_tokens_as_workbench_fp32", "-")})
+    cols = ["engine", "prompt", "prefill ms", "decode tok/s", "ours/peer decode", "same tokens"]
+    text = format_table(table, cols, title="decode tok/s and prefill ms: median (min-max) over rounds; ours/peer > 1 "
+                                           "means ours is faster; same tokens: leading greedy tokens equal to "
+                                           "workbench fp32's")
+    absent = [f"  {r['engine']}: {r['status']}" for r in rows if r["status"] != "ok"]
+    return text + ("\nnot run:\n" + "\n".join(absent) if absent else "")
