@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from workbench.model.attention import ATTENTION_BACKENDS
@@ -391,6 +391,51 @@ class WorkbenchMagics(Magics):
             raise UsageError(str(e)) from None
         kinds = ", ".join(f"{sum(e['kind'] == k for e in entries)} {k}" for k in sorted({e["kind"] for e in entries}))
         print(f"wrote {out['html']} and {out['json']}: {out['entries']} measurements ({kinds})")
+
+    @magic_arguments()
+    @argument("--native", action="store_true", help="native frames too: our C++ kernels by name")
+    @argument("--rate", type=int, default=250, help="samples per second (default 250)")
+    @argument("--duration", type=float, default=None, help="stop sampling after this many seconds")
+    @argument("-o", dest="output", default="results/profile.speedscope.json", help="speedscope JSON file")
+    @argument("statement", nargs="*", help="the statement to profile (or the cell body with %%%%profile)")
+    @line_cell_magic
+    def profile(self, line, cell=None):
+        """Profile a statement with py-spy attached to this kernel (and, with a cluster
+        running, to its engines): the hottest frames, a flame graph, and the speedscope
+        JSON saved (it joins %report). The result is kept as `wb_profile`.
+
+        Examples::
+
+          In [1]: %profile --native model.generate("Hello", max_new_tokens=32)
+          In [2]: %%profile --rate 500
+             ...: %generate -n 32 The capital of France is
+        """
+        from workbench import report
+        from workbench.analysis.profile import ProfilerUnavailable, flame_spec, profile, report_entry, top_frames_text
+        from workbench.ui.plots import mime_bundle
+
+        args = parse_argstring(self.profile, line)
+        code = cell if cell is not None else " ".join(args.statement)
+        if not code.strip():
+            raise UsageError("%profile needs a statement, e.g. %profile --native model.generate('Hi')")
+        cluster = getattr(self.model, "cluster", None)
+        pids = {e["rank"]: e["pid"] for e in cluster.engines} if cluster is not None else None
+        try:
+            result = profile(lambda: self.shell.run_cell(code, silent=False), native=args.native, rate=args.rate,
+                             duration=args.duration, out=args.output, engine_pids=pids)
+        except (ProfilerUnavailable, ValueError) as e:
+            raise UsageError(str(e)) from None
+        result.pop("value", None)
+        self.shell.user_ns["wb_profile"] = result
+        report.add_entry(report_entry(result, code.strip()))
+        print(top_frames_text(result))
+        for rank, summary in result["engines"].items():
+            print(f"\nrank {rank}: {summary['speedscope']}")
+            print(top_frames_text(summary))
+        from IPython.display import display
+
+        display(mime_bundle(flame_spec(result["stacks"], title=f"py-spy: {code.strip()[:80]}")), raw=True)
+        print(f"speedscope JSON: {result['speedscope']} (open it at speedscope.app)")
 
     @magic_arguments()
     @argument("--panel", action="store_true", help="show the control panel with live plots")

@@ -1,7 +1,11 @@
-"""`workbench` command line: generate, demo (the main job), bench.
+"""`workbench` command line: generate, demo (the main job), report, compare, peers, profile, bench.
 
     workbench generate "The capital of France is" --max-new-tokens 32 --attention slim --kv-cache int8
-    workbench demo                      # every attention x KV dtype on the bundled model, table + JSON
+    workbench demo                      # every attention x KV dtype on the bundled model, table + JSON + report
+    workbench report [FILE.json ...] -o results/report.html   # a report from earlier results, or a fresh run
+    workbench compare a.json b.json [-o diff.html]            # two reports side by side, noise-aware verdicts
+    workbench peers                     # ours vs transformers and llama.cpp, interleaved, same tokens
+    workbench profile [--native] -- generate "Hello"          # py-spy over a workbench command
     workbench bench attention|generation|peaks [args...]
 """
 
@@ -78,6 +82,100 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _entries_from(path: Path) -> list[dict]:
+    """A report JSON's entries, or a benchmark's JSON (bench/*.py, results/*.json) as one entry."""
+    from workbench.report.compare import load
+
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and "schema_version" in data:
+        entries = load(path)["entries"]
+        for e in entries:
+            e.setdefault("source", str(path))
+        return entries
+    rows = data.get("rows") if isinstance(data, dict) and isinstance(data.get("rows"), list) else None
+    if rows is None:
+        rows = [{"field": k, "value": json.dumps(v) if isinstance(v, (dict, list)) else v}
+                for k, v in (data.items() if isinstance(data, dict) else enumerate(data))]
+    return [{"kind": "benchmark", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": None, "source": str(path),
+             "rows": rows, "command": data.get("command") if isinstance(data, dict) else None}]
+
+
+def cmd_report(args) -> int:
+    """With files: their measurements, re-rendered into one report (nothing re-run). Without:
+    one generation of the given model measured now."""
+    from workbench import report
+
+    if args.files:
+        entries = []
+        for f in args.files:
+            path = Path(f)
+            if not path.is_file():
+                print(f"error: {path}: no such file", file=sys.stderr)
+                return 2
+            try:
+                entries += _entries_from(path)
+            except ValueError as e:
+                print(f"error: {path}: {e}", file=sys.stderr)
+                return 2
+    else:
+        model = _load(args)
+        prompt = args.prompt
+        out = model.generate(prompt, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+        report.record(out, model, command=" ".join(["workbench", *sys.argv[1:]]), prompt=prompt)
+        entries = None
+    paths = report.write(args.out, title=args.title, entries=entries)
+    print(f"wrote {paths['html']} (opens offline) and {paths['json']}: {paths['entries']} measurement(s)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from workbench.report.compare import compare, format_compare, html_page, load
+
+    a, b = load(args.a), load(args.b)
+    rows = compare(a, b)
+    print(format_compare(rows, a, b))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(html_page(rows, a, b))
+        print(f"\nwrote {args.out}")
+    return 1 if args.fail_on_regression and any(r["verdict"] == "regression" for r in rows) else 0
+
+
+def cmd_peers(args) -> int:
+    from workbench import report
+    from workbench.analysis.peers import format_peers, run_peers
+
+    rows = run_peers(engines=args.engines.split(",") if args.engines else None,
+                     prompt_lens=[int(x) for x in args.prompt_lens.split(",")], new_tokens=args.new_tokens,
+                     rounds=args.rounds, threads=args.threads, progress=lambda m: print("  " + m, flush=True))
+    print()
+    print(format_peers(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["workbench", *sys.argv[1:]])
+    out.write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+    report.record(rows, None, command=command, kind="peers")
+    paths = report.write(out.with_name(out.stem + "-report.html"), title="workbench peers")
+    print(f"\nwrote {out}, {paths['html']} and {paths['json']}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    """py-spy over `workbench <command ...>` in a child process."""
+    from workbench.analysis.profile import profile_command, top_frames_text
+
+    rest = [a for a in args.rest if a != "--"]
+    if not rest:
+        print("error: give the workbench command to profile, e.g. workbench profile -- generate 'Hello'",
+              file=sys.stderr)
+        return 2
+    result = profile_command([sys.executable, "-m", "workbench.cli", *rest], native=args.native, rate=args.rate,
+                             out=args.out)
+    print(top_frames_text(result))
+    print(f"\nspeedscope JSON: {result['speedscope']}")
+    return result["returncode"]
+
+
 def cmd_bench(args) -> int:
     script = ROOT / "bench" / {"attention": "all.py", "generation": "generation.py", "peaks": "peaks.py"}[args.which]
     if not script.is_file():
@@ -104,6 +202,38 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--out", default=str(Path("results") / "demo.json"), help="JSON file (default results/demo.json)")
     d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("report", help="a report (JSON + offline HTML) from result files, or from a fresh run")
+    _model_args(r)
+    r.add_argument("files", nargs="*", help="report JSON or benchmark JSON files (default: measure a generation now)")
+    r.add_argument("-o", "--out", default=str(Path("results") / "report.html"), help="HTML path; JSON beside it")
+    r.add_argument("--title", default="Workbench report")
+    r.add_argument("--prompt", default="The capital of France is")
+    r.add_argument("--max-new-tokens", type=int, default=32)
+    r.set_defaults(func=cmd_report)
+
+    c = sub.add_parser("compare", help="two report JSONs side by side: ratio per row and a noise-aware verdict")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("-o", "--out", default=None, help="also write the comparison as an HTML page")
+    c.add_argument("--fail-on-regression", action="store_true", help="exit 1 if any row is a regression")
+    c.set_defaults(func=cmd_compare)
+
+    pe = sub.add_parser("peers", help="ours vs transformers and llama.cpp: same tokens, interleaved rounds")
+    pe.add_argument("--engines", default=None, help="comma-separated engine names (default: all)")
+    pe.add_argument("--prompt-lens", default="64,1024")
+    pe.add_argument("--new-tokens", type=int, default=64)
+    pe.add_argument("--rounds", type=int, default=3)
+    pe.add_argument("--threads", type=int, default=None)
+    pe.add_argument("--out", default=str(Path("results") / "peers.json"))
+    pe.set_defaults(func=cmd_peers)
+
+    pr = sub.add_parser("profile", help="py-spy over a workbench command (flame graph data as speedscope JSON)")
+    pr.add_argument("--native", action="store_true", help="include native frames (our C++ kernels by name)")
+    pr.add_argument("--rate", type=int, default=250, help="samples per second")
+    pr.add_argument("--out", default=str(Path("results") / "profile.speedscope.json"))
+    pr.add_argument("rest", nargs=argparse.REMAINDER)
+    pr.set_defaults(func=cmd_profile)
 
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("which", choices=["attention", "generation", "peaks"])

@@ -46,7 +46,9 @@ SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "kv_
 # (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
 # it silently runs on one thread. The process already has torch's libgomp loaded.
-BASE_FLAGS = ("-O3", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-uninitialized",
+# -g: symbols and line numbers, so a profiler (%profile --native, py-spy) names our kernels;
+# it changes no generated code.
+BASE_FLAGS = ("-O3", "-g", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-uninitialized",
               "-Wno-maybe-uninitialized")
 
 _X86 = platform.machine() in ("x86_64", "AMD64", "i686")

@@ -12,14 +12,20 @@ What a report holds (workbench/report/schema.json is the contract):
                 the project's git commit and whether the tree was dirty
     entries     every recorded measurement: generations (model identity with its file's
                 sha256, workload, switches, raw per-step samples with median / min / max /
-                p90, prefill and decode apart, per-layer milliseconds, bytes and FLOPs) and
-                ablation grids (their rows), each with the command that reproduces it
+                p90, prefill and decode apart, per-layer milliseconds, bytes and FLOPs, the
+                cost model's prediction per part with the ratio and why), ablation grids and
+                tensor-parallel ablations (their rows), peers (workbench.analysis.peers),
+                profiles (py-spy: the speedscope file and the hottest frames) and benchmark
+                JSON files (`workbench report FILE.json`), each with the command that
+                reproduces it
+
+    workbench compare a.json b.json   (workbench.report.compare) sets two reports side by side
     peak_rss    the process's peak resident memory
 
 The session's log (`recorded()`) is what %report writes without re-running anything.
 """
 
-from workbench.report.collect import SCHEMA_VERSION, build, clear, record, recorded
+from workbench.report.collect import SCHEMA_VERSION, add_entry, build, clear, record, recorded
 from workbench.report.render import write
 
-__all__ = ["SCHEMA_VERSION", "build", "clear", "record", "recorded", "write"]
+__all__ = ["SCHEMA_VERSION", "add_entry", "build", "clear", "record", "recorded", "write"]

@@ -80,12 +80,33 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
     }
     if getattr(result, "topk_log", None):
         entry["topk_checks"] = result.topk_log
+    if model is not None and decode:
+        entry["predicted"] = prediction_entry(model, result)
     return entry
 
 
+def prediction_entry(model, result) -> dict | None:
+    """The cost model's view of a run (workbench.analysis.costmodel): per part predicted vs
+    measured with the ratio and, outside 1.5x, why; the per-layer prediction for figures."""
+    from workbench.analysis.costmodel import predict_run
+
+    try:
+        p = predict_run(model, result)
+    except (ValueError, RuntimeError) as e:
+        return {"error": str(e)}
+    return {"hardware": {"name": p.hardware.name, "bandwidth_gbps": p.hardware.bandwidth_gbps,
+                         "fma_gflops": p.hardware.fma_gflops, "comm_alpha_us": p.hardware.comm_alpha_us,
+                         "comm_beta_gbps": None if p.hardware.comm_beta_gbps == float("inf") else p.hardware.comm_beta_gbps,
+                         "notes": p.hardware.notes},
+            "decode_kv_len": p.decode_kv_len, "parts": p.compare(result.timings),
+            "per_layer_ms": {phase: p.per_layer(phase) for phase in ("prefill", "decode")},
+            "utilisation": p.utilisation(result.timings)}
+
+
 def record(item, model=None, command: str | None = None, prompt: str | None = None, kind: str | None = None) -> dict:
-    """Add a measurement to this session's log: a GenerationResult, or a list of ablation rows
-    (AblationRow objects or dicts; kind "ablation" or "tp_ablation"). Returns the entry."""
+    """Add a measurement to this session's log: a GenerationResult, or a list of rows
+    (AblationRow objects or dicts; kind "ablation", "tp_ablation", "peers", "kv_quality",
+    "benchmark"). Returns the entry."""
     from dataclasses import asdict, is_dataclass
 
     if hasattr(item, "timings"):
@@ -97,6 +118,14 @@ def record(item, model=None, command: str | None = None, prompt: str | None = No
                  "model": model_identity(model) if model is not None else None, "rows": rows, "command": command}
     else:
         raise TypeError(f"record() takes a GenerationResult or a list of ablation rows, got {type(item).__name__}")
+    _log.append(entry)
+    return entry
+
+
+def add_entry(entry: dict) -> dict:
+    """Add an entry already in the report's shape (a profile, a peers run read back)."""
+    if not isinstance(entry, dict) or "kind" not in entry or "time" not in entry:
+        raise TypeError("add_entry() takes a dict with at least 'kind' and 'time'")
     _log.append(entry)
     return entry
 

@@ -67,32 +67,128 @@ CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table
 td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left;vertical-align:top}pre{white-space:pre-wrap}"""
 
 
+def _bars_with_spread(title: str, labels: list[str], rows: list[dict], unit: str) -> dict:
+    """One bar per row at its median with a min-max error bar."""
+    med = [r["median"] for r in rows]
+    return {"data": [{"type": "bar", "x": labels, "y": med, "name": unit,
+                      "error_y": {"type": "data", "symmetric": False, "array": [r["max"] - r["median"] for r in rows],
+                                  "arrayminus": [r["median"] - r["min"] for r in rows]}}],
+            "layout": {"title": {"text": title}, "height": 380, "yaxis": {"title": {"text": unit}, "rangemode": "tozero"},
+                       "margin": {"b": 140}}}
+
+
+def _comm_compute_spec(title: str, labels: list[str], total_ms: list[float], comm_ms: list[float]) -> dict:
+    return {"data": [{"type": "bar", "name": "compute", "x": labels, "y": [t - c for t, c in zip(total_ms, comm_ms)]},
+                     {"type": "bar", "name": "communication", "x": labels, "y": comm_ms}],
+            "layout": {"title": {"text": title}, "barmode": "stack", "height": 380, "margin": {"b": 160},
+                       "yaxis": {"title": {"text": "ms per decode token"}, "rangemode": "tozero"}}}
+
+
+PREDICTED_COLUMNS = ["phase", "part", "predicted_ms", "measured_ms", "ratio", "bound", "why"]
+
+
+def _generation_section(i: int, e: dict, figures: list) -> str:
+    from workbench.ui.plots import per_layer_spec, topk_spec  # here: plotly loads only when a page is made
+
+    w = e["workload"]
+    predicted = e.get("predicted") or {}
+    figures.append((f"fig-latency-{i}", per_layer_spec(e["per_layer_ms"], title=f"Entry {i}: per-layer latency "
+                                                       "(dashed: the roofline prediction)",
+                                                       predicted=predicted.get("per_layer_ms"))))
+    stats = {k: v for k, v in e["decode_step_ms"].items() if k != "samples"}
+    parts = ""
+    if predicted.get("parts"):
+        flagged = [r for r in predicted["parts"] if r["why"]]
+        parts = (f"<h4>Cost model: predicted vs measured per part</h4><p>{html.escape(predicted['hardware']['notes'])}"
+                 f"; decode predicted at KV length {predicted['decode_kv_len']:g}. Bandwidth utilisation "
+                 f"{100 * predicted['utilisation']['bandwidth_utilisation']:.0f}%, MFU "
+                 f"{100 * predicted['utilisation']['mfu']:.1f}%. {len(flagged)} part(s) differ by more than 1.5x; "
+                 f"the last column says why.</p>{_table(predicted['parts'], PREDICTED_COLUMNS)}")
+    elif predicted.get("error"):
+        parts = f"<p>no prediction: {html.escape(predicted['error'])}</p>"
+    extra = ""
+    if e.get("topk_checks"):
+        figures.append((f"fig-topk-{i}", topk_spec(e["topk_checks"])))
+        extra += f"<div id='fig-topk-{i}'></div>"
+    if e.get("decode_comm_ms_per_step"):
+        total = e["decode_step_ms"]["median"]
+        figures.append((f"fig-comm-{i}", _comm_compute_spec(f"Entry {i}: communication vs compute", ["decode step"],
+                                                            [total], [e["decode_comm_ms_per_step"]])))
+        extra += f"<div id='fig-comm-{i}'></div>"
+    return (f"<h3>Entry {i}: generation</h3>"
+            f"<p>prompt: <pre>{html.escape(str(w.get('prompt')))}</pre>"
+            f"text: <pre>{html.escape(str(e.get('text')))}</pre></p>"
+            f"{_kv({**w, 'decode step ms': stats, 'samples (ms)': e['decode_step_ms']['samples']})}"
+            f"<div id='fig-latency-{i}'></div>{parts}{extra}")
+
+
+def _rows_section(i: int, e: dict, figures: list) -> str:
+    kind, rows = e["kind"], e["rows"]
+    body = ""
+    if kind == "peers":
+        ok = [r for r in rows if r.get("status") == "ok"]
+        flat = [{"engine": r["engine"], "prompt": r["prompt_len"], "new tokens": r["new_tokens"],
+                 "prefill ms (median)": r["prefill_ms"]["median"],
+                 "prefill min-max": f"{r['prefill_ms']['min']:.1f}-{r['prefill_ms']['max']:.1f}",
+                 "decode tok/s (median)": r["decode_tokens_per_s"]["median"],
+                 "decode min-max": f"{r['decode_tokens_per_s']['min']:.1f}-{r['decode_tokens_per_s']['max']:.1f}",
+                 "ours/peer decode": (f"{r['ours_over_peer']['median']:.2f} ({r['ours_over_peer']['min']:.2f}-"
+                                      f"{r['ours_over_peer']['max']:.2f}) vs {r['matched']}")
+                 if r.get("ours_over_peer") else "-",
+                 "same tokens as workbench fp32": r.get("same_tokens_as_workbench_fp32"),
+                 "engine details": r.get("description")} for r in ok]
+        absent = [{"engine": r["engine"], "why not run": r["status"]} for r in rows if r.get("status") != "ok"]
+        if ok:
+            figures.append((f"fig-peers-{i}", _bars_with_spread(
+                f"Entry {i}: decode tokens/s, median and min-max over rounds",
+                [f"{r['engine']} (prompt {r['prompt_len']})" for r in ok], [r["decode_tokens_per_s"] for r in ok],
+                "tokens/s")))
+            body = f"<div id='fig-peers-{i}'></div>"
+        body += _table(flat) + ("<h4>Not run</h4>" + _table(absent) if absent else "")
+    elif kind == "tp_ablation":
+        labels = [f"{r['ranks']} {r['backend']} {r['token_broadcast']} {r['lm_head']} zc {r['zero_copy']}" for r in rows]
+        figures.append((f"fig-tp-{i}", _comm_compute_spec(f"Entry {i}: communication vs compute per decode token",
+                                                          labels, [r["decode_ms_per_token"] for r in rows],
+                                                          [r["comm_ms_per_token"] for r in rows])))
+        body = f"<div id='fig-tp-{i}'></div>" + _table(rows)
+    else:
+        body = _table(rows)
+    return f"<h3>Entry {i}: {html.escape(kind)}</h3>{body}"
+
+
+def _summary_row(i: int, e: dict) -> dict:
+    model = (e.get("model") or {}).get("description")
+    if e["kind"] == "generation":
+        w = e["workload"]
+        return {"entry": i, "kind": "generation", "model": model, "switches": f"{w['attention']} / {w['kv_cache']}",
+                "batch": w["batch"], "prefill ms": e["prefill_ms"],
+                "decode ms per step (median)": e["decode_step_ms"]["median"],
+                "decode tokens/s": e["decode_tokens_per_s"], "GB/s": e["decode_gbps"], "GFLOP/s": e["decode_gflops"]}
+    if e["kind"] == "profile":
+        return {"entry": i, "kind": "profile", "model": model, "statement": e.get("statement")}
+    return {"entry": i, "kind": e["kind"], "model": model, "rows": len(e["rows"])}
+
+
+def _profile_section(i: int, e: dict) -> str:
+    return (f"<h3>Entry {i}: profile</h3><p>py-spy {html.escape(str(e.get('py_spy')))} at {e.get('rate')} Hz"
+            f"{' with native frames' if e.get('native') else ''}, {e.get('samples')} samples of "
+            f"<code>{html.escape(str(e.get('statement')))}</code>; speedscope JSON: "
+            f"<code>{html.escape(e['speedscope'])}</code> (open it in speedscope.app)</p>"
+            f"{_table(e['top_frames'])}")
+
+
 def html_page(report: dict) -> str:
     from plotly.offline import get_plotlyjs
 
-    from workbench.ui.plots import per_layer_spec  # here: plotly loads only when a page is made
-
-    figures, sections = [], []
-    summary = []
+    figures, sections, summary = [], [], []
     for i, e in enumerate(report["entries"]):
+        summary.append(_summary_row(i, e))
         if e["kind"] == "generation":
-            w = e["workload"]
-            summary.append({"entry": i, "kind": "generation", "model": (e["model"] or {}).get("description"),
-                            "switches": f"{w['attention']} / {w['kv_cache']}", "batch": w["batch"],
-                            "prefill ms": e["prefill_ms"], "decode ms per step (median)": e["decode_step_ms"]["median"],
-                            "decode tokens/s": e["decode_tokens_per_s"], "GB/s": e["decode_gbps"],
-                            "GFLOP/s": e["decode_gflops"]})
-            figures.append((f"fig-latency-{i}", per_layer_spec(e["per_layer_ms"], title=f"Entry {i}: per-layer latency")))
-            stats = {k: v for k, v in e["decode_step_ms"].items() if k != "samples"}
-            sections.append(f"<h3>Entry {i}: generation</h3>"
-                            f"<p>prompt: <pre>{html.escape(str(w.get('prompt')))}</pre>"
-                            f"text: <pre>{html.escape(str(e.get('text')))}</pre></p>"
-                            f"{_kv({**w, 'decode step ms': stats, 'samples (ms)': e['decode_step_ms']['samples']})}"
-                            f"<div id='fig-latency-{i}'></div>")
+            sections.append(_generation_section(i, e, figures))
+        elif e["kind"] == "profile":
+            sections.append(_profile_section(i, e))
         else:
-            summary.append({"entry": i, "kind": e["kind"], "model": (e["model"] or {}).get("description"),
-                            "rows": len(e["rows"])})
-            sections.append(f"<h3>Entry {i}: {html.escape(e['kind'])}</h3>{_table(e['rows'])}")
+            sections.append(_rows_section(i, e, figures))
     roof = _roofline_spec(report)
     if roof:
         figures.insert(0, ("fig-roofline", roof))

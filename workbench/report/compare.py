@@ -1,0 +1,166 @@
+"""Two reports side by side: every measurement both have, the ratio, and a verdict that
+respects noise.
+
+    rows = compare(load("a.json"), load("b.json"))
+    print(format_compare(rows))                     # or: workbench compare a.json b.json -o diff.html
+
+A measurement is matched by what was run (kind, model, switches, batch, prompt length,
+threads, ranks, engine), not by its position. Each side has a median and the min-max of its
+samples (a generation's per-step decode times, a tensor-parallel row's repeats, a peer's
+rounds). The verdict, for B against A:
+    within noise   the two min-max ranges overlap
+    regression     B is worse (slower, or fewer tokens/s) and the ranges do not overlap
+    improvement    B is better and the ranges do not overlap
+    no spread      one side has a single sample: only the ratio can be given
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+
+def load(path) -> dict:
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable report JSON ({e})") from None
+    if not isinstance(report, dict) or "schema_version" not in report or "entries" not in report:
+        raise ValueError(f"{path}: not a workbench report (no schema_version / entries)")
+    return report
+
+
+def _metric(name: str, unit: str, better: str, median, lo=None, hi=None, n: int = 1) -> dict:
+    return {"metric": name, "unit": unit, "better": better, "median": median,
+            "min": median if lo is None else lo, "max": median if hi is None else hi, "n": n}
+
+
+def measurements(report: dict) -> dict[str, dict]:
+    """key -> metric dict, for every measurement in a report."""
+    out: dict[str, dict] = {}
+
+    def add(key: str, metric: dict) -> None:
+        if metric["median"] is None:
+            return
+        k, i = f"{key} | {metric['metric']}", 2
+        while k in out:  # the same configuration measured again in one report
+            k, i = f"{key} #{i} | {metric['metric']}", i + 1
+        out[k] = metric
+
+    for e in report.get("entries", []):
+        model = (e.get("model") or {}).get("name", "?")
+        kind = e.get("kind")
+        if kind == "generation":
+            w = e["workload"]
+            ranks = (e.get("model") or {}).get("ranks", 1)
+            key = (f"generation {model} {w['attention']}/{w['kv_cache']} batch {w['batch']} prompt "
+                   f"{max(w['prompt_tokens'])} threads {w['threads']} ranks {ranks}")
+            s = e["decode_step_ms"]
+            add(key, _metric("decode ms per step", "ms", "lower", s["median"], s["min"], s["max"], len(s["samples"])))
+            add(key, _metric("prefill ms", "ms", "lower", e.get("prefill_ms")))
+        elif kind == "ablation":
+            for r in e["rows"]:
+                key = f"ablation {model} {r['attention']}/{r['kv_cache']} batch {r['batch']} prompt {r['prompt_len']}"
+                add(key, _metric("decode tokens/s", "tokens/s", "higher", r["decode_tokens_per_s"]))
+                add(key, _metric("prefill ms", "ms", "lower", r["prefill_ms"]))
+        elif kind == "tp_ablation":
+            for r in e["rows"]:
+                key = (f"tensor parallel {model} ranks {r['ranks']} {r['backend']} {r['token_broadcast']} "
+                       f"{r['lm_head']} zero copy {r['zero_copy']}")
+                add(key, _metric("decode ms per token", "ms", "lower", r["decode_ms_per_token"], r.get("decode_ms_min"),
+                                 r.get("decode_ms_max"), r.get("repeats", 1)))
+        elif kind == "peers":
+            for r in e["rows"]:
+                if r.get("status") != "ok":
+                    continue
+                key = f"peer {r['engine']} prompt {r['prompt_len']} threads {r['threads']}"
+                for name, unit, better, field in (("decode tokens/s", "tokens/s", "higher", "decode_tokens_per_s"),
+                                                  ("prefill ms", "ms", "lower", "prefill_ms")):
+                    d = r[field]
+                    add(key, _metric(name, unit, better, d["median"], d["min"], d["max"], len(d.get("samples", []))))
+    return out
+
+
+def _verdict(a: dict, b: dict) -> str:
+    if a["n"] < 2 or b["n"] < 2:
+        return "no spread"
+    if a["min"] <= b["max"] and b["min"] <= a["max"]:
+        return "within noise"
+    worse = b["median"] > a["median"] if a["better"] == "lower" else b["median"] < a["median"]
+    return "regression" if worse else "improvement"
+
+
+def compare(a: dict, b: dict) -> list[dict]:
+    """One row per measurement both reports have (then those only one has)."""
+    ma, mb = measurements(a), measurements(b)
+    rows = []
+    for key in [k for k in ma if k in mb]:
+        x, y = ma[key], mb[key]
+        rows.append({"measurement": key, "unit": x["unit"], "a": x["median"], "a_min": x["min"], "a_max": x["max"],
+                     "b": y["median"], "b_min": y["min"], "b_max": y["max"],
+                     "ratio_b_over_a": y["median"] / x["median"] if x["median"] else None,
+                     "verdict": _verdict(x, y)})
+    for key, side in [(k, "a") for k in ma if k not in mb] + [(k, "b") for k in mb if k not in ma]:
+        m = (ma if side == "a" else mb)[key]
+        rows.append({"measurement": key, "unit": m["unit"], side: m["median"], f"{side}_min": m["min"],
+                     f"{side}_max": m["max"], "verdict": f"only in {side.upper()}"})
+    return rows
+
+
+def _side(report: dict) -> dict:
+    m, s = report.get("machine", {}), report.get("software", {})
+    git = s.get("git") or {}
+    return {"title": report.get("title"), "created": report.get("created"), "cpu": m.get("cpu_model"),
+            "threads": m.get("threads_used"), "triad GB/s": (m.get("peaks") or {}).get("triad_gbps"),
+            "FMA GFLOP/s": (m.get("peaks") or {}).get("fma_gflops"), "kernels ISA": s.get("kernels_isa"),
+            "torch": (s.get("packages") or {}).get("torch"),
+            "commit": f"{(git.get('commit') or '?')[:10]}{' (dirty)' if git.get('dirty') else ''}"}
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+
+def format_compare(rows: list[dict], a: dict | None = None, b: dict | None = None) -> str:
+    from workbench.analysis.tables import format_table
+
+    lines = []
+    if a is not None and b is not None:
+        sa, sb = _side(a), _side(b)
+        lines.append(format_table([{"": k, "A": _fmt(sa[k]), "B": _fmt(sb[k])} for k in sa], ["", "A", "B"]))
+        lines.append("")
+    table = [{"measurement": r["measurement"],
+              "A median (min-max)": f"{_fmt(r.get('a'))} ({_fmt(r.get('a_min'))}-{_fmt(r.get('a_max'))})"
+              if "a" in r else "",
+              "B median (min-max)": f"{_fmt(r.get('b'))} ({_fmt(r.get('b_min'))}-{_fmt(r.get('b_max'))})"
+              if "b" in r else "",
+              "B/A": _fmt(r.get("ratio_b_over_a")), "verdict": r["verdict"]} for r in rows]
+    lines.append(format_table(table, ["measurement", "A median (min-max)", "B median (min-max)", "B/A", "verdict"]))
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("regression", "improvement", "within noise",
+                                                                "no spread")}
+    lines.append("\n" + ", ".join(f"{n} {v}" for v, n in counts.items()) +
+                 ("" if not counts["regression"] else
+                  "\nregressions: " + "; ".join(f"{r['measurement']} ({r['ratio_b_over_a']:.2f}x)"
+                                                 for r in rows if r["verdict"] == "regression")))
+    return "\n".join(lines)
+
+
+def html_page(rows: list[dict], a: dict, b: dict) -> str:
+    from workbench.report.render import CSS, _table
+
+    sa, sb = _side(a), _side(b)
+    head = _table([{"": k, "A": _fmt(sa[k]), "B": _fmt(sb[k])} for k in sa])
+    colors = {"regression": "#fdd", "improvement": "#dfd"}
+    body = "".join(
+        f"<tr style='background:{colors.get(r['verdict'], 'white')}'>"
+        + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in
+                  ("measurement", "unit", "a", "a_min", "a_max", "b", "b_min", "b_max", "ratio_b_over_a", "verdict"))
+        + "</tr>" for r in rows)
+    cols = "".join(f"<th>{c}</th>" for c in ("measurement", "unit", "A", "A min", "A max", "B", "B min", "B max",
+                                             "B/A", "verdict"))
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>workbench compare</title><style>{CSS}</style>"
+            f"</head><body><h1>{html.escape(str(a.get('title')))} (A) vs {html.escape(str(b.get('title')))} (B)</h1>"
+            f"{head}<p>verdict: ranges (min-max of each side's samples) that overlap are within noise.</p>"
+            f"<table><thead><tr>{cols}</tr></thead><tbody>{body}</tbody></table></body></html>")
