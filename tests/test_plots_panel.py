@@ -82,6 +82,8 @@ def test_panel_load_switch_run_export(model, tmp_path):
     assert p.runs[0]["decode_tokens_per_s_per_sequence"] == pytest.approx(p.runs[0]["decode_tokens_per_s"] / 2)
     decode_attention = [t for t in p.plots.latency.data if t.xaxis == "x2"][0]
     assert len(decode_attention.y) == model.config.n_layers
+    predicted = [t for t in p.plots.latency.data if t.name == "roofline prediction"]
+    assert len(predicted) == 2 and all(len(t.y) == model.config.n_layers and min(t.y) > 0 for t in predicted)
     shown = p.output.outputs[-1]["data"]["text/plain"]
     assert "HTML" in shown  # the sequences' text as HTML, not a repr
     js = json.loads(p.export(tmp_path / "run.json").read_text())

@@ -97,3 +97,117 @@ def test_report_magic_writes_the_session(tmp_path, capsys):
     data = json.loads((tmp_path / "session.json").read_text())
     assert data["reproduce"] == ["%load_ext workbench\n%load_model smollm2-135m\n%generate -n 3 Hello"]
     report.clear()
+
+
+def _one_run_report(model, title: str, **kw) -> dict:
+    report.clear()
+    out = model.generate("The capital of France is", max_new_tokens=24, stop_at_eos=False, **kw)
+    report.record(out, model, command="test")
+    data = report.build(title=title)
+    report.clear()
+    return data
+
+
+def test_compare_says_within_noise_for_the_same_configuration_and_names_a_regression(tmp_path):
+    import copy
+    import subprocess
+    import sys
+
+    from workbench.report.compare import compare, format_compare
+
+    model = wb.load_model("smollm2-135m")
+    model.generate("warm up", max_new_tokens=4)
+    a, b = _one_run_report(model, "A"), _one_run_report(model, "B")
+    decode = next(r for r in compare(a, b) if r["measurement"].endswith("decode ms per step"))
+    assert decode["verdict"] == "within noise"  # two runs of one configuration
+    assert 0.5 < decode["ratio_b_over_a"] < 2
+    slow = copy.deepcopy(b)  # the same run, every step taking twice as long
+    s = slow["entries"][0]["decode_step_ms"]
+    s["samples"] = [2 * x for x in s["samples"]]
+    for k in ("median", "min", "max", "p90"):
+        s[k] *= 2
+    rows = compare(a, slow)
+    decode = next(r for r in rows if r["measurement"].endswith("decode ms per step"))
+    assert decode["verdict"] == "regression" and decode["ratio_b_over_a"] == pytest.approx(2 * b["entries"][0][
+        "decode_step_ms"]["median"] / a["entries"][0]["decode_step_ms"]["median"])
+    assert "regressions: generation smollm2-135m slim/fp32" in format_compare(rows, a, slow)
+    # the command, as a user runs it
+    for name, data in (("a", a), ("b", b), ("slow", slow)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data, default=str))
+    cli = [sys.executable, "-m", "workbench.cli", "compare"]
+    ok = subprocess.run([*cli, str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--fail-on-regression"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "within noise" in ok.stdout, ok.stderr
+    bad = subprocess.run([*cli, str(tmp_path / "a.json"), str(tmp_path / "slow.json"), "-o",
+                          str(tmp_path / "diff.html"), "--fail-on-regression"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "regression" in bad.stdout
+    assert "regression" in (tmp_path / "diff.html").read_text()
+    junk = subprocess.run([*cli, str(tmp_path / "a.json"), str(tmp_path / "nope.json")], capture_output=True, text=True)
+    assert junk.returncode == 2 and "not a readable report JSON" in junk.stderr and "Traceback" not in junk.stderr
+
+
+def test_workbench_report_merges_earlier_results_without_rerunning(tmp_path, written):
+    import subprocess
+    import sys
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"command": "python bench/linear.py", "rows": [{"shape": "576x576", "gbps": 20.5}]}))
+    out = tmp_path / "merged.html"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(written["json"]), str(bench), "-o",
+                        str(out), "--title", "merged"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [e["kind"] for e in data["entries"]] == ["generation", "ablation", "benchmark"]
+    assert data["entries"][2]["rows"] == [{"shape": "576x576", "gbps": 20.5}]
+    assert "python bench/linear.py" in data["reproduce"]
+    pytest.importorskip("jsonschema").validate(data, SCHEMA)
+
+
+def test_report_holds_the_cost_model_per_part(written):
+    gen = json.loads(written["json"].read_text())["entries"][0]
+    parts = gen["predicted"]["parts"]
+    assert {r["part"] for r in parts} >= {"attention", "mlp", "other", "head", "step"}
+    assert all(set(r) >= {"predicted_ms", "measured_ms", "ratio", "bound", "why"} for r in parts)
+    assert len(gen["predicted"]["per_layer_ms"]["decode"]) == 30
+    page = written["html"].read_text()
+    assert "Cost model: predicted vs measured per part" in page and "roofline prediction" in page
+
+
+def test_the_demos_report_opens_offline_and_validates(tmp_path):
+    """The README's main job: `workbench demo` writes a report; Chromium opens it from the file
+    with every non-file request blocked, and the figures draw."""
+    import subprocess
+    import sys
+
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    out = tmp_path / "demo.json"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--short-tokens", "8", "--long-tokens", "32",
+                        "--new-tokens", "4", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "demo-report.json").read_text())
+    pytest.importorskip("jsonschema").validate(data, SCHEMA)
+    assert [e["kind"] for e in data["entries"]] == ["ablation", "generation"]
+    requests = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+
+        def block(route):
+            if not route.request.url.startswith("file://"):
+                requests.append(route.request.url)
+                route.abort()
+            else:
+                route.continue_()
+
+        page.route("**/*", block)
+        page.goto((tmp_path / "demo-report.html").as_uri())
+        page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 2")
+        drawn = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(d => d.id)")
+        points = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
+        browser.close()
+    assert "fig-roofline" in drawn and "fig-latency-1" in drawn
+    assert points == 32 + 1  # every ablation row and the generation
+    assert requests == []

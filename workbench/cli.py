@@ -75,8 +75,15 @@ def cmd_demo(args) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "seconds": time.perf_counter() - t0,
         "command": " ".join(sys.argv), "rows": rows_as_dicts(rows)}, indent=2))
     from workbench import report
+    from workbench.analysis.text import sample_prompts
 
-    report.record(rows, model, command=" ".join(["workbench", *sys.argv[1:]]))
+    command = " ".join(["workbench", *sys.argv[1:]])
+    report.record(rows, model, command=command)
+    # one plain generation too, for the report's per-layer figure and cost model
+    prompt = sample_prompts(model.tokenizer, args.long_tokens, 1)
+    result = model.generate(prompt, max_new_tokens=args.new_tokens, attention="slim", kv_cache="int8",
+                            stop_at_eos=False)
+    report.record(result, model, command=command, prompt=model.tokenizer.decode(prompt[0]))
     paths = report.write(out.with_name(out.stem + "-report.html"), title=f"workbench demo: {model.description}")
     print(f"\nwrote {out}, {paths['html']} (opens offline) and {paths['json']}")
     return 0

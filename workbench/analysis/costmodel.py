@@ -18,9 +18,9 @@ configuration alone (no weights needed, so Llama-2-70B works on a laptop):
     mlp         gate, up, down weights; FLOPs 2 x tokens x weights
     other       the two norms' fp32 weights: almost nothing, so the roofline predicts almost
                 nothing; what is measured there is per-call overhead
-    comm        tensor parallel: two all-reduces of tokens x dim fp32 per layer, each
-                (ranks - 1) alpha + 2 (ranks - 1) / ranks x bytes / beta (a ring; at 2
-                ranks exactly the fitted alpha + bytes / beta)
+    comm        tensor parallel: two all-reduces of tokens x dim fp32 per layer, each the
+                faster of a ring and recursive doubling built from the fitted alpha and
+                beta (at 2 ranks exactly the fitted alpha + bytes / beta)
     head        embedding rows, final norm, the LM head (its vocabulary slice per rank),
                 FLOPs over the rows it projects; with ranks > 1 two more collectives (token
                 ids out, top-k pairs back), alpha each
@@ -278,9 +278,15 @@ def _config(model):
 
 
 def _allreduce_s(nbytes: int, ranks: int, hw: Hardware) -> float:
+    """The faster of a ring ((p - 1) alpha + 2 (p - 1) / p x bytes / beta: best for large
+    payloads) and recursive doubling (log2 p x (alpha + bytes / beta): best for small ones);
+    at 2 ranks both are the fitted alpha + bytes / beta."""
     if ranks == 1:
         return 0.0
-    return (ranks - 1) * hw.comm_alpha_us * 1e-6 + 2 * (ranks - 1) / ranks * nbytes / (hw.comm_beta_gbps * 1e9)
+    alpha, beta = hw.comm_alpha_us * 1e-6, hw.comm_beta_gbps * 1e9
+    ring = (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes / beta
+    doubling = math.ceil(math.log2(ranks)) * (alpha + nbytes / beta)
+    return min(ring, doubling)
 
 
 def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,
@@ -329,7 +335,7 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         }
         vocab = cfg.vocab_size / ranks
         head_rows = batch  # the last position of each sequence (decode: its one token)
-        head_comm = 2 * (ranks - 1) * hw.comm_alpha_us * 1e-6 if ranks > 1 else 0.0  # ids out, top-k back
+        head_comm = 2 * _allreduce_s(0, ranks, hw)  # token ids out, top-k pairs back: latency only
         head[phase] = cost(tokens * d * wbytes + d * NORM_BYTES_PER_ELEM + vocab * d * wbytes,
                            2 * head_rows * vocab * d, head_comm)
     return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)

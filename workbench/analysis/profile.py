@@ -88,10 +88,15 @@ class _Recorder:
             raise ProfilerUnavailable(f"py-spy did not start sampling pid {self.pid} within {START_TIMEOUT_S:.0f} s "
                                       f"(output: {' | '.join(self.lines[-3:]) or 'none'})")
         if self.proc.poll() is not None:
-            text = " | ".join(self.lines[-4:])
-            if any(w in text.lower() for w in ("permission", "operation not permitted", "ptrace", "eperm")):
-                raise ProfilerUnavailable(f"{_ptrace_advice()} (py-spy said: {text})")
-            raise ProfilerUnavailable(f"py-spy exited at start (code {self.proc.returncode}): {text}")
+            self.proc.wait()
+            time.sleep(0.05)  # the reader thread's last lines
+            said = [line.strip() for line in self.lines if line.strip()]
+            denied = [line for line in said if any(w in line.lower() for w in ("permission denied", "not permitted",
+                                                                                "eperm", "ptrace"))]
+            if denied:
+                raise ProfilerUnavailable(f"{_ptrace_advice()} (py-spy said: {denied[0]})")
+            raise ProfilerUnavailable(f"py-spy exited at start (code {self.proc.returncode}): "
+                                      f"{' | '.join(said[:3]) or 'no output'}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,0 +1,105 @@
+"""The cost model (wb.predict): it counts exactly the bytes and FLOPs the runtime's step
+records count, from the configuration alone; its roofline, communication and comparison
+behave as stated; bad input is a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import workbench as wb
+from workbench.analysis.costmodel import Hardware, predict, predict_run, table2_projection
+from workbench.model.kv_formats import KV_FORMATS
+
+HW = Hardware("test", bandwidth_gbps=20.0, fma_gflops=200.0, comm_alpha_us=5.0, comm_beta_gbps=8.0,
+              cache_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {d: wb.load_model("smollm2-135m", dtype=d) for d in ("fp32", "bf16")}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kv", list(KV_FORMATS))
+def test_bytes_and_flops_equal_the_step_records(models, dtype, kv):
+    model = models[dtype]
+    prompts = [list(range(100, 117)), list(range(200, 217))]  # batch 2, 17 tokens each
+    out = model.generate(prompts, max_new_tokens=7, kv_cache=kv, stop_at_eos=False)
+    p = predict(model, batch=2, prompt_len=17, new_tokens=7, kv_cache=kv, hardware=HW)
+    prefill, decode = out.timings.prefill, out.timings.decode_steps
+    assert p.step_bytes("prefill") == prefill.bytes_read
+    assert p.step_flops("prefill") == prefill.total_flops
+    # decode is predicted at the mean KV length of the decode steps: their mean bytes / FLOPs
+    assert p.step_bytes("decode") == pytest.approx(sum(s.bytes_read for s in decode) / len(decode), rel=1e-9)
+    assert p.step_flops("decode") == pytest.approx(sum(s.total_flops for s in decode) / len(decode), rel=1e-9)
+
+
+def test_roofline_names_the_bound_and_adds_communication():
+    p = predict("llama2-7b", batch=1, prompt_len=1024, new_tokens=128, kv_cache="int8", weight_dtype="bf16",
+                hardware=HW)
+    att, mlp = p.layers["decode"]["attention"], p.layers["decode"]["mlp"]
+    assert att.bound == mlp.bound == "memory"  # batch 1 decode reads every weight for 2 FLOPs each
+    assert mlp.seconds == pytest.approx(2 * 3 * 4096 * 11008 / 20e9)
+    assert p.layers["prefill"]["mlp"].bound == "compute"  # 1024 tokens per weight read
+    assert p.layers["prefill"]["mlp"].seconds == pytest.approx(2 * 1024 * 3 * 4096 * 11008 / 200e9)
+    two = predict("llama2-7b", batch=1, prompt_len=1024, new_tokens=128, weight_dtype="bf16", ranks=2, hardware=HW)
+    one = predict("llama2-7b", batch=1, prompt_len=1024, new_tokens=128, weight_dtype="bf16", hardware=HW)
+    assert two.layers["decode"]["mlp"].bytes * 2 == one.layers["decode"]["mlp"].bytes
+    comm = two.layers["decode"]["comm"].comm_s
+    assert comm == pytest.approx(2 * (5e-6 + 4 * 4096 / 8e9))  # two all-reduces of dim fp32: alpha + bytes / beta
+    assert one.layers["decode"]["comm"].comm_s == 0.0
+
+
+def test_compare_sets_measurement_against_prediction_and_says_why(models):
+    model = models["fp32"]
+    out = model.generate("The capital of France is", max_new_tokens=8, stop_at_eos=False)
+    p = predict_run(model, out)
+    rows = p.compare(out.timings)
+    parts = {(r["phase"], r["part"]) for r in rows}
+    assert {("decode", "attention"), ("decode", "mlp"), ("decode", "other"), ("decode", "head"),
+            ("decode", "step"), ("prefill", "step")} <= parts
+    assert all(r["ratio"] == pytest.approx(r["measured_ms"] / r["predicted_ms"]) for r in rows)
+    for r in rows:  # every part outside 1.5x either way is explained, the others are not
+        assert bool(r["why"]) == (not 1 / 1.5 <= r["ratio"] <= 1.5)
+    other = next(r for r in rows if r["phase"] == "decode" and r["part"] == "other")
+    assert other["ratio"] > 1.5 and "overhead" in other["why"]  # norms read ~no bytes: overhead is all there is
+    assert "decode" in repr(p) and "bound" in repr(p)
+
+
+def test_table2_projection_from_stated_socket_parameters():
+    socket = Hardware.from_socket("test socket", channels=8, mts=5600, bandwidth_efficiency=0.8, cores=48, ghz=2.0,
+                                  flops_per_cycle_per_core=1024, compute_efficiency=0.5, link_alpha_us=50,
+                                  link_gbps=10)
+    assert socket.bandwidth_gbps == pytest.approx(8 * 5600 * 8 / 1e3 * 0.8)
+    two, eight = table2_projection(socket, sockets=(2, 8))
+    assert two["bound"] == eight["bound"] == "memory"
+    assert eight["memory_ms"] == pytest.approx(two["memory_ms"] / 4, rel=0.05)  # the weights split 4x further
+    assert eight["comm_ms"] > two["comm_ms"] > 0  # more hops per all-reduce
+    # 70B in bf16 read once per token over 2 sockets' bandwidth
+    assert two["memory_ms"] == pytest.approx(2 * 68.98e9 / 2 / (socket.bandwidth_gbps * 1e9) * 1e3, rel=0.02)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ranks": 0}, "ranks must be an integer >= 1, got 0"),
+    ({"batch": 0}, "batch must be an integer >= 1, got 0"),
+    ({"kv_cache": "int3"}, "kv_cache must be one of"),
+    ({"weight_dtype": "fp8"}, "dtype must be one of"),
+    ({"ranks": 2}, "ranks > 1 needs backend="),
+])
+def test_bad_input_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        predict("smollm2-135m", **kwargs)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        predict("llama9-1t")
+
+
+def test_this_machine_uses_the_measured_peaks():
+    from workbench.hw.peaks import measured_peaks
+
+    hw = Hardware.this_machine(2, comm=(4.0, 8.0))
+    peaks = measured_peaks()
+    assert hw.bandwidth_gbps == pytest.approx(peaks.triad_gbps / 2) and hw.fma_gflops == pytest.approx(
+        peaks.fma_gflops / 2)
+    assert hw.comm_alpha_us == 4.0 and not math.isinf(hw.comm_beta_gbps)

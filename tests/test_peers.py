@@ -1,0 +1,71 @@
+"""Peers in the same run: the GGUF conversions are what they claim, and the harness runs
+each engine in its own process, interleaved, with ratios, spreads and token checks."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from workbench.analysis.peers import IPEX_ABSENT, converted_gguf, format_peers, run_peers
+from workbench.model.loaders import bundled_gguf_path
+
+
+def test_f32_conversion_is_lossless_and_keeps_the_metadata():
+    import gguf
+
+    src, f32 = gguf.GGUFReader(bundled_gguf_path()), gguf.GGUFReader(converted_gguf("F32"))
+    assert {t.name for t in src.tensors} == {t.name for t in f32.tensors}
+    by_name = {t.name: t for t in f32.tensors}
+    for t in src.tensors[:12]:
+        assert by_name[t.name].tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(np.asarray(by_name[t.name].data), gguf.quants.dequantize(t.data, t.tensor_type))
+    keys = set(src.fields) - {"general.file_type"}
+    assert keys <= set(f32.fields)
+    for k in ("tokenizer.chat_template", "llama.rope.freq_base", "tokenizer.ggml.bos_token_id"):
+        assert f32.get_field(k).contents() == src.get_field(k).contents()
+    assert f32.get_field("general.file_type").contents() == int(gguf.LlamaFileType.ALL_F32)
+
+
+def test_q8_0_conversion_quantizes_matrices_within_its_rounding_bound():
+    import gguf
+
+    q8 = gguf.GGUFReader(converted_gguf("Q8_0"))
+    f32 = {t.name: t for t in gguf.GGUFReader(converted_gguf("F32")).tensors}
+    for t in q8.tensors[:8]:
+        ref = np.asarray(f32[t.name].data, dtype=np.float32)
+        if ref.ndim == 1:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32  # norms stay exact
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        got = gguf.quants.dequantize(t.data, t.tensor_type)
+        step = np.abs(ref.reshape(-1, 32)).max(axis=1, keepdims=True) / 127  # one scale per 32 weights
+        err = np.abs(got - ref).reshape(-1, 32)
+        # half a step from rounding, plus the scale's own rounding to fp16 (2^-11 relative) x 127
+        assert (err <= step * (0.5 + 127 * 2.0 ** -11) * 1.001 + 1e-7).all()
+
+
+def test_harness_runs_engines_in_their_own_processes_interleaved():
+    pytest.importorskip("transformers")
+    rows = run_peers(engines=["transformers fp32"], prompt_lens=(16,), new_tokens=6, rounds=2)
+    ok = {r["engine"]: r for r in rows if r["status"] == "ok"}
+    assert set(ok) == {"workbench fp32", "transformers fp32"}  # the matched row is added
+    hf = ok["transformers fp32"]
+    assert len(hf["decode_tokens_per_s"]["samples"]) == 2 and len(hf["prefill_ms"]["samples"]) == 2
+    r = hf["ours_over_peer"]
+    assert r["min"] <= r["median"] <= r["max"] and r["median"] > 0
+    assert hf["same_tokens_as_workbench_fp32"] == 6  # fp32 on the same weights: the same greedy tokens
+    assert "ours_over_peer" not in ok["workbench fp32"]
+    assert {"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]} in rows  # its absence stated
+    text = format_peers(rows)
+    assert "transformers fp32" in text and "IPEX" in text and "vs workbench fp32" in text
+    with pytest.raises(ValueError, match="unknown 'vllm'"):
+        run_peers(engines=["vllm"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the peers extra) absent")
+def test_llama_cpp_f32_reproduces_our_greedy_tokens():
+    rows = run_peers(engines=["llama.cpp F32"], prompt_lens=(32,), new_tokens=12, rounds=1)
+    cpp = next(r for r in rows if r["engine"] == "llama.cpp F32")
+    assert cpp["status"] == "ok" and cpp["same_tokens_as_workbench_fp32"] == 12
