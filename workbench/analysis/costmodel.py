@@ -37,7 +37,7 @@ stated parameters, for projections (notebooks/05-cost-model.ipynb: the paper's T
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PHASES = ("prefill", "decode")
 LAYER_PARTS = ("attention", "mlp", "other", "comm")
@@ -359,19 +359,27 @@ def predict_run(model, result) -> Prediction:
                    new_tokens=len(steps) + 1, kv_cache=result.switches.kv_cache, ranks=ranks, hardware=hardware)
 
 
-def table2_projection(socket: Hardware, sockets=(2, 8), model: str = "llama2-70b", weight_dtype: str = "bf16",
-                      kv_cache: str = "fp16", prompt_len: int = 1024, new_tokens: int = 128) -> list[dict]:
-    """The paper's Table 2 setting on `sockets` ranks of `socket`: predicted ms per token with
-    its split into weights, KV cache and communication."""
+def table2_projection(socket: Hardware, sockets=(2, 8), links: dict[int, tuple[float, float]] | None = None,
+                      model: str = "llama2-70b", weight_dtype: str = "bf16", kv_cache: str = "fp16",
+                      prompt_len: int = 1024, new_tokens: int = 128) -> list[dict]:
+    """The paper's Table 2 setting on `sockets` ranks of `socket` (one rank per socket):
+    predicted ms per decode token, split into memory / compute time and communication.
+    links[n] = (alpha_us, beta_gbps) of the all-reduce at n sockets (default: the socket's)."""
     rows = []
     for n in sockets:
+        hw = socket
+        if links and n in links:
+            hw = replace(socket, comm_alpha_us=links[n][0], comm_beta_gbps=links[n][1])
         p = predict(model, batch=1, prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache,
-                    weight_dtype=weight_dtype, ranks=n, hardware=socket)
+                    weight_dtype=weight_dtype, ranks=n, hardware=hw)
         comm_ms = 1e3 * (sum(c.comm_s for c in p.layers["decode"].values()) * p.config.n_layers
                          + p.head["decode"].comm_s)
-        rows.append({"sockets": n, "predicted_ms_per_token": p.step_ms("decode"), "comm_ms": comm_ms,
-                     "memory_ms": p.step_ms("decode") - comm_ms, "bytes_per_rank_GB": p.step_bytes("decode") / 1e9,
-                     "bound": max(((c.seconds, c.bound) for c in p.layers["decode"].values()))[1]})
+        step = p.step_ms("decode")
+        rows.append({"sockets": n, "predicted_ms_per_token": step, "memory_ms": step - comm_ms, "comm_ms": comm_ms,
+                     "bytes_per_socket_GB": p.step_bytes("decode") / 1e9,
+                     "bound": "memory" if step - comm_ms >= comm_ms else "communication",
+                     "all_reduce": f"{hw.comm_alpha_us:g} us + bytes / {hw.comm_beta_gbps:g} GB/s",
+                     "collectives_per_token": 2 * p.config.n_layers + 2})
     return rows
 
 
