@@ -28,11 +28,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workbench import kernels  # noqa: E402
-from workbench.model.kv_formats import KV_FORMATS, KVCache  # noqa: E402
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KVCache  # noqa: E402
 from workbench.model.loaders import available_memory_bytes  # noqa: E402
 
 H, D = 32, 128
-DTYPES = tuple(KV_FORMATS)
+DTYPES = KERNEL_FORMATS
 TRIAD_FLOATS = 1 << 25  # 3 x 128 MiB, far beyond the caches
 
 

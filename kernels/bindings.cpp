@@ -154,7 +154,7 @@ Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool c
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
-                        std::optional<double> scale, std::optional<int64_t> num_splits) {
+                        std::optional<double> scale, std::optional<int64_t> num_splits, bool int8_query) {
   const char* fn = "decode_attention";
   check_tensor(q, fn, "q", 3, "[B, H, D]");
   check_float_input(q, fn, "q");
@@ -191,6 +191,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(), fn,
                       ": k_scale / v_scale are only used with an int8 cache, but the cache is ",
                       k_cache.scalar_type());
+    TORCH_CHECK_VALUE(!int8_query, fn, ": int8_query needs an int8 cache, but the cache is ",
+                      k_cache.scalar_type());
   }
   const float s = checked_scale(scale, D, fn);
   int64_t splits = num_splits.value_or(0);
@@ -220,7 +222,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                     D,
                     dtype,
                     s,
-                    splits};
+                    splits,
+                    int8_query};
   wbk::decode_attention(a);
   return out.to(q.scalar_type());
 }
@@ -418,7 +421,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("int8_query") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("decode_dot_isa", &wbk::decode_dot_isa);
+  m.def("decode_set_prefetch", &wbk::decode_set_prefetch, py::arg("bytes"), py::arg("hint"));
   m.def("decode_default_splits", [](int64_t B, int64_t Hkv, int64_t max_length) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
   });

@@ -18,6 +18,11 @@
 //   2. exact softmax over the chunk; for int8 the V scale is folded into the
 //      probabilities (sum_t p_t v_t = sum_t (p_t s_t) v8_t).
 //   3. O += P V, 32 tokens at a time.
+// With int8_query (int8 cache only), pass 1 instead quantizes each query head to int8
+// (scale = max|q| / 127) and computes q8 . k8 with integer dot products (VNNI vpdpbusd, or
+// pmaddubsw + pmaddwd on sign-adjusted operands; simd.h), so a token's K costs one load and
+// one instruction per query head instead of widening and FMAs; the score is then
+// q_scale * k_scale_t * (q8 . k8_t). P.V stays fp32 with the V scales folded in.
 // Widening happens in registers, once per token for all the query heads that share the
 // KV head (GQA: up to 8 heads per pass, each with its own accumulators), so a grouped
 // cache costs no more widening than a plain one. Each pass prefetches the rows 4 KB ahead
@@ -44,11 +49,19 @@ constexpr int kTokensPerValueBlock = 32;
 // Software prefetch of the cache rows a few kilobytes ahead of the one being read: one
 // thread's stream of K or V otherwise waits on memory latency (profiled: the widening
 // instructions right after each load took most samples), not on bandwidth.
-constexpr int64_t kPrefetchBytes = 4096;
+// Tunable at run time (decode_set_prefetch): experiments, and per-host tuning.
+int64_t g_prefetch_bytes = 4096;
+int g_prefetch_hint = 0;  // 0 = prefetchnta, 3 = prefetcht0
 
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+  if (g_prefetch_hint == 3) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  } else if (g_prefetch_hint == 2) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+  } else {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+  }
 }
 
 // Accumulator registers the inner loops may use (of 32 zmm / 16 ymm). 24 of 32 lets GQA 3:1
@@ -105,6 +118,64 @@ void dot_rows(const float* q, int64_t ldq, const T* const* rows, int64_t D, floa
       for (int r = 0; r < R; ++r)
         for (int g = 0; g < GC; ++g) out[g * ldo + r0 + r] = sums[r * GC + g];
     }
+  }
+}
+
+// out[g * ldo + i] = qmul[g] * (q8_g . rows[i] - qbias[g]) for GC int8 query heads (q8 rows
+// ldq bytes apart, zero-padded to whole VecB) and kTokensPerScoreStep int8 rows.
+template <int GC>
+void dot_rows_i8(const int8_t* q8, int64_t ldq, const float* qmul, const float* qbias, const int8_t* const* rows,
+                 int64_t D, float* out, int64_t ldo) {
+  constexpr int R = kAccRegs / GC >= 8 ? 8 : kAccRegs / GC >= 4 ? 4 : kAccRegs / GC >= 2 ? 2 : 1;
+  static_assert(kTokensPerScoreStep % R == 0);
+  constexpr int N = ((R * GC + 3) / 4) * 4;
+  for (int r0 = 0; r0 < kTokensPerScoreStep; r0 += R) {
+    VecI acc[N];
+    for (int i = 0; i < N; ++i) acc[i] = VecI::zero();
+    int64_t d = 0;
+    for (; d + I8B <= D; d += I8B) {
+      VecB qv[GC];
+      for (int g = 0; g < GC; ++g) qv[g] = VecB::load(q8 + g * ldq + d);
+      for (int r = 0; r < R; ++r) {
+        const VecB kv = VecB::load(rows[r0 + r] + d);
+        for (int g = 0; g < GC; ++g) acc[r * GC + g] = dot_i8(acc[r * GC + g], kv, qv[g]);
+      }
+    }
+    if (d < D) {
+      const int rem = static_cast<int>(D - d);
+      VecB qv[GC];
+      for (int g = 0; g < GC; ++g) qv[g] = VecB::load(q8 + g * ldq + d);  // zero-padded past D
+      for (int r = 0; r < R; ++r) {
+        const VecB kv = VecB::load(rows[r0 + r] + d, rem);
+        for (int g = 0; g < GC; ++g) acc[r * GC + g] = dot_i8(acc[r * GC + g], kv, qv[g]);
+      }
+    }
+    float sums[N];
+    for (int i = 0; i < N; i += 4)
+      reduce_add4(to_float(acc[i]), to_float(acc[i + 1]), to_float(acc[i + 2]), to_float(acc[i + 3]), sums + i);
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < GC; ++g) out[g * ldo + r0 + r] = qmul[g] * (sums[r * GC + g] - qbias[g]);
+  }
+}
+
+// q [G, D] fp32 -> q8 [G, ldq] int8 (zero-padded), qmul[g] = the head's scale max|q| / 127,
+// qbias[g] = kDotBias * sum(q8_g) (what dot_i8 adds, see simd.h).
+void quantize_query(const float* q, int64_t G, int64_t D, int64_t ldq, int8_t* q8, float* qmul, float* qbias) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* x = q + g * D;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    int8_t* o = q8 + g * ldq;
+    int64_t sum = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const int v = static_cast<int>(std::clamp(std::nearbyint(x[d] * inv), -127.0f, 127.0f));
+      o[d] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    std::fill(o + D, o + ldq, int8_t{0});
+    qmul[g] = s;
+    qbias[g] = static_cast<float>(kDotBias * sum);
   }
 }
 
@@ -185,9 +256,13 @@ void decode_impl(const DecodeArgs& a) {
     part_ml.resize(a.B * a.H * S * 2);
   }
 
+  const bool int8_query = kInt8 && a.int8_query;
+  const int64_t ldq = (D + I8B - 1) / I8B * I8B;  // int8 query rows, padded to whole vectors
+
   run_tasks(a.B * a.Hkv * S, [&] {
-    return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D),
-            stats = Scratch(2, 2 * G)](int64_t task) mutable {
+    return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D), stats = Scratch(2, 2 * G),
+            qint = Scratch(3, int8_query ? G * ldq / 4 + 1 : 1),
+            qstats = Scratch(4, int8_query ? 2 * G : 1)](int64_t task) mutable {
       const int64_t s = task % S, bk = task / S;  // bk = b * Hkv + kv head
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
       const int64_t len = a.lengths[b], chunk = (len + S - 1) / S;
@@ -204,18 +279,30 @@ void decode_impl(const DecodeArgs& a) {
         l_g[g] = 0.0f;
       }
 
+      int8_t* q8 = reinterpret_cast<int8_t*>(qint.data());
+      float* qmul = qstats.data();
+      float* qbias = qmul + G;
+      if (int8_query && n > 0) quantize_query(qbase, G, D, ldq, q8, qmul, qbias);
+
       if (n > 0) {
         // 1. scores[g][t] = q_g . k_t (for int8, q_g . k8_t), eight tokens per step.
         for (int64_t tb = t0; tb < t1; tb += kTokensPerScoreStep) {
           const int nt = static_cast<int>(std::min<int64_t>(kTokensPerScoreStep, t1 - tb));
-          const int64_t ahead = tb + kPrefetchBytes / static_cast<int64_t>(D * sizeof(T));
-          if (ahead < t1) prefetch_range(kbase + ahead * D, std::min<int64_t>(nt, t1 - ahead) * D * sizeof(T));
+          const int64_t ahead = tb + g_prefetch_bytes / static_cast<int64_t>(D * sizeof(T));
+          if (g_prefetch_bytes > 0 && ahead < t1) prefetch_range(kbase + ahead * D, std::min<int64_t>(nt, t1 - ahead) * D * sizeof(T));
           const T* rows[kTokensPerScoreStep];
           for (int i = 0; i < kTokensPerScoreStep; ++i)
             rows[i] = kbase + (tb + std::min(i, nt - 1)) * D;  // a short step repeats its last token
           for (int64_t g0 = 0; g0 < G; g0 += 8) {  // heads sharing this KV head, up to 8 at a time
             with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
               constexpr int GC = decltype(gc)::value;
+              if constexpr (kInt8) {
+                if (int8_query) {
+                  dot_rows_i8<GC>(q8 + g0 * ldq, ldq, qmul + g0, qbias + g0, rows, D,
+                                  scores.data() + g0 * lds + (tb - t0), lds);
+                  return;
+                }
+              }
               dot_rows<T, GC>(qbase + g0 * D, D, rows, D, scores.data() + g0 * lds + (tb - t0), lds);
             });
           }
@@ -239,8 +326,8 @@ void decode_impl(const DecodeArgs& a) {
         for (int64_t tb = t0; tb < t1; tb += kTokensPerValueBlock) {
           const int64_t nb = std::min<int64_t>(kTokensPerValueBlock, t1 - tb);
           const float* p = scores.data() + (tb - t0);
-          const int64_t ahead = tb + std::max<int64_t>(kTokensPerValueBlock, kPrefetchBytes / (D * sizeof(T)));
-          if (ahead < t1)
+          const int64_t ahead = tb + std::max<int64_t>(kTokensPerValueBlock, g_prefetch_bytes / (D * sizeof(T)));
+          if (g_prefetch_bytes > 0 && ahead < t1)
             prefetch_range(vbase + ahead * D, std::min<int64_t>(kTokensPerValueBlock, t1 - ahead) * D * sizeof(T));
           for (int64_t g0 = 0; g0 < G; g0 += 8) {
             with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
@@ -301,6 +388,13 @@ int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int nu
   const int64_t wanted = (16 * static_cast<int64_t>(num_threads) + base - 1) / base;
   const int64_t most = std::max<int64_t>(1, max_length / 256);
   return std::clamp<int64_t>(wanted, 1, most);
+}
+
+const char* decode_dot_isa() { return kDotIsa; }
+
+void decode_set_prefetch(int64_t bytes, int hint) {
+  g_prefetch_bytes = bytes;
+  g_prefetch_hint = hint;
 }
 
 void decode_attention(const DecodeArgs& a) {

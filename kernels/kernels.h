@@ -47,7 +47,16 @@ struct DecodeArgs {
   CacheDtype dtype;
   float scale;
   int64_t num_splits;  // KV-length splits per (batch, kv head); >= 1
+  // int8 cache only: quantize each query head to int8 too (one scale per head) and compute
+  // the scores with integer dot products; false: K widened to fp32 (the paper's kernel).
+  bool int8_query = false;
 };
+
+// Which integer dot-product instructions the int8-query scores use in this build.
+const char* decode_dot_isa();
+// Software prefetch distance (bytes ahead of the row being read; 0: none) and hint
+// (0 nta, 2 t1, 3 t0) of the decode passes.
+void decode_set_prefetch(int64_t bytes, int hint);
 
 void decode_attention(const DecodeArgs& a);
 int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int num_threads);

@@ -21,7 +21,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS
 from workbench.distributed.cluster import LAUNCHERS
 from workbench.distributed.comm import BACKENDS
 from workbench.distributed.tp import LM_HEAD, TOKEN_BROADCAST
@@ -205,7 +205,7 @@ class WorkbenchMagics(Magics):
 
     @magic_arguments()
     @argument("--attention", type=_csv("--attention", str, ATTENTION_BACKENDS), default=list(ATTENTION_BACKENDS))
-    @argument("--kvcache", type=_csv("--kvcache", str, KV_FORMATS), default=list(KV_FORMATS))
+    @argument("--kvcache", type=_csv("--kvcache", str, KV_FORMATS), default=list(KERNEL_FORMATS))
     @argument("--prompt-len", type=_csv("--prompt-len", int), default=[128])
     @argument("--batch", type=_csv("--batch", int), default=[1])
     @argument("--new-tokens", type=int, default=16)
@@ -391,6 +391,59 @@ class WorkbenchMagics(Magics):
             raise UsageError(str(e)) from None
         kinds = ", ".join(f"{sum(e['kind'] == k for e in entries)} {k}" for k in sorted({e["kind"] for e in entries}))
         print(f"wrote {out['html']} and {out['json']}: {out['entries']} measurements ({kinds})")
+
+    @magic_arguments()
+    @argument("--text", default=None, help="a text file to measure on (default: the license texts)")
+    @argument("--formats", type=_csv("--formats", str, KV_FORMATS), default=list(KV_FORMATS))
+    @argument("--context", type=_csv("--context", int), default=[1024], help="context lengths, e.g. 512,1024,2048")
+    @argument("--steps", type=int, default=64, help="teacher-forced positions measured at the end of each context")
+    @argument("-o", dest="output", default=None, help="store the table (a DataFrame) in this variable")
+    @line_magic
+    def kv_quality(self, line):
+        """Each KV-cache format against an fp32 cache on real text: perplexity, KL of the
+        next-token distributions, top-1 agreement and bytes per element, a table and a
+        quality-vs-bytes figure; the rows join %report.
+
+        Examples::
+
+          In [1]: %kv_quality --context 512,1024,2048 -o kvq
+          In [2]: %kv_quality --formats int8,int8dot,int8-block32 --text my_notes.txt
+        """
+        import pandas as pd
+        from pathlib import Path
+
+        from IPython.display import display
+
+        from workbench import report
+        from workbench.analysis.quality import best_per_byte, default_text_name, kv_quality, quality_figure
+        from workbench.ui.plots import mime_bundle
+
+        args = parse_argstring(self.kv_quality, line)
+        model = self._require_model()
+        text = None
+        if args.text:
+            path = Path(args.text).expanduser()
+            if not path.is_file():
+                raise UsageError(f"--text: no such file: {path}")
+            text = path.read_text(errors="replace")
+        try:
+            rows = kv_quality(model, args.formats, context=args.context, steps=args.steps, text=text)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        df = pd.DataFrame(rows)
+        print(f"text: {args.text or default_text_name()}; the last {args.steps} tokens of each context "
+              f"teacher-forced over the cache; reference: an fp32 cache")
+        cols = ["kv_cache", "granularity", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
+                "top1_agreement_vs_fp32", "kernel"]
+        print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        front = best_per_byte(rows)
+        print("best per byte (no format has fewer bytes and lower KL), at context "
+              f"{max(args.context)}: " + ", ".join(f"{r['kv_cache']} ({r['bytes_per_element']:.3f} B, KL "
+                                                   f"{r['kl_nats']:.2e})" for r in front))
+        display(mime_bundle(quality_figure(rows)), raw=True)
+        report.record(rows, model, command=self._command("kv_quality", line), kind="kv_quality")
+        if args.output:
+            self.shell.user_ns[args.output] = df
 
     @magic_arguments()
     @argument("--native", action="store_true", help="native frames too: our C++ kernels by name")

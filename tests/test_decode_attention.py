@@ -127,6 +127,55 @@ def test_int8_cache_error_within_quantization_bound(kernels, L, D, ratio, spread
     assert torch.all(err <= bound * 1.001 + 1e-5), (err / bound).max()
 
 
+@given(c=decode_case())
+def test_int8_query_within_the_query_quantization_bound(kernels, c):
+    """The integer-dot path (int8_query) against the float64 reference over the same int8
+    cache. Its one extra rounding is the query's: each q element moves by at most
+    q_scale / 2 (q_scale = max|q_h| / 127), so score t moves by at most
+    delta_t = scale * q_scale / 2 * ||k_t||_1 (k_t as stored, times its scale) and
+        |o' - o| <= (exp(2 max_t delta_t) - 1) * max|v|   (+ fp32 rounding)."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    B, Hkv, Lmax, D, ratio = c["B"], c["Hkv"], c["Lmax"], c["D"], c["ratio"]
+    H = Hkv * ratio
+    _, _, kc, vc, scales = build_cache(kernels, B, Hkv, Lmax, D, torch.int8, gen)
+    q = torch.randn(B, H, D, generator=gen)
+    lengths = torch.randint(1, Lmax + 1, (B,), generator=gen) if c["ragged"] else torch.full((B,), Lmax)
+    out = kernels.decode_attention(q, kc, vc, lengths, num_splits=c["num_splits"], int8_query=True, **scales)
+    ref = decode_reference(q, kc, vc, lengths, **scales)
+    k = (kc.double() * scales["k_scale"].double().unsqueeze(-1)).repeat_interleave(ratio, dim=1)  # [B, H, L, D]
+    v = vc.double() * scales["v_scale"].double().unsqueeze(-1)
+    q_scale = q.double().abs().amax(-1) / 127  # [B, H]
+    delta = (q_scale.unsqueeze(-1) / 2 * k.abs().sum(-1)).amax(-1) / math.sqrt(D)  # [B, H]
+    bound = torch.expm1(2 * delta) * v.abs().amax()
+    err = (out.double() - ref).abs().amax(-1)
+    assert torch.all(err <= bound * 1.001 + 1e-5 + 1e-5 * ref.abs().amax(-1)), (err / bound).max()
+
+
+def test_int8_query_is_exact_when_the_query_is_representable(kernels):
+    """A query whose every head is already c * (integers in [-127, 127]) with a +-127 in it
+    loses nothing to quantization: the integer path then equals the reference."""
+    gen = torch.Generator().manual_seed(5)
+    for D, ratio in ((64, 3), (20, 1), (130, 4)):
+        _, _, kc, vc, scales = build_cache(kernels, 2, 2, 77, D, torch.int8, gen)
+        q8 = torch.randint(-127, 128, (2, 2 * ratio, D), generator=gen)
+        q8[..., 0] = 127
+        q = q8.float() * 0.013
+        lengths = torch.tensor([77, 31])
+        out = kernels.decode_attention(q, kc, vc, lengths, int8_query=True, **scales)
+        torch.testing.assert_close(out.double(), decode_reference(q, kc, vc, lengths, **scales), atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_int8_query_needs_an_int8_cache(kernels):
+    import pytest
+
+    kc = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="int8_query needs an int8 cache"):
+        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_query=True)
+    with pytest.raises(TypeError, match="int8_query must be True or False"):
+        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_query="yes")
+
+
 def test_decode_attends_only_within_length(kernels):
     """Tokens past a sequence's length, garbage or not, do not change its output."""
     q = torch.randn(2, 4, 64)

@@ -10,6 +10,8 @@ divergence (a wrong RoPE layout or norm shows up as differences of order 1).
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -294,17 +296,25 @@ def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
         return tokens * c.dim * w
 
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    for name, elem, scale in (("int8", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0)):
+    D, Hkv = c.head_dim, c.n_kv_heads
+    kivi = (4 * D / 32 + 4) / 2  # K: a scale per channel per 32 tokens; V: one per head per token
+    block = 2 * math.ceil(D / 32)  # an fp16 scale per 32 values
+    for name, elem, scale in (("int8", 1, 4), ("int8dot", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0),
+                              ("int8-tensor", 1, 0), ("int8-head", 1, 0), ("int8-token", 1, 4 / Hkv),
+                              ("int8-ref", 1, 4), ("int8-kivi", 1, kivi), ("int8-block32", 1, block),
+                              ("int4-head_token", 0.5, 4), ("int4-block32", 0.5, block), ("int4-kivi", 0.5, kivi)):
         out = m.generate(prompts, max_new_tokens=3, kv_cache=name, stop_at_eos=False)
         prefill, decode = out.timings.prefill, out.timings.decode_steps
         assert prefill.bytes_read == 2 * layer + embedding_rows(8) + head  # attention reads fresh K, V
         assert prefill.total_flops == 2 * (2 * 8 * params + pair_flops * (15 + 6)) + 2 * head_flops_per_row
         for step, st in enumerate(decode):
             cached = (5 + step + 1) + (3 + step + 1)  # both sequences, the new token included
-            kv_bytes = cached * 2 * c.n_kv_heads * (c.head_dim * elem + scale)
+            kv_bytes = int(cached * 2 * c.n_kv_heads * (c.head_dim * elem + scale))
             assert st.bytes_read == 2 * (layer + kv_bytes) + embedding_rows(2) + head, (name, step)
             assert st.total_flops == 2 * (2 * 2 * params + pair_flops * cached) + 2 * head_flops_per_row
-    assert set(KV_FORMATS) == {"int8", "fp16", "bf16", "fp32"}  # a new format needs its row above
+    assert set(KV_FORMATS) == {"int8", "int8dot", "fp16", "bf16", "fp32", "int8-tensor", "int8-head", "int8-token",
+                               "int8-ref", "int8-kivi", "int8-block32", "int4-head_token", "int4-block32",
+                               "int4-kivi"}  # a new format needs its row above
 
 
 def test_bf16_weights_track_fp32(model):

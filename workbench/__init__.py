@@ -25,8 +25,20 @@ from workbench.runtime.generate import GenerationResult, Model, load_model  # no
 from workbench.runtime.status import status_report  # noqa: E402
 from workbench import report  # noqa: E402  (wb.report.record / wb.report.write)
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "load_model", "panel", "predict", "report",
-           "status_report"]
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "kv_quality", "load_model", "panel", "predict",
+           "report", "status_report"]
+
+
+def kv_quality(model, formats=None, context=1024, steps: int = 64, text: str | None = None, **kwargs):
+    """Each KV-cache format's effect on the model's predictions over real text (perplexity,
+    KL to an fp32 cache, top-1 agreement, bytes per element): a pandas DataFrame, one row per
+    (context, format). See workbench.analysis.quality.kv_quality."""
+    import pandas as pd
+
+    from workbench.analysis.quality import kv_quality as run
+    from workbench.model.kv_formats import KV_FORMATS
+
+    return pd.DataFrame(run(model, tuple(formats or KV_FORMATS), context=context, steps=steps, text=text, **kwargs))
 
 
 def predict(model="smollm2-135m", **kwargs):

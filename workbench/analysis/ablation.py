@@ -30,7 +30,7 @@ from workbench.analysis.forcing import forced_steps
 from workbench.analysis.tables import format_table as _format_table
 from workbench.analysis.text import sample_prompts
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS
 from workbench.model.switches import Switches
 from workbench.runtime.timing import Timings
 
@@ -70,7 +70,7 @@ def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, s
             "top1_agreement": hits / (batch * steps)}
 
 
-def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=tuple(KV_FORMATS), prompt_lens=(128,),
+def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_FORMATS, prompt_lens=(128,),
                  batches=(1,), new_tokens: int = 16,
                  progress: Callable[[int, int, AblationRow], None] | None = None) -> list[AblationRow]:
     """The grid, reference first for each (prompt length, batch); see the module docstring."""

@@ -326,7 +326,7 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     for phase in PHASES:
         tokens = batch * prompt_len if phase == "prefill" else batch
         pairs = batch * prompt_len * (prompt_len + 1) / 2 if phase == "prefill" else batch * kv_len
-        kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd)
+        kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd, max(1, round(kv_heads)))
         layers[phase] = {
             "attention": cost(wbytes * attn_params + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs),
             "mlp": cost(wbytes * mlp_params, 2 * tokens * mlp_params),

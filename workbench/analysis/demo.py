@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from workbench.analysis.ablation import AblationRow, format_table, run_ablation
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.kv_formats import KERNEL_FORMATS
 
 
 def run_demo(model, short_tokens: int = 16, long_tokens: int = 512, new_tokens: int = 32,
              progress=None) -> list[AblationRow]:
-    return run_ablation(model, tuple(ATTENTION_BACKENDS), tuple(KV_FORMATS), prompt_lens=(short_tokens, long_tokens),
+    return run_ablation(model, tuple(ATTENTION_BACKENDS), KERNEL_FORMATS, prompt_lens=(short_tokens, long_tokens),
                         batches=(1,), new_tokens=new_tokens, progress=progress)
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from workbench.model.attention import attention_backend
-from workbench.model.kv_formats import KV_FORMATS, KVCache
+from workbench.model.kv_formats import KERNEL_FORMATS, KVCache
 
 
 def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
@@ -59,7 +59,7 @@ def prefill_comparison(ns=(256, 512, 1024), heads: int = 32, kv_heads: int = 32,
 
 
 def kv_dtype_comparison(batch: int = 16, heads: int = 32, kv_heads: int = 32, length: int = 1024,
-                        head_dim: int = 128, repeats: int = 5, dtypes=tuple(KV_FORMATS)) -> list[dict]:
+                        head_dim: int = 128, repeats: int = 5, dtypes=KERNEL_FORMATS) -> list[dict]:
     """Decode attention over a cache of each format (workbench.model.kv_formats), filled with
     the same random K and V: median ms and the GB/s of the bytes read."""
     k, v = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)

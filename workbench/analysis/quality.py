@@ -1,63 +1,110 @@
 """How much a KV-cache format changes the model's predictions, on real text.
 
-The text is cut to `context` tokens: the first context - steps are the prompt (prefilled),
-the last `steps` are teacher-forced one by one, so every prediction measured is made by
-decode attention over a cache that holds the whole preceding context in the format under
-test (prefill attention reads fresh K and V, so its predictions cannot show the format).
-Each format is compared with the fp32 cache at the same positions:
+For each context length N the text is cut to its first N tokens: the first N - steps are
+the prompt (prefilled), the last `steps` are teacher-forced one by one, so every prediction
+measured is made by decode attention over a cache holding the whole preceding context in
+the format under test (prefill attention reads fresh K and V, so its predictions cannot
+show the format). Each format is compared with the fp32 cache at the same positions:
 
     top1_agreement_vs_fp32   share of positions where the most likely next token is the same
     kl_nats                  mean KL(p_fp32 || p_format) of the next-token distributions, nats
     kl_nats_max              the largest at any position
     perplexity               exp(mean negative log-likelihood of the text's actual next tokens)
+    bytes_per_element        storage per cached value, scales included
+
+The default text is every license Debian ships (workbench.analysis.text.license_corpus).
+Formats marked kernel=False run on the labelled torch reference path
+(workbench.model.kv_quant): the same numbers a kernel would give, not its speed.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from workbench.analysis.forcing import forced_logits
-from workbench.analysis.text import TEXT_SOURCES, sample_text
+from workbench.analysis.text import license_corpus
 from workbench.model.kv_formats import KV_FORMATS, kv_format
 from workbench.model.switches import Switches
 
 REFERENCE = "fp32"
 
 
-def kv_quality(model, formats=tuple(KV_FORMATS), context: int = 1024, steps: int = 64, text: str | None = None,
-               attention: str = "slim") -> list[dict]:
-    """One row per format (see the module docstring); `text` defaults to a license text."""
+def _contexts(context) -> list[int]:
+    values = [context] if isinstance(context, int) else list(context)
+    if not values or not all(isinstance(c, int) and c > 0 for c in values):
+        raise ValueError(f"context must be a positive integer or a list of them, got {context!r}")
+    return values
+
+
+def kv_quality(model, formats=tuple(KV_FORMATS), context=1024, steps: int = 64, text: str | None = None,
+               attention: str = "slim", progress: Callable[[str], None] | None = None) -> list[dict]:
+    """One row per (context, format), see the module docstring. context: an int or a list
+    (for example [512, 1024, 2048])."""
+    formats = list(formats)
     for f in formats:
         kv_format(f)
-    if not 2 <= steps < context:
-        raise ValueError(f"steps must be at least 2 and less than context ({context}), got {steps}")
-    ids = model.tokenizer.encode(text if text is not None else sample_text())
-    if len(ids) < context:
-        raise ValueError(f"the text has {len(ids)} tokens; context={context} needs at least that many")
-    prompt, follow = [ids[:context - steps]], torch.tensor([ids[context - steps:context]])
-    # forced_logits' position s predicts follow[s]; position 0 is the prefill's, the rest decode's.
-    targets = torch.tensor(ids[context - steps + 1:context])
-
-    def logprobs(fmt: str) -> torch.Tensor:
-        return forced_logits(model.llama, prompt, follow, Switches(attention, fmt))[0, 1:].log_softmax(-1)
-
-    ref = logprobs(REFERENCE)  # [steps - 1, vocab]: the decode steps' predictions
+    contexts = _contexts(context)
+    for c in contexts:
+        if not 2 <= steps < c:
+            raise ValueError(f"steps must be at least 2 and less than context ({c}), got {steps}")
+    source = text if text is not None else license_corpus()[0]
+    ids = model.tokenizer.encode(source)
+    if len(ids) < max(contexts):
+        raise ValueError(f"the text has {len(ids)} tokens; context={max(contexts)} needs at least that many")
+    say = progress or (lambda msg: None)
+    head_dim, kv_heads = model.config.head_dim, model.config.n_kv_heads
     rows = []
-    for fmt in formats:
-        lp = ref if fmt == REFERENCE else logprobs(fmt)
-        kl = (ref.exp() * (ref - lp)).sum(-1)
-        nll = -lp.gather(-1, targets[:, None])
-        rows.append({"kv_cache": fmt, "bits": KV_FORMATS[fmt].bits,
-                     "bytes_per_element": KV_FORMATS[fmt].bytes_per_element(model.config.head_dim),
-                     "context": context, "positions": lp.shape[0],
-                     "top1_agreement_vs_fp32": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-                     "kl_nats": kl.mean().item(), "kl_nats_max": kl.max().item(),
-                     "perplexity": nll.mean().exp().item()})
+    for c in contexts:
+        prompt, follow = [ids[:c - steps]], torch.tensor([ids[c - steps:c]])
+        # forced_logits' position s predicts follow[s]; position 0 is the prefill's, the rest decode's.
+        targets = torch.tensor(ids[c - steps + 1:c])
+
+        def logprobs(fmt: str) -> torch.Tensor:
+            return forced_logits(model.llama, prompt, follow, Switches(attention, fmt))[0, 1:].log_softmax(-1)
+
+        ref = logprobs(REFERENCE)  # [steps - 1, vocab]: the decode steps' predictions
+        for fmt in formats:
+            lp = ref if fmt == REFERENCE else logprobs(fmt)
+            kl = (ref.exp() * (ref - lp)).sum(-1)
+            nll = -lp.gather(-1, targets[:, None])
+            f = KV_FORMATS[fmt]
+            rows.append({"kv_cache": fmt, "granularity": f.granularity, "bits": f.bits,
+                         "bytes_per_element": f.bytes_per_element(head_dim, kv_heads), "kernel": f.has_kernel,
+                         "context": c, "positions": lp.shape[0],
+                         "top1_agreement_vs_fp32": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                         "kl_nats": kl.mean().item(), "kl_nats_max": kl.max().item(),
+                         "perplexity": nll.mean().exp().item()})
+            say(f"context {c}: {fmt} KL {rows[-1]['kl_nats']:.2e}, top-1 {rows[-1]['top1_agreement_vs_fp32']:.3f}")
     return rows
 
 
-def default_text_name() -> str:
-    """Which file kv_quality reads when no text is given (for tables and reports)."""
-    from pathlib import Path
+def best_per_byte(rows: list[dict], context: int | None = None) -> list[dict]:
+    """The formats no other beats on both bytes per element and KL (the Pareto front), at
+    `context` (default: the longest measured), smallest first."""
+    context = context or max(r["context"] for r in rows)
+    at = [r for r in rows if r["context"] == context]
+    front = [r for r in at if not any(o["bytes_per_element"] <= r["bytes_per_element"] and o["kl_nats"] < r["kl_nats"]
+                                      and o is not r for o in at)]
+    return sorted(front, key=lambda r: r["bytes_per_element"])
 
-    return next((p for p in TEXT_SOURCES if Path(p).is_file()), "a built-in sentence")
+
+def quality_figure(rows: list[dict]) -> dict:
+    """Plotly spec: KL against bytes per element, one marker per format, a trace per context."""
+    data = []
+    for c in sorted({r["context"] for r in rows}):
+        at = [r for r in rows if r["context"] == c and r["kl_nats"] > 0]
+        data.append({"type": "scatter", "mode": "markers+text", "name": f"context {c}",
+                     "x": [r["bytes_per_element"] for r in at], "y": [r["kl_nats"] for r in at],
+                     "text": [r["kv_cache"] for r in at], "textposition": "top center",
+                     "hovertemplate": "%{text}: %{x:.3f} B/element, KL %{y:.2e} nats<extra></extra>"})
+    return {"data": data, "layout": {"title": {"text": "KV-cache quality vs bytes (KL to an fp32 cache; lower is better)"},
+                                     "height": 460, "xaxis": {"title": {"text": "bytes per cached element (scales included)"}},
+                                     "yaxis": {"title": {"text": "mean KL, nats"}, "type": "log"}}}
+
+
+def default_text_name() -> str:
+    """Which text kv_quality reads when none is given (for tables and reports)."""
+    files = license_corpus()[1]
+    return f"{len(files)} license texts under /usr/share/common-licenses" if len(files) > 1 else files[0]

@@ -5,7 +5,9 @@ across machines. They are measured once with the kernels' own probes (kernels/pe
 and cached per CPU and thread count under the workbench cache directory.
 
     triad_gbps        a[i] = b[i] + s * c[i] over arrays far larger than the caches,
-                      counting 12 bytes per element (STREAM's convention: no write-allocate)
+                      counting 12 bytes per element (STREAM's convention: no write-allocate),
+                      on huge pages where the OS allows (workbench.hw.memory), as the KV
+                      caches and weights are
     triad_gbps_1t     the same on one thread
     read_gbps         a sum over one such array (4 bytes per element): the pattern of decode
     fma_gflops        independent FMA chains in registers, all threads
@@ -51,7 +53,10 @@ def measure_triad_gbps(n_floats: int = 1 << 26, repeats: int = 5, threads: int |
     """Triad bandwidth over three arrays of n_floats fp32 (default 3 x 256 MiB)."""
     from workbench.kernels import native
 
-    a, b, c = torch.empty(n_floats), torch.rand(n_floats), torch.rand(n_floats)
+    from workbench.hw import memory
+
+    # on huge pages, like the KV caches and weights the kernels stream
+    a, b, c = memory.empty(n_floats), memory.empty(n_floats).uniform_(), memory.empty(n_floats).uniform_()
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
@@ -63,7 +68,9 @@ def measure_triad_gbps(n_floats: int = 1 << 26, repeats: int = 5, threads: int |
 def measure_read_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
     from workbench.kernels import native
 
-    x = torch.rand(n_floats)
+    from workbench.hw import memory
+
+    x = memory.empty(n_floats).uniform_()
     return 4 * n_floats / _best(lambda: native.ext.read_sum(x), repeats) / 1e9
 
 
@@ -83,7 +90,8 @@ def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int 
 
 
 def _cache_path():
-    return cache_dir() / f"peaks-{cpu_key()}-{torch.get_num_threads()}threads.json"
+    # v2: measured on huge pages (workbench.hw.memory), as the kernels' big buffers are
+    return cache_dir() / f"peaks-v2-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measured_peaks(refresh: bool = False) -> Peaks:

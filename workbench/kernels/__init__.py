@@ -114,19 +114,28 @@ class KernelSet:
     # -- decode ----------------------------------------------------------------------
 
     def decode_attention(self, q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
-                         scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                         scale: float | None = None, num_splits: int | None = None,
+                         int8_query: bool = False) -> torch.Tensor:
         """Attention of one new token per sequence over a KV cache.
 
         q [B, H, D] fp32/bf16; k_cache / v_cache [B, Hkv, Lmax, D] int8, fp16, bf16 or fp32;
         lengths [B] ints in 1..Lmax (ragged batches allowed); k_scale / v_scale [B, Hkv, Lmax]
         fp32 for an int8 cache. num_splits: split-KV chunks per (batch, KV head); default
-        picks enough for every thread when B * Hkv is small.
+        picks enough for every thread when B * Hkv is small. int8_query (int8 cache only):
+        quantize each query head to int8 and compute the scores with integer dot products
+        (`decode_dot_isa()` says which instructions); False widens K to fp32.
         """
         _check_tensor_args(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)
         if num_splits is not None:
             num_splits = _positive_int("num_splits", num_splits)
+        if not isinstance(int8_query, bool):
+            raise TypeError(f"decode_attention: int8_query must be True or False, got {int8_query!r}")
         return self.ext.decode_attention(q, k_cache, v_cache, lengths, k_scale=k_scale, v_scale=v_scale,
-                                         scale=scale, num_splits=num_splits)
+                                         scale=scale, num_splits=num_splits, int8_query=int8_query)
+
+    def decode_dot_isa(self) -> str:
+        """The integer dot-product instructions of the int8-query decode path in this build."""
+        return self.ext.decode_dot_isa()
 
     def default_num_splits(self, batch: int, kv_heads: int, max_length: int) -> int:
         return self.ext.decode_default_splits(batch, kv_heads, max_length)

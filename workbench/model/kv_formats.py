@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 
 from workbench import kernels
+from workbench.hw import memory
+from workbench.model.kv_quant import QuantSpec, _Side, reference_attention
 
 SCALE_BYTES = 4  # one fp32 scale
 
@@ -42,6 +44,10 @@ def _decode(q, k, v, k_scale, v_scale, lengths) -> torch.Tensor:
     return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale)
 
 
+def _decode_int8_query(q, k, v, k_scale, v_scale, lengths) -> torch.Tensor:
+    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, int8_query=True)
+
+
 @dataclass(frozen=True)
 class KVFormat:
     name: str
@@ -51,31 +57,73 @@ class KVFormat:
     append: Callable = _append
     dequantize: Callable = _dequantize
     decode: Callable = _decode
+    # Reference-path formats (the quality study's granularities and bit widths): how K and V
+    # are quantized (workbench.model.kv_quant); None for the formats with C++ kernels.
+    quant: QuantSpec | None = None
 
     @property
     def bits(self) -> int:
-        return 8 * self.storage.itemsize
+        return self.quant.bits if self.quant else 8 * self.storage.itemsize
 
-    def bytes_per_vector(self, head_dim: int) -> int:
-        """Bytes of one head's K (or V) vector of one token, its scale included."""
+    @property
+    def has_kernel(self) -> bool:
+        """Decoded by a C++ kernel (else by the labelled torch reference path: quality, not speed)."""
+        return self.quant is None
+
+    @property
+    def granularity(self) -> str:
+        if self.quant:
+            return self.quant.k if self.quant.k == self.quant.v else f"K {self.quant.k}, V {self.quant.v}"
+        return "head_token" if self.scaled else "-"
+
+    def bytes_per_vector(self, head_dim: int, kv_heads: int = 1) -> float:
+        """Bytes of one head's K (or V) vector of one token, its scale included (the mean of
+        K and V where they differ)."""
+        if self.quant:
+            return self.quant.bytes_per_vector(head_dim, kv_heads)
         return head_dim * self.storage.itemsize + (SCALE_BYTES if self.scaled else 0)
 
-    def bytes_per_element(self, head_dim: int) -> float:
+    def bytes_per_element(self, head_dim: int, kv_heads: int = 1) -> float:
         """Storage per cached value, scales included (int8 at d = 64: 1.0625)."""
-        return self.bytes_per_vector(head_dim) / head_dim
+        return self.bytes_per_vector(head_dim, kv_heads) / head_dim
 
     def cache_bytes(self, n_layers: int, kv_heads: int, head_dim: int, batch: int, tokens: int) -> int:
         """K and V of every layer for batch x tokens."""
-        return 2 * n_layers * kv_heads * batch * tokens * self.bytes_per_vector(head_dim)
+        return int(2 * n_layers * kv_heads * batch * tokens * self.bytes_per_vector(head_dim, kv_heads))
+
+
+def _reference(name: str, k: str, v: str | None = None, bits: int = 8, description: str = "") -> KVFormat:
+    return KVFormat(name, torch.int8 if bits == 8 else torch.uint8, scaled=True, quant=QuantSpec(k, v or k, bits),
+                    description=f"{description} [reference path: torch, for quality]")
 
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int8", torch.int8, scaled=True,
-             description="int8, one fp32 scale per head per token (the paper's format)"),
+             description="int8, one fp32 scale per head per token (the paper's format and kernel: K widened)"),
+    KVFormat("int8dot", torch.int8, scaled=True, decode=_decode_int8_query,
+             description="the int8 cache, scores by integer dot products with an int8 query (VNNI / pmaddubsw)"),
     KVFormat("fp16", torch.float16, scaled=False, description="IEEE half precision"),
     KVFormat("bf16", torch.bfloat16, scaled=False, description="bfloat16"),
     KVFormat("fp32", torch.float32, scaled=False, description="single precision (the reference)"),
+    # The quality study's other granularities (workbench.model.kv_quant), int8 and 4-bit:
+    _reference("int8-tensor", "tensor", description="int8, one scale per sequence, set from the prompt"),
+    _reference("int8-head", "head", description="int8, one scale per KV head, set from the prompt"),
+    _reference("int8-token", "token", description="int8, one scale per token (all heads)"),
+    _reference("int8-ref", "head_token", description="int8, per head per token (the paper's, in torch)"),
+    _reference("int8-kivi", "channel32", "head_token",
+               description="int8, K per channel over 32 tokens (open group fp32), V per head and token (KIVI)"),
+    _reference("int8-block32", "block32", description="int8, one fp16 scale per 32 values (llama.cpp q8_0)"),
+    _reference("int4-head_token", "head_token", bits=4, description="4-bit, per head per token"),
+    _reference("int4-block32", "block32", bits=4, description="4-bit, one fp16 scale per 32 values (q4_0-like)"),
+    _reference("int4-kivi", "channel32", "head_token", bits=4, description="4-bit KIVI"),
 )}
+KERNEL_FORMATS = tuple(name for name, f in KV_FORMATS.items() if f.has_kernel)
+
+
+def new_kv_cache(n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str):
+    """The cache for format `fmt`: KVCache for the kernel formats, ReferenceKVCache for the rest."""
+    cls = KVCache if kv_format(fmt).has_kernel else ReferenceKVCache
+    return cls(n_layers, batch, kv_heads, max_len, head_dim, fmt)
 
 
 def kv_format(name: str) -> KVFormat:
@@ -95,11 +143,12 @@ class KVCache:
         self.max_len = max_len
         self.kv_heads, self.head_dim = kv_heads, head_dim
         shape = (batch, kv_heads, max_len, head_dim)  # per layer
-        self.k = [torch.zeros(shape, dtype=self.format.storage) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=self.format.storage) for _ in range(n_layers)]
+        zeros = memory.zeros  # on huge pages where the OS allows: decode streams these from DRAM
+        self.k = [zeros(shape, self.format.storage) for _ in range(n_layers)]
+        self.v = [zeros(shape, self.format.storage) for _ in range(n_layers)]
         none = [None] * n_layers
-        self.k_scale = [torch.zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
-        self.v_scale = [torch.zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
+        self.k_scale = [zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
+        self.v_scale = [zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
         self.lengths = torch.zeros(batch, dtype=torch.int64)
 
     @property
@@ -128,9 +177,50 @@ class KVCache:
 
     def bytes_read(self, lengths: torch.Tensor) -> int:
         """KV bytes (scales included) one layer's decode attention reads at these lengths."""
-        return 2 * int(lengths.sum()) * self.kv_heads * self.format.bytes_per_vector(self.head_dim)
+        return int(2 * int(lengths.sum()) * self.kv_heads * self.format.bytes_per_vector(self.head_dim, self.kv_heads))
 
     @property
     def nbytes(self) -> int:
         layers, batch = len(self.k), self.lengths.numel()
+        return self.format.cache_bytes(layers, self.kv_heads, self.head_dim, batch, self.max_len)
+
+
+class ReferenceKVCache(KVCache):
+    """A reference-path format (workbench.model.kv_quant): K and V stored quantized at the
+    format's granularity and bit width, dequantized and attended in torch. For measuring
+    quality; its timings are not a kernel's speed."""
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str):
+        self.format = kv_format(fmt)
+        spec = self.format.quant
+        self.max_len, self.kv_heads, self.head_dim = max_len, kv_heads, head_dim
+        self.k_side = [_Side(spec.k, spec, batch, kv_heads, max_len, head_dim) for _ in range(n_layers)]
+        self.v_side = [_Side(spec.v, spec, batch, kv_heads, max_len, head_dim) for _ in range(n_layers)]
+        self.k = [s.values for s in self.k_side]
+        self.v = [s.values for s in self.v_side]
+        self.k_scale = [s.scales for s in self.k_side]
+        self.v_scale = [s.scales for s in self.v_side]
+        self.lengths = torch.zeros(batch, dtype=torch.int64)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               rows: slice = slice(None)) -> None:
+        batch = range(self.lengths.numel())[rows]
+        for i, b in enumerate(batch):
+            start = int(positions[i] if positions.numel() > 1 else positions[0])
+            self.k_side[layer].write(b, k[i].float(), start)
+            self.v_side[layer].write(b, v[i].float(), start)
+
+    def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=torch.float32)
+        for b in range(q.shape[0]):
+            k, v = self.dequantized(layer, b, int(lengths[b]))
+            out[b] = reference_attention(q[b].float(), k, v)
+        return out
+
+    def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_side[layer].read(b, length), self.v_side[layer].read(b, length)
+
+    @property
+    def nbytes(self) -> int:
+        layers, batch = len(self.k_side), self.lengths.numel()
         return self.format.cache_bytes(layers, self.kv_heads, self.head_dim, batch, self.max_len)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from workbench import kernels
 from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
-from workbench.model.kv_formats import KVCache
+from workbench.model.kv_formats import KVCache, new_kv_cache
 from workbench.model.switches import Switches
 from workbench.model.weights import weight_dtype
 from workbench.runtime.timing import Clock, StepRecord
@@ -166,7 +166,7 @@ class LlamaModel:
 
     def new_cache(self, batch: int, max_len: int, kv_cache: str) -> KVCache:
         """An empty KV cache for this model's (local) KV heads."""
-        return KVCache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache)
+        return new_kv_cache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens].float()

@@ -74,7 +74,8 @@ class Panel:
         self.check_topk = W.Checkbox(value=False, description="check top-k (ranks > 1)", indent=False)
         self.cluster = None  # the cluster this panel started
         self.attention = W.ToggleButtons(options=list(ATTENTION_BACKENDS), value="slim", description="attention")
-        self.kv_cache = W.ToggleButtons(options=list(KV_FORMATS), value="fp32", description="KV cache")
+        # a dropdown: the quality study's reference-path formats make the list long
+        self.kv_cache = W.Dropdown(options=list(KV_FORMATS), value="fp32", description="KV cache")
         self.batch = _slider(W.IntSlider, value=1, min=1, max=16, description="batch")
         self.prompt_len = _slider(W.IntSlider, value=64, min=8, max=1024, step=8, description="prompt tokens")
         self.new_tokens = _slider(W.IntSlider, value=32, min=2, max=256, description="new tokens")
