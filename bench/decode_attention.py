@@ -1,23 +1,30 @@
-"""Decode attention (one new token per sequence) against KV caches of each dtype.
+"""Decode attention (one new token per sequence) against KV caches of each kernel format.
 
-Llama-2-7B attention shapes (H=32, D=128) with Hkv=32, for batch B and context L, plus
-B=1 with GQA (H=32, Hkv=8) where split-KV matters. Cases, interleaved in one run:
+Shapes: Llama-2-7B attention (H=32, Hkv=32, D=128) and, with --shapes smollm2, the bundled
+model's (H=9, Hkv=3, D=64: GQA 3:1), for batch B and context L; plus B=1 with GQA (H=32,
+Hkv=8) where split-KV matters. Cases, interleaved in one run:
 
-    int8 / fp16 / bf16 / fp32   workbench decode_attention on a cache of that dtype
-    sdpa fp32                   torch scaled_dot_product_attention on the same fp32 cache
-    triad                       the STREAM triad, re-measured between the cases, so the
-                                bandwidth yardstick sees the same machine state
+    int8      the paper's kernel: int8 K and V widened to fp32 in registers
+    int8dot   the same cache, the query quantized to int8, scores by integer dot products
+    fp16 / bf16 / fp32   a cache of that dtype
+    sdpa fp32 torch scaled_dot_product_attention on the same fp32 cache
+    triad     the STREAM triad, re-measured between the cases (same machine state)
 
-GB/s counts the bytes the kernel must read: K and V of every cached token (plus the
-fp32 per-token scales of an int8 cache). % of triad divides by the triad measured here;
-a cache that fits in the L3 (small B and L) can exceed 100%.
+Every timed call attends over `layers` separate caches, as a decode step does over its
+layers, with layers chosen so that even the int8 caches together exceed twice the
+last-level cache: the data comes from DRAM, as in a model (a one-layer cache smaller than
+the L3 would be read from cache; this host's L3 is reported as 504 MiB). GB/s counts the
+bytes the kernel must read: K and V of every cached token plus the int8 scales. Ratios are
+between medians of the same run; the bytes ratio fp16 / int8 is the ceiling of the int8
+speed-up if both were bandwidth-bound.
 
-    python bench/decode_attention.py [--batch 1,16,64] [--length 1024,4096] [--quick]
+    python bench/decode_attention.py [--shapes 7b,smollm2] [--batch 1,16,64] [--length 1024,4096] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -27,55 +34,70 @@ from common import fmt_ms, interleaved, print_table, summarize, write_results  #
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from workbench import kernels  # noqa: E402
+from workbench.hw.machine import machine_info  # noqa: E402
 from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KVCache  # noqa: E402
 from workbench.model.loaders import available_memory_bytes  # noqa: E402
 
-H, D = 32, 128
+SHAPES = {"7b": (32, 32, 128), "smollm2": (9, 3, 64)}  # H, Hkv, D
 DTYPES = KERNEL_FORMATS
 TRIAD_FLOATS = 1 << 25  # 3 x 128 MiB, far beyond the caches
 
 
-def cache_bytes(B: int, Hkv: int, L: int, name: str) -> int:
+def cache_bytes(B: int, Hkv: int, L: int, D: int, name: str) -> int:
     return KV_FORMATS[name].cache_bytes(1, Hkv, D, B, L)
 
 
-def make_caches(B: int, Hkv: int, L: int, names: list[str]) -> dict:
-    """The same random K and V in a one-layer cache of each format, as decode_attention's
+def layers_for(B: int, Hkv: int, L: int, D: int) -> int:
+    """Enough layers that the int8 caches together exceed twice the last-level cache."""
+    llc = machine_info().cache_bytes(3) or (32 << 20)
+    return max(1, math.ceil(2 * llc / cache_bytes(B, Hkv, L, D, "int8")))
+
+
+def make_caches(B: int, Hkv: int, L: int, D: int, names: list[str], layers: int) -> dict:
+    """Random K and V in `layers` one-layer caches of each format, as decode_attention's
     keyword arguments."""
-    k = torch.randn(B, Hkv, L, D)
-    v = torch.randn(B, Hkv, L, D)
-    caches = {}
-    for name in names:
-        cache = KVCache(1, B, Hkv, L, D, name)
-        cache.append(0, k, v, torch.zeros(B, dtype=torch.int64))
-        caches[name] = dict(k_cache=cache.k[0], v_cache=cache.v[0], k_scale=cache.k_scale[0],
-                            v_scale=cache.v_scale[0])
+    caches = {name: [] for name in names}
+    for _ in range(layers):
+        k, v = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+        for name in names:
+            cache = KVCache(1, B, Hkv, L, D, name)
+            cache.append(0, k, v, torch.zeros(B, dtype=torch.int64))
+            caches[name].append(cache)
     return caches
 
 
-def run_config(B: int, Hkv: int, L: int, repeats: int, splits: list[int | None], budget_bytes: int) -> dict:
+def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: list[int | None],
+               budget_bytes: int) -> dict:
+    layers = layers_for(B, Hkv, L, D)
     names = [n for n in DTYPES if n != "fp32"]
-    total = sum(cache_bytes(B, Hkv, L, n) for n in DTYPES) + 2 * B * Hkv * L * D * 4
+    per_layer = sum(cache_bytes(B, Hkv, L, D, n) for n in DTYPES if n != "int8dot") + 2 * B * Hkv * L * D * 4
     skipped = []
-    if total <= budget_bytes:
+    if layers * per_layer <= budget_bytes:
         names.append("fp32")
     else:
-        skipped.append(f"fp32 and sdpa: {total / 2**30:.1f} GiB of caches exceed the memory budget")
-    caches = make_caches(B, Hkv, L, names)
+        skipped.append(f"fp32 and sdpa: {layers * per_layer / 2**30:.1f} GiB of caches exceed the memory budget")
+    shared = [n for n in names if n != "int8dot"]  # int8dot reads the int8 caches
+    caches = make_caches(B, Hkv, L, D, shared, layers)
+    caches["int8dot"] = caches["int8"]
     q = torch.randn(B, H, D)
     lengths = torch.full((B,), L, dtype=torch.int64)
     a, b, c = torch.empty(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS)
+    from workbench import kernels
+
+    def step(name, s):
+        """One timed call: this format's decode over every layer's cache (splits s, None: default)."""
+        return lambda: [kernels.decode_attention(q, cache.k[0], cache.v[0], lengths, k_scale=cache.k_scale[0],
+                                                 v_scale=cache.v_scale[0], num_splits=s,
+                                                 int8_query=name == "int8dot") for cache in caches[name]]
 
     cases = {}
     for name in names:
         for s in splits:
-            label = name if s is None else f"{name} splits={s}"
-            cases[label] = (lambda kw=caches[name], s=s: kernels.decode_attention(q, lengths=lengths, num_splits=s, **kw))
+            cases[name if s is None else f"{name} splits={s}"] = step(name, s)
     if "fp32" in names:
         qs = q.unsqueeze(2)  # [B, H, 1, D]
-        kc, vc = caches["fp32"]["k_cache"], caches["fp32"]["v_cache"]
-        cases["sdpa fp32"] = lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=Hkv != H)
+        cases["sdpa fp32"] = lambda: [F.scaled_dot_product_attention(qs, cache.k[0], cache.v[0],
+                                                                     enable_gqa=Hkv != H) for cache in caches["fp32"]]
     cases["triad"] = lambda: kernels.native.ext.triad(a, b, c, 3.0)
 
     stats = {name: summarize(s) for name, s in interleaved(cases, repeats).items()}
@@ -85,27 +107,34 @@ def run_config(B: int, Hkv: int, L: int, repeats: int, splits: list[int | None],
         if label == "triad":
             continue
         dtype = label.split()[1] if label.startswith("sdpa") else label.split()[0]
-        gbps = cache_bytes(B, Hkv, L, dtype) / (st["median_ms"] / 1e3) / 1e9
+        nbytes = layers * cache_bytes(B, Hkv, L, D, dtype)
+        gbps = nbytes / (st["median_ms"] / 1e3) / 1e9
         st["gbps"] = gbps
         st["pct_triad"] = 100 * gbps / triad_gbps
-        rows.append({"B": B, "Hkv": Hkv, "L": L, "case": label, "KV MiB": f"{cache_bytes(B, Hkv, L, dtype) / 2**20:.0f}",
-                     "ms median (min-max)": fmt_ms(st), "GB/s": f"{gbps:.1f}", "% triad": f"{st['pct_triad']:.0f}"})
+        st["ms_per_layer"] = st["median_ms"] / layers
+        rows.append({"H/Hkv/D": f"{H}/{Hkv}/{D}", "B": B, "L": L, "layers": layers, "case": label,
+                     "KV MiB": f"{nbytes / 2**20:.0f}", "ms median (min-max)": fmt_ms(st),
+                     "ms/layer": f"{st['ms_per_layer']:.3f}", "GB/s": f"{gbps:.1f}", "% triad": f"{st['pct_triad']:.0f}"})
     med = {k: v["median_ms"] for k, v in stats.items()}
     ratios = {}
     if "fp16" in med:
         ratios["fp16_over_int8"] = med["fp16"] / med["int8"]
+        ratios["fp16_over_int8dot"] = med["fp16"] / med["int8dot"]
+        ratios["int8_over_int8dot"] = med["int8"] / med["int8dot"]
+        ratios["bytes_ceiling_fp16_over_int8"] = cache_bytes(B, Hkv, L, D, "fp16") / cache_bytes(B, Hkv, L, D, "int8")
     if "fp32" in med:
         ratios["fp32_over_int8"] = med["fp32"] / med["int8"]
         ratios["sdpa_fp32_over_fp32"] = med["sdpa fp32"] / med["fp32"]
     default_splits = kernels.native.default_num_splits(B, Hkv, L)
-    print(f"B={B} Hkv={Hkv} L={L}: triad {triad_gbps:.1f} GB/s; "
+    print(f"H/Hkv/D {H}/{Hkv}/{D} B={B} L={L} ({layers} layers): triad {triad_gbps:.1f} GB/s; "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; default splits {default_splits}", flush=True)
-    return {"B": B, "H": H, "Hkv": Hkv, "L": L, "D": D, "stats": stats, "triad_gbps": triad_gbps,
+    return {"B": B, "H": H, "Hkv": Hkv, "L": L, "D": D, "layers": layers, "stats": stats, "triad_gbps": triad_gbps,
             "ratios": ratios, "default_splits": default_splits, "skipped": skipped, "rows": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="7b,smollm2", help="7b (H32 Hkv32 D128), smollm2 (H9 Hkv3 D64)")
     parser.add_argument("--batch", default="1,16,64")
     parser.add_argument("--length", default="1024,4096")
     parser.add_argument("--repeats", type=int, default=7)
@@ -122,17 +151,19 @@ def main() -> None:
     budget = int((args.memory_budget_gib * 2**30) if args.memory_budget_gib else 0.6 * available_memory_bytes())
 
     configs = []
-    for L in lengths:
-        for B in batches:
-            configs.append(run_config(B, H, L, repeats, [None], budget))
-    # GQA at batch 1: few (batch, KV head) tasks, where splitting the KV length matters.
-    for L in lengths:
-        configs.append(run_config(1, 8, L, repeats, [None, 1, 2, 4, 8], budget))
+    for shape in args.shapes.split(","):
+        H, Hkv, D = SHAPES[shape]
+        for L in lengths:
+            for B in batches:
+                configs.append(run_config(B, H, Hkv, D, L, repeats, [None], budget))
+    if "7b" in args.shapes.split(","):  # GQA at batch 1: few (batch, KV head) tasks, where splitting matters
+        for L in lengths:
+            configs.append(run_config(1, 32, 8, 128, L, repeats, [None, 1, 2, 4, 8], budget))
 
     rows = [r for c in configs for r in c.pop("rows")]
-    print_table(rows, ["B", "Hkv", "L", "case", "KV MiB", "ms median (min-max)", "GB/s", "% triad"],
-                title=f"Decode attention, H={H} D={D}, {torch.get_num_threads()} threads "
-                      f"(a cache smaller than the L3 can beat the DRAM triad)")
+    print_table(rows, ["H/Hkv/D", "B", "L", "layers", "case", "KV MiB", "ms median (min-max)", "ms/layer", "GB/s",
+                       "% triad"],
+                title=f"Decode attention, {torch.get_num_threads()} threads, caches rotated past the last-level cache")
     write_results("decode_attention", {"repeats": repeats, "configs": configs}, args.out)
 
 

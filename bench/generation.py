@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
 import statistics
 import sys
 import time
@@ -99,10 +100,11 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
         if text_ids is None:
             text_ids = model.tokenizer.encode(sample_text() * max(4, context // 256))
         prompts = [text_ids[i * 7:i * 7 + context] for i in range(batch)]
-        tps = {"int8": [], "fp16": []}
+        tps = {"int8": [], "int8dot": [], "fp16": []}
         step_bytes, step_flops = {}, {}
+        model.generate(prompts, max_new_tokens=2, kv_cache="int8")  # warm-up
         for _ in range(repeats):
-            for kv in ("int8", "fp16"):
+            for kv in random.sample(list(tps), len(tps)):  # interleaved, a new order every round
                 out = model.generate(prompts, max_new_tokens=new_tokens, kv_cache=kv, stop_at_eos=False)
                 tps[kv].append(out.timings.decode_tokens_per_s)
                 steps = out.timings.decode_steps
@@ -114,11 +116,14 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
         compute_s = {kv: f / (fma * 1e9) for kv, f in step_flops.items()}
         step_s = {kv: batch / med(t) for kv, t in tps.items()}
         ratio = med(tps["int8"]) / med(tps["fp16"])
+        ratio_dot = med(tps["int8dot"]) / med(tps["fp16"])
         bound = step_bytes["fp16"] / step_bytes["int8"]
         serial = (compute_s["fp16"] + mem_s["fp16"]) / (compute_s["int8"] + mem_s["int8"])
         overlap = max(compute_s["fp16"], mem_s["fp16"]) / max(compute_s["int8"], mem_s["int8"])
         results[dtype] = {"batch": batch, "context": context,
                           "int8_tokens_per_s": med(tps["int8"]), "fp16_tokens_per_s": med(tps["fp16"]),
+                          "int8dot_tokens_per_s": med(tps["int8dot"]), "int8dot_over_fp16": ratio_dot,
+                          "kv_share_of_step_bytes_fp16": kv_bytes(model, prompts, new_tokens, "fp16") / step_bytes["fp16"],
                           "int8_over_fp16": ratio, "floors_ratio_bytes": bound, "floors_ratio_serial": serial,
                           "floors_ratio_overlapped": overlap, "triad_gbps": triad, "fma_gflops": fma,
                           "step_mb": {kv: b / 1e6 for kv, b in step_bytes.items()},
@@ -128,7 +133,10 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
                           "compute_floor_ms": {kv: 1e3 * v for kv, v in compute_s.items()},
                           "samples": tps}
         print(f"kv (weights {dtype}, batch {batch}, context {context}): int8 {med(tps['int8']):.1f} tok/s, "
-              f"fp16 {med(tps['fp16']):.1f} tok/s -> {ratio:.2f}x", flush=True)
+              f"int8dot {med(tps['int8dot']):.1f}, fp16 {med(tps['fp16']):.1f} tok/s -> int8 {ratio:.2f}x, "
+              f"int8dot {ratio_dot:.2f}x (min-max int8dot {min(tps['int8dot']):.1f}-{max(tps['int8dot']):.1f}, "
+              f"fp16 {min(tps['fp16']):.1f}-{max(tps['fp16']):.1f}); the KV cache is "
+              f"{100 * results[dtype]['kv_share_of_step_bytes_fp16']:.0f}% of an fp16 step's bytes", flush=True)
         for kv in ("int8", "fp16"):
             print(f"  {kv}: step {1e3 * step_s[kv]:.1f} ms; {step_bytes[kv] / 1e6:.0f} MB / triad {triad:.0f} GB/s "
                   f"= {1e3 * mem_s[kv]:.1f} ms; {step_flops[kv] / 1e9:.2f} GFLOP / FMA peak {fma:.0f} GFLOP/s "
@@ -138,6 +146,15 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
         del model
         gc.collect()
     return results
+
+
+def kv_bytes(model, prompts, new_tokens: int, kv: str) -> float:
+    """The KV-cache bytes of a mean decode step (all layers), as the step records count them."""
+    from workbench.model.kv_formats import kv_format
+
+    cfg = model.config
+    mean_len = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2
+    return cfg.n_layers * 2 * len(prompts) * mean_len * cfg.n_kv_heads * kv_format(kv).bytes_per_vector(cfg.head_dim)
 
 
 def bench_record(repeats: int) -> dict:

@@ -105,3 +105,35 @@ def test_workbench_status_and_help(shell, capsys):
     for magic in ("load_model", "attention", "kvcache", "threads", "generate", "ablate", "workbench"):
         doc = shell.find_line_magic(magic).__doc__
         assert "Examples::" in doc and f"%{magic}" in doc.split("Examples::")[0]  # usage line, then examples
+
+
+def test_kv_quality_magic_table_figure_report_and_every_format_generates(shell, capsys, tmp_path):
+    from workbench import report
+    from workbench.model.kv_formats import KV_FORMATS
+
+    run(shell, "%load_model smollm2-135m")
+    report.clear()
+    text = tmp_path / "notes.txt"
+    text.write_text(open("/usr/share/common-licenses/GPL-3").read())  # a file of the user's
+    _, err = run(shell, f"%kv_quality --formats fp32,int8,int8dot,int8-kivi,int4-block32 --context 200,300 "
+                        f"--steps 16 --text {text} -o kvq")
+    assert err is None, err
+    out = capsys.readouterr().out
+    assert "best per byte" in out and "int8-kivi" in out and str(text) in out
+    df = shell.user_ns["kvq"]
+    assert len(df) == 5 * 2 and set(df.context) == {200, 300}
+    assert set(df.columns) >= {"kv_cache", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
+                               "top1_agreement_vs_fp32"}
+    four = df[df.kv_cache == "int4-block32"].iloc[0]
+    assert four.bits == 4 and four.bytes_per_element == pytest.approx(0.5 + 2 / 32)
+    assert (df[df.kv_cache == "fp32"].kl_nats == 0).all()
+    assert [e["kind"] for e in report.recorded()] == ["kv_quality"]
+    report.clear()
+    for line, message in (("%kv_quality --formats int3", "int3"), ("%kv_quality --text /no/such/file", "no such file"),
+                          ("%kv_quality --context 8 --steps 16", "steps must be")):
+        _, err = run(shell, line)
+        assert isinstance(err, UsageError) and message in str(err), (line, err)
+    for fmt in KV_FORMATS:  # every format runs in generation, so %kvcache accepts each
+        assert run(shell, f"%kvcache {fmt}")[1] is None
+        assert run(shell, "%generate -n 3 The capital of France is")[1] is None, fmt
+    run(shell, "%kvcache fp32")

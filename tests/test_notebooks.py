@@ -19,6 +19,7 @@ SMALL = {
     "01-quickstart": 'MODEL = "smollm2-135m"\nNEW_TOKENS = 4\nABLATE_PROMPT_LEN = "24"\nABLATE_NEW_TOKENS = 3',
     "02-slimattention-vs-flashattention": "NS = [128, 256]\nREPEATS = 1\nPROMPT_LEN = 32",
     "03-int8-kv-cache": "BATCH = 2\nLENGTH = 256\nREPEATS = 1\nCONTEXT = 128\nSTEPS = 8",
+    "04-kv-quality": 'CONTEXTS = [200, 300]\nSTEPS = 12\nFORMATS = ["fp32", "int8", "int8dot", "int8-kivi", "int4-kivi"]',
     "05-cost-model": "NEW_TOKENS = 6\nPROMPT_LEN = 16\nSEVEN_B_LAYERS = 1",
 }
 
@@ -73,6 +74,8 @@ def test_notebook_runs_in_a_real_kernel(name, tmp_path):
     text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
                      for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "Traceback" not in text
+    if name == "04-kv-quality":
+        assert "no other format has both fewer bytes and lower KL" in text and "the paper's int8" in text
     if name == "05-cost-model":
         assert "the paper's 8-socket latency implies" in text and "predicted / paper" in text
     if name == "01-quickstart":
