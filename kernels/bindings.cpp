@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "prefetch.h"
 #include "shm_comm.h"
 
 namespace {
@@ -423,7 +424,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
         py::arg("int8_query") = false, py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
-  m.def("decode_set_prefetch", &wbk::decode_set_prefetch, py::arg("bytes"), py::arg("hint"));
+  m.def("set_prefetch", [](int64_t bytes, int hint) {
+    TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
+                      bytes, ", ", hint);
+    wbk::g_prefetch = wbk::PrefetchConfig{bytes, hint};
+  }, py::arg("bytes"), py::arg("hint"));
+  m.def("get_prefetch", [] { return std::make_pair(wbk::g_prefetch.bytes, wbk::g_prefetch.hint); });
   m.def("decode_default_splits", [](int64_t B, int64_t Hkv, int64_t max_length) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
   });

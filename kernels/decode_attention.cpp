@@ -36,6 +36,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "rows.h"
 #include "simd.h"
 
@@ -46,23 +47,10 @@ constexpr int W = VecF::W;
 constexpr int kTokensPerScoreStep = 8;  // a multiple of 4 (reduce_add4)
 constexpr int kTokensPerValueBlock = 32;
 
-// Software prefetch of the cache rows a few kilobytes ahead of the one being read: one
-// thread's stream of K or V otherwise waits on memory latency (profiled: the widening
-// instructions right after each load took most samples), not on bandwidth.
-// Tunable at run time (decode_set_prefetch): experiments, and per-host tuning.
-int64_t g_prefetch_bytes = 4096;
-int g_prefetch_hint = 0;  // 0 = prefetchnta, 3 = prefetcht0
-
-inline void prefetch_range(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  if (g_prefetch_hint == 3) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
-  } else if (g_prefetch_hint == 2) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
-  } else {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
-  }
-}
+// Software prefetch of the cache rows ahead of the one being read (prefetch.h: distance
+// and hint tuned per host): one thread's stream of K or V otherwise waits on memory
+// latency (profiled: the loads and the instructions right after them took most samples).
+inline void prefetch_range(const void* p, int64_t bytes) { prefetch_bytes(p, bytes, g_prefetch.hint); }
 
 // Accumulator registers the inner loops may use (of 32 zmm / 16 ymm). 24 of 32 lets GQA 3:1
 // score 8 tokens per pass instead of 4 (measured 1.1x on int8 at SmolLM2's shapes).
@@ -288,8 +276,8 @@ void decode_impl(const DecodeArgs& a) {
         // 1. scores[g][t] = q_g . k_t (for int8, q_g . k8_t), eight tokens per step.
         for (int64_t tb = t0; tb < t1; tb += kTokensPerScoreStep) {
           const int nt = static_cast<int>(std::min<int64_t>(kTokensPerScoreStep, t1 - tb));
-          const int64_t ahead = tb + g_prefetch_bytes / static_cast<int64_t>(D * sizeof(T));
-          if (g_prefetch_bytes > 0 && ahead < t1) prefetch_range(kbase + ahead * D, std::min<int64_t>(nt, t1 - ahead) * D * sizeof(T));
+          const int64_t ahead = tb + g_prefetch.bytes / static_cast<int64_t>(D * sizeof(T));
+          if (g_prefetch.bytes > 0 && ahead < t1) prefetch_range(kbase + ahead * D, std::min<int64_t>(nt, t1 - ahead) * D * sizeof(T));
           const T* rows[kTokensPerScoreStep];
           for (int i = 0; i < kTokensPerScoreStep; ++i)
             rows[i] = kbase + (tb + std::min(i, nt - 1)) * D;  // a short step repeats its last token
@@ -326,8 +314,8 @@ void decode_impl(const DecodeArgs& a) {
         for (int64_t tb = t0; tb < t1; tb += kTokensPerValueBlock) {
           const int64_t nb = std::min<int64_t>(kTokensPerValueBlock, t1 - tb);
           const float* p = scores.data() + (tb - t0);
-          const int64_t ahead = tb + std::max<int64_t>(kTokensPerValueBlock, g_prefetch_bytes / (D * sizeof(T)));
-          if (g_prefetch_bytes > 0 && ahead < t1)
+          const int64_t ahead = tb + std::max<int64_t>(kTokensPerValueBlock, g_prefetch.bytes / (D * sizeof(T)));
+          if (g_prefetch.bytes > 0 && ahead < t1)
             prefetch_range(vbase + ahead * D, std::min<int64_t>(kTokensPerValueBlock, t1 - ahead) * D * sizeof(T));
           for (int64_t g0 = 0; g0 < G; g0 += 8) {
             with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
@@ -391,11 +379,6 @@ int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int nu
 }
 
 const char* decode_dot_isa() { return kDotIsa; }
-
-void decode_set_prefetch(int64_t bytes, int hint) {
-  g_prefetch_bytes = bytes;
-  g_prefetch_hint = hint;
-}
 
 void decode_attention(const DecodeArgs& a) {
   switch (a.dtype) {

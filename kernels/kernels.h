@@ -54,9 +54,7 @@ struct DecodeArgs {
 
 // Which integer dot-product instructions the int8-query scores use in this build.
 const char* decode_dot_isa();
-// Software prefetch distance (bytes ahead of the row being read; 0: none) and hint
-// (0 nta, 2 t1, 3 t0) of the decode passes.
-void decode_set_prefetch(int64_t bytes, int hint);
+
 
 void decode_attention(const DecodeArgs& a);
 int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int num_threads);

@@ -140,6 +140,9 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
                 f"building the {variant!r} kernels in {build_dir} failed: {e}. "
                 f"Run `python -m workbench.kernels --info --verbose` to see the compiler output."
             ) from e
+        from workbench.hw import prefetch
+
+        prefetch.apply(module, measure_if_missing=variant == "native")  # measured for this host, once
         _modules[variant] = module
         return module
 
@@ -153,6 +156,8 @@ def build_info(variant: str = "native") -> dict:
         "compiler": compiler_version(),
         "flags": [*BASE_FLAGS, *VARIANT_FLAGS[variant]],
         "gemm_tile": f"{module.gemm_mr()} x {module.gemm_nr()}",
+        "int8_dot": module.decode_dot_isa(),
+        "prefetch": dict(zip(("bytes", "hint"), module.get_prefetch())),
         "build_dir": str(_build_dir(variant)),
         "sources": [str(SOURCE_DIR / s) for s in SOURCES],
     }

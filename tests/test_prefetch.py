@@ -1,0 +1,45 @@
+"""The per-host software-prefetch choice: measured with the decode kernel, cached, applied
+to the native build at load; the kernels' results do not depend on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from workbench import kernels
+from workbench.hw import prefetch
+from workbench.kernels import KernelSet
+
+
+def test_the_native_build_runs_with_the_measured_choice():
+    ext = kernels.native.ext
+    found = json.loads(prefetch._path().read_text())  # measured when the build was loaded
+    assert ext.get_prefetch() == (found["bytes"], found["hint"])
+    assert set(found["gbps"]) == {f"{b}:{h}" for b, h in prefetch.CANDIDATES}
+    assert found["gbps"][f"{found['bytes']}:{found['hint']}"] == max(found["gbps"].values())
+    assert kernels.native.ext is ext and "prefetch" in kernels.build_info()
+
+
+@pytest.mark.parametrize("bytes_ahead, hint", prefetch.CANDIDATES)
+def test_results_do_not_depend_on_the_prefetch(bytes_ahead, hint):
+    ks = KernelSet("native")
+    before = ks.ext.get_prefetch()
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64)
+    k8, kscale = ks.quantize_kv_int8(torch.randn(2, 2, 300, 64))
+    v8, vscale = ks.quantize_kv_int8(torch.randn(2, 2, 300, 64))
+    lengths = torch.tensor([300, 123])
+    ref = ks.decode_attention(q, k8, v8, lengths, k_scale=kscale, v_scale=vscale)
+    try:
+        ks.ext.set_prefetch(bytes_ahead, hint)
+        out = ks.decode_attention(q, k8, v8, lengths, k_scale=kscale, v_scale=vscale)
+    finally:
+        ks.ext.set_prefetch(*before)
+    assert torch.equal(out, ref)
+
+
+def test_bad_prefetch_settings_are_refused():
+    with pytest.raises(ValueError, match="hint in 0..3"):
+        kernels.native.ext.set_prefetch(4096, 7)
