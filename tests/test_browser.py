@@ -119,13 +119,13 @@ def _run_panel(page) -> None:
         return d && JSON.stringify(d.data) !== before; }}""", arg=before)
 
 
-_ACTIVE_KV_JS = """() => { const groups = document.querySelectorAll('.jp-OutputArea .widget-toggle-buttons');
-    const kv = Array.from(groups).find(g => g.innerText.includes('KV cache') && !g.innerText.includes('attention'));
-    const b = kv && kv.querySelector('button.mod-active'); return b ? b.innerText.trim() : ''; }"""
+_ACTIVE_KV_JS = """() => { const boxes = document.querySelectorAll('.jp-OutputArea .widget-dropdown');
+    const kv = Array.from(boxes).find(g => g.innerText.includes('KV cache'));
+    const s = kv && kv.querySelector('select'); return s ? s.value : ''; }"""
 
 
 def _active_kv(page) -> str:
-    """The selected button of the first panel's KV-cache toggle."""
+    """The selected format of the first panel's KV-cache dropdown."""
     return page.evaluate(_ACTIVE_KV_JS)
 
 
@@ -155,7 +155,7 @@ def test_quickstart_in_jupyterlab(lab):
         # The panel run before display (the last cell) is done when its figures are drawn.
         page.wait_for_function(f"() => {FIGURES}.length >= 6 && document.body.innerText.includes('micro-kernel')")
         page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'")
-        assert page.locator(".jp-OutputArea .widget-toggle-buttons").count() >= 4  # two panels' toggles
+        assert page.locator(".jp-OutputArea .widget-toggle-buttons").count() >= 2  # two panels' attention toggles
         assert "Paris" in page.inner_text(".jp-Notebook")
         assert _active_kv(page) == "int8"  # %kvcache int8 ran before the panel was opened
         page.screenshot(path=str(SHOTS / "quickstart-after-run-all.png"), full_page=False)

@@ -23,7 +23,9 @@ def test_demo_writes_a_row_per_configuration(tmp_path):
     r = run("demo", "--short-tokens", "8", "--long-tokens", "40", "--new-tokens", "4", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * 4 * 4  # two prompt lengths x four backends x four KV dtypes
+    from workbench.model.kv_formats import KERNEL_FORMATS
+
+    assert len(rows) == 2 * 4 * len(KERNEL_FORMATS)  # two prompt lengths x four backends x the kernel KV formats
     assert {r["prompt_len"] for r in rows} == {8, 40}
     assert {r["attention"] for r in rows} == {"slim", "flash", "sdpa", "naive"}
     assert all(0.0 <= r["top1_agreement"] <= 1.0 for r in rows)

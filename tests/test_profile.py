@@ -86,3 +86,21 @@ def test_workbench_profile_command(tmp_path):
     assert out.is_file() and "hottest frames" in r.stdout
     names = {f["name"] for f in json.loads(out.read_text())["shared"]["frames"]}
     assert any("generate" in n for n in names)
+
+
+def test_profile_a_distributed_run_samples_the_engines_too(tmp_path):
+    """With a cluster running, %profile attaches to every engine as well and summarises each."""
+    r = ipython("""
+%load_ext workbench
+%distributed start -n 2 --backend shm
+%load_model smollm2-135m
+%profile --rate 100 -o prof.json wb_model.generate("Hello", max_new_tokens=8)
+print("ENGINES", sorted(wb_profile["engines"]))
+%distributed stop
+""", tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ENGINES [0, 1]" in r.stdout
+    for rank in (0, 1):
+        data = json.loads((tmp_path / f"prof.rank{rank}.json").read_text())
+        names = {f["name"] for f in data["shared"]["frames"]}
+        assert any("generate" in n or "decode" in n for n in names), sorted(names)[:40]  # the engine's own work

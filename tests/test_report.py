@@ -209,5 +209,17 @@ def test_the_demos_report_opens_offline_and_validates(tmp_path):
         points = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
         browser.close()
     assert "fig-roofline" in drawn and "fig-latency-1" in drawn
-    assert points == 32 + 1  # every ablation row and the generation
+    from workbench.model.kv_formats import KERNEL_FORMATS
+
+    assert points == 2 * 4 * len(KERNEL_FORMATS) + 1  # every ablation row and the generation
     assert requests == []
+
+
+def test_wb_report_is_callable_and_draws_bandwidth_per_step(tmp_path):
+    model = wb.load_model("smollm2-135m")
+    report.clear()
+    report.record(model.generate("Hello", max_new_tokens=5, stop_at_eos=False), model, command="test")
+    paths = wb.report(tmp_path / "call.html", title="called")  # wb.report(...) is wb.report.write(...)
+    report.clear()
+    page = paths["html"].read_text()
+    assert paths["entries"] == 1 and "fig-bandwidth-0" in page and "bandwidth per decode step" in page

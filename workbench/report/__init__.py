@@ -4,6 +4,7 @@ self-contained HTML page that opens offline (plotly's JavaScript inlined once).
     import workbench as wb
     wb.report.record(result)                          # or: %generate / %ablate record themselves
     paths = wb.report.write("results/report.html", title="SmolLM2 on my laptop")
+    paths = wb.report("results/report.html", title="SmolLM2 on my laptop")   # the same
 
 What a report holds (workbench/report/schema.json is the contract):
     machine     CPU model, sockets, cores and threads used, ISA flags, caches, NUMA nodes,
@@ -25,7 +26,20 @@ What a report holds (workbench/report/schema.json is the contract):
 The session's log (`recorded()`) is what %report writes without re-running anything.
 """
 
+import sys
+import types
+
 from workbench.report.collect import SCHEMA_VERSION, add_entry, build, clear, record, recorded
 from workbench.report.render import write
 
 __all__ = ["SCHEMA_VERSION", "add_entry", "build", "clear", "record", "recorded", "write"]
+
+
+class _CallableModule(types.ModuleType):
+    """`wb.report(path, title=...)` is `wb.report.write(path, title=...)`."""
+
+    def __call__(self, path="results/report.html", title: str = "Workbench report", entries=None) -> dict:
+        return write(path, title=title, entries=entries)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -87,7 +87,23 @@ def _comm_compute_spec(title: str, labels: list[str], total_ms: list[float], com
 PREDICTED_COLUMNS = ["phase", "part", "predicted_ms", "measured_ms", "ratio", "bound", "why"]
 
 
-def _generation_section(i: int, e: dict, figures: list) -> str:
+def _bandwidth_spec(i: int, e: dict, peak_gbps: float) -> dict:
+    """GB/s of each decode step (the step's bytes over its time) against the measured triad."""
+    samples = e["decode_step_ms"]["samples"]
+    gbps = [e["decode_bytes_per_step"] / (ms / 1e3) / 1e9 for ms in samples]
+    top = 1.15 * max([peak_gbps, *gbps])
+    return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "decode steps",
+                      "x": list(range(1, len(gbps) + 1)), "y": gbps}],
+            "layout": {"title": {"text": f"Entry {i}: bandwidth per decode step (bytes read / step time)"},
+                       "height": 300, "xaxis": {"title": {"text": "decode step"}},
+                       "yaxis": {"title": {"text": "GB/s"}, "range": [0, top]},
+                       "shapes": [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": peak_gbps, "y1": peak_gbps,
+                                   "line": {"dash": "dash", "color": "gray"}}],
+                       "annotations": [{"xref": "paper", "x": 0, "xanchor": "left", "y": peak_gbps, "yanchor": "bottom",
+                                        "showarrow": False, "text": f"measured triad {peak_gbps:.1f} GB/s"}]}}
+
+
+def _generation_section(i: int, e: dict, figures: list, peak_gbps: float) -> str:
     from workbench.ui.plots import per_layer_spec, topk_spec  # here: plotly loads only when a page is made
 
     w = e["workload"]
@@ -107,6 +123,9 @@ def _generation_section(i: int, e: dict, figures: list) -> str:
     elif predicted.get("error"):
         parts = f"<p>no prediction: {html.escape(predicted['error'])}</p>"
     extra = ""
+    if e.get("decode_bytes_per_step") and e["decode_step_ms"]["samples"]:
+        figures.append((f"fig-bandwidth-{i}", _bandwidth_spec(i, e, peak_gbps)))
+        extra += f"<div id='fig-bandwidth-{i}'></div>"
     if e.get("topk_checks"):
         figures.append((f"fig-topk-{i}", topk_spec(e["topk_checks"])))
         extra += f"<div id='fig-topk-{i}'></div>"
@@ -184,7 +203,7 @@ def html_page(report: dict) -> str:
     for i, e in enumerate(report["entries"]):
         summary.append(_summary_row(i, e))
         if e["kind"] == "generation":
-            sections.append(_generation_section(i, e, figures))
+            sections.append(_generation_section(i, e, figures, report["machine"]["peaks"]["triad_gbps"]))
         elif e["kind"] == "profile":
             sections.append(_profile_section(i, e))
         else:
