@@ -82,7 +82,8 @@ def bench_peer(repeats: int) -> dict:
     return r
 
 
-def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int = 16) -> dict:
+def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int = 16,
+             weights=("fp32", "bf16")) -> dict:
     """int8 vs fp16 KV decode, and the ratio the two would show if both ran at the machine's
     limits (the same run's triad and FMA peak). A decode step reads every weight once and each
     sequence's cache once, and does the step's recorded floating-point operations (linear
@@ -95,7 +96,7 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
     these; they say what int8 can gain over fp16 once both kernels are as fast as the machine."""
     results = {}
     text_ids = None
-    for dtype in ("fp32", "bf16"):
+    for dtype in weights:
         model = wb.load_model("smollm2-135m", dtype=dtype, max_batch=batch)
         if text_ids is None:
             text_ids = model.tokenizer.encode(sample_text() * max(4, context // 256))
@@ -221,6 +222,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-batch", type=int, default=16, help="kv: sequences per batch (default 16)")
     parser.add_argument("--kv-context", type=int, default=1024, help="kv: prompt tokens per sequence (default 1024)")
+    parser.add_argument("--kv-weights", default="fp32,bf16", help="kv: weight dtypes to run (default fp32,bf16)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     parts = args.only.split(",")
@@ -228,7 +230,8 @@ def main() -> None:
     if "peer" in parts:
         payload["peer"] = bench_peer(args.repeats)
     if "kv" in parts:
-        payload["kv"] = bench_kv(args.repeats, batch=args.kv_batch, context=args.kv_context)
+        payload["kv"] = bench_kv(args.repeats, batch=args.kv_batch, context=args.kv_context,
+                                 weights=args.kv_weights.split(","))
     if "record" in parts:
         payload["record"] = bench_record(args.repeats)
     if "plots" in parts:

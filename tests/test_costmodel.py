@@ -31,8 +31,10 @@ def test_bytes_and_flops_equal_the_step_records(models, dtype, kv):
     prefill, decode = out.timings.prefill, out.timings.decode_steps
     assert p.step_bytes("prefill") == prefill.bytes_read
     assert p.step_flops("prefill") == prefill.total_flops
-    # decode is predicted at the mean KV length of the decode steps: their mean bytes / FLOPs
-    assert p.step_bytes("decode") == pytest.approx(sum(s.bytes_read for s in decode) / len(decode), rel=1e-9)
+    # decode is predicted at the mean KV length of the decode steps: their mean bytes / FLOPs (the
+    # records round each layer's KV bytes down to whole bytes: at most one byte per layer apart)
+    assert p.step_bytes("decode") == pytest.approx(sum(s.bytes_read for s in decode) / len(decode),
+                                                   abs=model.config.n_layers)
     assert p.step_flops("decode") == pytest.approx(sum(s.total_flops for s in decode) / len(decode), rel=1e-9)
 
 

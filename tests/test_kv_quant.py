@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from reference import decode_reference
 from workbench.model.kv_formats import KV_FORMATS, ReferenceKVCache, new_kv_cache
-from workbench.model.kv_quant import GRANULARITIES, GROUP, _Side, QuantSpec, pack4, unpack4
+from workbench.model.kv_quant import GRANULARITIES, _Side, QuantSpec, pack4, unpack4
 
 REFERENCE_FORMATS = [n for n, f in KV_FORMATS.items() if not f.has_kernel]
 
