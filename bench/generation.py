@@ -4,9 +4,9 @@
                 ours (slim attention, fp32 cache, fp32 weights) vs Hugging Face transformers on
                 the same GGUF (fp32, its sdpa attention). Decode tokens/s excludes the first
                 token (ours: from the per-step timings; theirs: t(128 new) - t(1 new)).
-    kv          batch 16 with a 1024-token context (--kv-batch, --kv-context): int8 vs fp16 KV
-                cache, decode tokens/s (fp32 and bf16 weights), set against the ceilings the
-                same run's triad and FMA peak allow.
+    kv          batch 16 with a 1024-token context (--kv-batch, --kv-context, --kv-weights):
+                int8 and int8dot vs fp16 KV cache, interleaved, decode tokens/s, set against
+                the ceilings the same run's triad and FMA peak allow.
     record      the cost of per-layer recording: record=True vs record=False.
     plots       the cost of live plots (FigureWidgets updated during the run) vs none.
     llama2-7b   the exact Llama-2-7B shapes with random bf16 weights, all 32 layers: load it,
@@ -250,6 +250,10 @@ def main() -> None:
                      "value": f"{k['int8_tokens_per_s']:.1f} vs {k['fp16_tokens_per_s']:.1f}",
                      "ratio": f"{k['int8_over_fp16']:.2f}x (at the floors {k['floors_ratio_bytes']:.2f}x bytes only, "
                               f"{k['floors_ratio_serial']:.2f}x serial, {k['floors_ratio_overlapped']:.2f}x overlapped)"})
+        rows.append({"benchmark": f"B={k['batch']} ctx {k['context']} decode, int8dot vs fp16 KV ({dtype} weights)",
+                     "value": f"{k['int8dot_tokens_per_s']:.1f} vs {k['fp16_tokens_per_s']:.1f}",
+                     "ratio": f"{k['int8dot_over_fp16']:.2f}x (KV {100 * k['kv_share_of_step_bytes_fp16']:.0f}% of "
+                              f"an fp16 step's bytes)"})
     if "record" in payload:
         rows.append({"benchmark": "recording overhead", "value": f"{payload['record']['with_ms']:.0f} vs "
                      f"{payload['record']['without_ms']:.0f} ms", "ratio": f"{100 * payload['record']['overhead']:.1f}%"})

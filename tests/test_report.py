@@ -4,6 +4,7 @@ escaped, and %report writes what the session measured."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -50,11 +51,14 @@ def test_user_strings_are_escaped(written):
     assert "<script src" not in page and "<link" not in page  # nothing fetched: plotly's JS is inline
 
 
-def test_report_opens_offline_in_a_browser(written):
+@contextlib.contextmanager
+def offline_page(path: Path):
+    """Chromium with every request that is not for a file aborted: yields (page, requests
+    that were attempted, dialogs that opened), the page loaded from `path`."""
     require_browser()
     from playwright.sync_api import sync_playwright
 
-    requests = []
+    requests, dialogs = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page()
@@ -68,14 +72,20 @@ def test_report_opens_offline_in_a_browser(written):
                 route.continue_()
 
         page.route("**/*", block)
-        dialogs = []
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-        page.goto(written["html"].as_uri())
+        page.goto(path.as_uri())
+        try:
+            yield page, requests, dialogs
+        finally:
+            browser.close()
+
+
+def test_report_opens_offline_in_a_browser(written):
+    with offline_page(written["html"]) as (page, requests, dialogs):
         page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 2")  # roofline, latency
         roofline = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
         assert roofline == 1 + 4  # the generation and the four ablation rows, each a point
         assert HOSTILE in page.inner_text("h1")  # shown as text
-        browser.close()
     assert requests == [] and dialogs == []  # no network, and the hostile script never ran
 
 
@@ -179,9 +189,6 @@ def test_the_demos_report_opens_offline_and_validates(tmp_path):
     import subprocess
     import sys
 
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
     out = tmp_path / "demo.json"
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--short-tokens", "8", "--long-tokens", "32",
                         "--new-tokens", "4", "--out", str(out)], capture_output=True, text=True)
@@ -189,25 +196,10 @@ def test_the_demos_report_opens_offline_and_validates(tmp_path):
     data = json.loads((tmp_path / "demo-report.json").read_text())
     pytest.importorskip("jsonschema").validate(data, SCHEMA)
     assert [e["kind"] for e in data["entries"]] == ["ablation", "generation"]
-    requests = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-
-        def block(route):
-            if not route.request.url.startswith("file://"):
-                requests.append(route.request.url)
-                route.abort()
-            else:
-                route.continue_()
-
-        page.route("**/*", block)
-        page.goto((tmp_path / "demo-report.html").as_uri())
+    with offline_page(tmp_path / "demo-report.html") as (page, requests, _):
         page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 2")
         drawn = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(d => d.id)")
         points = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
-        browser.close()
     assert "fig-roofline" in drawn and "fig-latency-1" in drawn
     from workbench.model.kv_formats import KERNEL_FORMATS
 
