@@ -284,17 +284,31 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
   wbk::kv_cache_append(a);
 }
 
-Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out) {
+Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
+              const std::optional<Tensor>& scale) {
   const char* fn = "linear";
   check_tensor(x, fn, "x", 2, "[M, K]");
   check_tensor(w, fn, "w", 2, "[N, K]");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, fn,
-                   ": w must be float32 or bfloat16, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar,
+                   fn, ": w must be float32, bfloat16 or int8 (with scale), got ", w.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK_VALUE(w.size(1) == K, fn, ": x has K = ", K, " columns but w has ", w.size(1),
                     " (w is [out_features, in_features])");
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  const wbk::WeightDtype dtype = w.scalar_type() == at::kBFloat16 ? wbk::WeightDtype::kBFloat16
+                                 : w.scalar_type() == at::kChar   ? wbk::WeightDtype::kInt8
+                                                                  : wbk::WeightDtype::kFloat32;
+  const float* row_scale = nullptr;
+  if (dtype == wbk::WeightDtype::kInt8) {
+    TORCH_CHECK_VALUE(scale.has_value(), fn, ": int8 weights need scale, one float32 per output row [N]");
+    check_tensor(*scale, fn, "scale", 1, "[N]");
+    TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, fn, ": scale must be float32, got ", scale->scalar_type());
+    TORCH_CHECK_VALUE(scale->size(0) == N, fn, ": scale must have N = ", N, " entries (one per row of w), got ",
+                      scale->size(0));
+    row_scale = scale->data_ptr<float>();
+  } else {
+    TORCH_CHECK_VALUE(!scale.has_value(), fn, ": scale is only for int8 weights, but w is ", w.scalar_type());
+  }
   Tensor y;
   if (out.has_value()) {  // write into the caller's buffer (e.g. a collective's: zero copy)
     check_tensor(*out, fn, "out", 2, "[M, N]");
@@ -308,10 +322,10 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   if (y.numel() == 0) return y;
   if (K == 0) return y.zero_();
   if (M <= matvec_max_rows) {
-    wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), bf16, y.data_ptr<float>(), M, N, K);
+    wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), dtype, row_scale, y.data_ptr<float>(), M, N, K);
     return y;
   }
-  wbk::linear_gemm(x.data_ptr<float>(), w.data_ptr(), bf16, y.data_ptr<float>(), M, N, K);
+  wbk::linear_gemm(x.data_ptr<float>(), w.data_ptr(), dtype, row_scale, y.data_ptr<float>(), M, N, K);
   return y;
 }
 
@@ -443,7 +457,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"), py::arg("out") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("shm_segment_bytes", [](int64_t world, int64_t capacity) { return wbk::shm_segment_bytes(world, capacity); });
   m.def("shm_all_reduce", &shm_all_reduce, py::call_guard<py::gil_scoped_release>());
   m.def("shm_broadcast", &shm_broadcast, py::call_guard<py::gil_scoped_release>());

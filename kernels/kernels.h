@@ -78,10 +78,16 @@ void kv_cache_append(const AppendArgs& a);
 
 // y [M, N] = x [M, K] . w^T with w [N, K] fp32 (or bf16 bits when `bf16`), fp32
 // accumulation: the decode-side (small M) matrix-vector kernel; every weight byte is read once.
-void linear_matvec(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
+// Weights of a linear layer: fp32, bf16, or int8 with one fp32 scale per output row
+// (weight-only int8: dequantized in registers, fp32 accumulation, the row's scale applied
+// once to each finished output).
+enum class WeightDtype { kFloat32, kBFloat16, kInt8 };
+void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
+                   int64_t N, int64_t K);
 // The same product for more rows (batched decode, prefill): a packed, register-blocked GEMM
 // computing y^T = w x^T, widening w slice by slice (compute-bound).
-void linear_gemm(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K);
+void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
+                 int64_t N, int64_t K);
 
 // RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
 // T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).

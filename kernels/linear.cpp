@@ -1,4 +1,5 @@
-// Linear layers y = x W^T with fp32 activations and fp32 or bf16 weights, accumulating in fp32.
+// Linear layers y = x W^T with fp32 activations and fp32, bf16 or int8 weights (int8: one
+// scale per output row, applied to each finished output), accumulating in fp32.
 //
 // Layout: x [M, K] fp32, w [N, K] fp32 or bf16 (torch's nn.Linear layout), y [M, N] fp32.
 // Two kernels, chosen by the caller on M (bindings.cpp, `matvec_max_rows`):
@@ -261,19 +262,45 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K)
 
 }  // namespace
 
-void linear_matvec(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
-  if (bf16) {
-    matvec(x, static_cast<const BFloat16*>(w), y, M, N, K);
-  } else {
-    matvec(x, static_cast<const float*>(w), y, M, N, K);
+namespace {
+
+// y[m][n] *= row_scale[n]: the int8 weights' per-row scale, once per finished output.
+void scale_columns(float* y, const float* row_scale, int64_t M, int64_t N) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = y + m * N;
+      int64_t n = 0;
+      for (; n + W <= N; n += W) (VecF::load(row + n) * VecF::load(row_scale + n)).store(row + n);
+      for (; n < N; ++n) row[n] *= row_scale[n];
+    }
+  });
+}
+
+}  // namespace
+
+void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
+                   int64_t N, int64_t K) {
+  switch (dtype) {
+    case WeightDtype::kBFloat16:
+      return matvec(x, static_cast<const BFloat16*>(w), y, M, N, K);
+    case WeightDtype::kInt8:
+      matvec(x, static_cast<const int8_t*>(w), y, M, N, K);
+      return scale_columns(y, row_scale, M, N);
+    case WeightDtype::kFloat32:
+      return matvec(x, static_cast<const float*>(w), y, M, N, K);
   }
 }
 
-void linear_gemm(const float* x, const void* w, bool bf16, float* y, int64_t M, int64_t N, int64_t K) {
-  if (bf16) {
-    gemm(x, static_cast<const BFloat16*>(w), y, M, N, K);
-  } else {
-    gemm(x, static_cast<const float*>(w), y, M, N, K);
+void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
+                 int64_t N, int64_t K) {
+  switch (dtype) {
+    case WeightDtype::kBFloat16:
+      return gemm(x, static_cast<const BFloat16*>(w), y, M, N, K);
+    case WeightDtype::kInt8:
+      gemm(x, static_cast<const int8_t*>(w), y, M, N, K);
+      return scale_columns(y, row_scale, M, N);
+    case WeightDtype::kFloat32:
+      return gemm(x, static_cast<const float*>(w), y, M, N, K);
   }
 }
 

@@ -4,6 +4,7 @@ construction (the reference against itself) and for sense (a quantized cache dif
 from __future__ import annotations
 
 import pytest
+import torch
 
 import workbench as wb
 from workbench.analysis.quality import kv_quality
@@ -34,3 +35,16 @@ def test_format_table_aligns_and_formats():
     assert lines[0].split() == ["a", "b"] and lines[2].split() == ["1.2", "x"] and lines[3].split() == ["10.0", "longer"]
     assert len({line.index(line.split()[1]) for line in (lines[0], lines[2], lines[3])}) == 1  # one column start
     assert format_table([], ["a"]).splitlines() == ["a", "-"]
+
+
+def test_int8_weights_quality_and_generation(model):
+    """Weight-only int8 reported like the KV formats (KL, top-1, perplexity against fp32 on
+    real text), and a generation a user would recognise."""
+    from workbench.analysis.quality import weight_quality
+
+    int8 = wb.load_model("smollm2-135m", dtype="int8")
+    assert int8.llama.layers[0].wqkv.weight.dtype == torch.int8 and int8.weight_dtype == "int8"
+    q = weight_quality(model, int8, context=256)
+    assert q["context"] == 256 and 0 < q["kl_nats"] < 0.05 and q["top1_agreement"] >= 0.9
+    assert abs(q["perplexity"] / q["perplexity_reference"] - 1) < 0.1
+    assert "Paris" in int8.generate("The capital of France is", max_new_tokens=4).text

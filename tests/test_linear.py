@@ -36,6 +36,56 @@ def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
 
 
+@given(
+    M=st.one_of(st.integers(1, 40), st.sampled_from([255, 257])),
+    N=st.integers(1, 130),
+    K=st.sampled_from([1, 7, 64, 129, 576]),
+    matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
+    seed=st.integers(0, 1000),
+)
+def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, seed):
+    """Weight-only int8 (one scale per output row) on both paths against float64 over the
+    dequantized weights: only fp32 accumulation differs, as for fp32 and bf16."""
+    from workbench.kernels import quantize_weight_int8
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 3  # rows of different ranges
+    q, s = quantize_weight_int8(w)
+    y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
+    deq = q.double() * s.double()[:, None]
+    ref = x.double() @ deq.t()
+    scale = K**0.5 * x.abs().max().item() * deq.abs().max().item()
+    torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
+    out = torch.empty(M, N)
+    assert kernels.linear(x, q, scale=s, out=out, matvec_max_rows=matvec_max_rows) is not None
+    torch.testing.assert_close(out.double(), ref, atol=1e-4 * scale, rtol=0)  # into a caller's buffer
+
+
+def test_int8_weight_quantization_within_half_a_step():
+    from workbench.kernels import quantize_weight_int8
+
+    w = torch.randn(50, 300) * torch.rand(50, 1) * 10
+    w[3] = 0  # an all-zero row: scale 0, exact
+    q, s = quantize_weight_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (50,) and s[3] == 0 and (q[3] == 0).all()
+    err = (q.float() * s[:, None] - w).abs()
+    assert torch.all(err <= s[:, None] / 2 * 1.0001 + 1e-7)
+    assert torch.allclose(s, w.abs().amax(1) / 127)
+
+
+def test_int8_weights_bad_input(kernels):
+    from workbench.kernels import quantize_weight_int8
+
+    q, s = quantize_weight_int8(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="int8 weights need scale"):
+        kernels.linear(torch.randn(2, 8), q)
+    with pytest.raises(ValueError, match="scale must have N = 4 entries"):
+        kernels.linear(torch.randn(2, 8), q, scale=torch.ones(3))
+    with pytest.raises(ValueError, match="scale is only for int8 weights"):
+        kernels.linear(torch.randn(2, 8), torch.randn(4, 8), scale=s)
+
+
 def test_linear_keeps_leading_dims(kernels):
     x = torch.randn(2, 3, 64)
     w = torch.randn(10, 64).bfloat16()
@@ -45,7 +95,7 @@ def test_linear_keeps_leading_dims(kernels):
 def test_linear_bad_input(kernels):
     with pytest.raises(ValueError, match="w is \\[out_features, in_features\\]"):
         kernels.linear(torch.randn(2, 8), torch.randn(3, 9))
-    with pytest.raises(TypeError, match="w must be float32 or bfloat16"):
+    with pytest.raises(TypeError, match="w must be float32, bfloat16 or int8"):
         kernels.linear(torch.randn(2, 8), torch.randn(3, 8).half())
     with pytest.raises(TypeError, match="x must be float32"):
         kernels.linear(torch.randn(2, 8).double(), torch.randn(3, 8))

@@ -80,6 +80,28 @@ def kv_quality(model, formats=tuple(KV_FORMATS), context=1024, steps: int = 64, 
     return rows
 
 
+def weight_quality(reference, candidate, context: int = 1024, text: str | None = None) -> dict:
+    """A weight dtype's effect on predictions, reported like the KV formats': both models
+    score the same `context` tokens of real text in one forward pass each; mean KL(p_ref ||
+    p_candidate), top-1 agreement and both perplexities over every position."""
+    source = text if text is not None else license_corpus()[0]
+    ids = reference.tokenizer.encode(source)[:context]
+    if len(ids) < 2:
+        raise ValueError("the text needs at least 2 tokens")
+    ref = reference.logits(ids).log_softmax(-1)
+    got = candidate.logits(ids).log_softmax(-1)
+    targets = torch.tensor(ids[1:])
+    kl = (ref.exp() * (ref - got)).sum(-1)
+
+    def ppl(lp):
+        return (-lp[:-1].gather(-1, targets[:, None])).mean().exp().item()
+
+    return {"reference": reference.weight_dtype, "candidate": candidate.weight_dtype, "context": len(ids),
+            "kl_nats": kl.mean().item(), "kl_nats_max": kl.max().item(),
+            "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+            "perplexity_reference": ppl(ref), "perplexity": ppl(got)}
+
+
 def best_per_byte(rows: list[dict], context: int | None = None) -> list[dict]:
     """The formats no other beats on both bytes per element and KL (the Pareto front), at
     `context` (default: the longest measured), smallest first."""

@@ -75,9 +75,9 @@ class ReducedLinear:
         comm = self.tp.comm
         out = comm.buffer((x.shape[0], self.weight.shape[0]))
         if self.tp.options.zero_copy:
-            kernels.linear(x, self.weight, out=out)  # straight into the collective's buffer
+            self.linear(x, out=out)  # straight into the collective's buffer
         else:
-            out.copy_(kernels.linear(x, self.weight))
+            out.copy_(self.linear(x))
         comm.all_reduce_(out)
         if self.tp.recording and comm.log:  # the collective's own timing of this call
             self.tp.add_comm(self.layer, self.part, comm.log[-1].seconds)

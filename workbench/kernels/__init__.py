@@ -31,6 +31,7 @@ __all__ = [
     "kv_cache_append",
     "linear",
     "quantize_kv_int8",
+    "quantize_weight_int8",
     "runnable_variants",
     "slim_attention",
 ]
@@ -142,9 +143,11 @@ class KernelSet:
 
     # -- linear layers -----------------------------------------------------------------
 
-    def linear(self, x, w, *, matvec_max_rows: int = 10, out: torch.Tensor | None = None) -> torch.Tensor:
-        """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32 or bf16 and fp32 x [..., K]
-        -> fp32 [..., N].
+    def linear(self, x, w, *, matvec_max_rows: int = 10, out: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32, bf16 or int8 and fp32
+        x [..., K] -> fp32 [..., N]. int8 weights need `scale` [N] fp32, one per output row
+        (quantize_weight_int8): dequantized in registers, the scale applied to each output.
 
         Up to matvec_max_rows rows of x (decode at small batch) run our memory-bound
         matrix-vector kernel, which reads each weight byte once, widening bf16 in registers;
@@ -155,11 +158,13 @@ class KernelSet:
         _check_tensor_args(x=x, w=w)
         if out is not None:
             _check_tensor_args(out=out)
+        if scale is not None:
+            _check_tensor_args(scale=scale)
         if x.dim() < 1:
             raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0),
-                            out)
+                            out, scale)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
@@ -187,6 +192,24 @@ class KernelSet:
         nearest even. The cache and scales must be contiguous: they are written in place."""
         _check_tensor_args(cache=cache, values=values, positions=positions)
         self.ext.kv_cache_append(cache, values, positions, scales)
+
+
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, one symmetric scale per output row: w [N, K] (any float dtype) ->
+    (q int8 [N, K], scale fp32 [N]) with scale = max|w_row| / 127, q = round(w / scale), so
+    |w - q scale| <= scale / 2. An all-zero row gets scale 0 (and stays exact)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_weight_int8: w must be a 2-D float tensor [N, K], got {tuple(w.shape)} {w.dtype}")
+    scales = torch.empty(w.shape[0])
+    q = torch.empty(w.shape, dtype=torch.int8)
+    step = max(1, (64 << 20) // max(1, 4 * w.shape[1]))  # ~64 MiB of fp32 at a time: a 7B matrix never twice
+    for r0 in range(0, w.shape[0], step):
+        block = w[r0:r0 + step].float()
+        s = block.abs().amax(dim=1) / 127
+        scales[r0:r0 + step] = s
+        q[r0:r0 + step] = torch.where(s[:, None] > 0, block / torch.where(s > 0, s, 1)[:, None], 0).round().clamp(
+            -127, 127).to(torch.int8)
+    return q, scales
 
 
 def dequantize_kv_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

