@@ -299,12 +299,22 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
                                  : w.scalar_type() == at::kChar   ? wbk::WeightDtype::kInt8
                                                                   : wbk::WeightDtype::kFloat32;
   const float* row_scale = nullptr;
+  wbk::WeightDtype kind = dtype;
   if (dtype == wbk::WeightDtype::kInt8) {
-    TORCH_CHECK_VALUE(scale.has_value(), fn, ": int8 weights need scale, one float32 per output row [N]");
-    check_tensor(*scale, fn, "scale", 1, "[N]");
+    TORCH_CHECK_VALUE(scale.has_value(), fn, ": int8 weights need scale: one float32 per output row [N], or per "
+                      "32 weights of a row [N, ceil(K / 32)]");
     TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, fn, ": scale must be float32, got ", scale->scalar_type());
-    TORCH_CHECK_VALUE(scale->size(0) == N, fn, ": scale must have N = ", N, " entries (one per row of w), got ",
-                      scale->size(0));
+    const int64_t groups = (K + 31) / 32;
+    if (scale->dim() == 2) {
+      check_tensor(*scale, fn, "scale", 2, "[N, ceil(K / 32)]");
+      TORCH_CHECK_VALUE(scale->size(0) == N && scale->size(1) == groups, fn, ": grouped scale must be [N, ceil(K / 32)] = [",
+                        N, ", ", groups, "], got ", scale->sizes());
+      kind = wbk::WeightDtype::kInt8Group;
+    } else {
+      check_tensor(*scale, fn, "scale", 1, "[N]");
+      TORCH_CHECK_VALUE(scale->size(0) == N, fn, ": scale must have N = ", N, " entries (one per row of w), got ",
+                        scale->size(0));
+    }
     row_scale = scale->data_ptr<float>();
   } else {
     TORCH_CHECK_VALUE(!scale.has_value(), fn, ": scale is only for int8 weights, but w is ", w.scalar_type());
@@ -322,10 +332,10 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   if (y.numel() == 0) return y;
   if (K == 0) return y.zero_();
   if (M <= matvec_max_rows) {
-    wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), dtype, row_scale, y.data_ptr<float>(), M, N, K);
+    wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), kind, row_scale, y.data_ptr<float>(), M, N, K);
     return y;
   }
-  wbk::linear_gemm(x.data_ptr<float>(), w.data_ptr(), dtype, row_scale, y.data_ptr<float>(), M, N, K);
+  wbk::linear_gemm(x.data_ptr<float>(), w.data_ptr(), kind, row_scale, y.data_ptr<float>(), M, N, K);
   return y;
 }
 

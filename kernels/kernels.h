@@ -78,10 +78,12 @@ void kv_cache_append(const AppendArgs& a);
 
 // y [M, N] = x [M, K] . w^T with w [N, K] fp32 (or bf16 bits when `bf16`), fp32
 // accumulation: the decode-side (small M) matrix-vector kernel; every weight byte is read once.
-// Weights of a linear layer: fp32, bf16, or int8 with one fp32 scale per output row
+// Weights of a linear layer: fp32, bf16, int8 with one fp32 scale per output row
 // (weight-only int8: dequantized in registers, fp32 accumulation, the row's scale applied
-// once to each finished output).
-enum class WeightDtype { kFloat32, kBFloat16, kInt8 };
+// once to each finished output), or int8 with one fp32 scale per 32 weights of a row
+// (scales [N][ceil(K / 32)], applied in registers as each vector is widened). `row_scale`
+// points at whichever scales the dtype has.
+enum class WeightDtype { kFloat32, kBFloat16, kInt8, kInt8Group };
 void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                    int64_t N, int64_t K);
 // The same product for more rows (batched decode, prefill): a packed, register-blocked GEMM

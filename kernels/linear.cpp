@@ -45,19 +45,37 @@ constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kPrefetchMaxChunkBytes = 3072;
 constexpr int kPrefetchLocality = 3;
-constexpr int64_t kChunk = 1024;  // K elements per chunk
+constexpr int64_t kChunk = 1024;  // K elements per chunk (a multiple of the int8 weight group)
 
 // y[m][j] += x_m . w_j over one K-chunk, for MB rows of x and four rows of W: MB x 4
 // accumulators, so each loaded (and widened) W vector feeds MB FMAs and each x vector 4.
+// Grouped int8 weights (kGroup values per scale): gs[j] points at row j's scales for this
+// chunk (the chunk starts on a group boundary, and W divides kGroup, so no vector straddles
+// two groups); nullptr: plain weights.
+constexpr int64_t kGroup = 32;
+
+template <typename T>
+inline VecF load_w(const T* p, const float* gs, int64_t k) {
+  const VecF v = Load<T>::full(p + k);
+  return gs ? v * VecF::set1(gs[k / kGroup]) : v;
+}
+
+template <typename T>
+inline VecF load_w_part(const T* p, const float* gs, int64_t k, int n) {
+  const VecF v = Load<T>::part(p + k, n);
+  return gs ? v * VecF::set1(gs[k / kGroup]) : v;
+}
+
 template <typename T, int MB>
-inline void block_dot(const float* x, int64_t ldx, const T* const* w, int64_t kc, float* y, int64_t ldy, int nr) {
+inline void block_dot(const float* x, int64_t ldx, const T* const* w, int64_t kc, float* y, int64_t ldy, int nr,
+                      const float* const* gs = nullptr) {
   VecF acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = VecF::zero();
   int64_t k = 0;
   for (; k + W <= kc; k += W) {
     VecF wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = Load<T>::full(w[j] + k);
+    for (int j = 0; j < 4; ++j) wv[j] = load_w(w[j], gs ? gs[j] : nullptr, k);
     for (int m = 0; m < MB; ++m) {
       const VecF xv = VecF::load(x + m * ldx + k);
       for (int j = 0; j < 4; ++j) acc[m][j] = fmadd(xv, wv[j], acc[m][j]);
@@ -66,7 +84,7 @@ inline void block_dot(const float* x, int64_t ldx, const T* const* w, int64_t kc
   if (k < kc) {
     const int rem = static_cast<int>(kc - k);
     VecF wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = Load<T>::part(w[j] + k, rem);
+    for (int j = 0; j < 4; ++j) wv[j] = load_w_part(w[j], gs ? gs[j] : nullptr, k, rem);
     for (int m = 0; m < MB; ++m) {
       const VecF xv = VecF::load(x + m * ldx + k, rem);
       for (int j = 0; j < 4; ++j) acc[m][j] = fmadd(xv, wv[j], acc[m][j]);
@@ -80,7 +98,8 @@ inline void block_dot(const float* x, int64_t ldx, const T* const* w, int64_t kc
 }
 
 template <typename T>
-void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
+void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
+  const int64_t groups = (K + kGroup - 1) / kGroup;  // grouped int8: scales per row
   // One contiguous range of 16-row tasks per thread (they cost the same), so a thread knows
   // which rows it reads next: each 4-row group prefetches the same K-chunk of the rows
   // about kPrefetchBytes further on. The hardware prefetcher alone does poorly on short
@@ -105,10 +124,16 @@ void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t 
           }
           const int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
           const T* rows[4];
-          for (int j = 0; j < 4; ++j) rows[j] = w + (n + std::min(j, nr - 1)) * K + k0;  // short: repeat
+          const float* gs[4];
+          for (int j = 0; j < 4; ++j) {
+            const int64_t r = n + std::min(j, nr - 1);  // a short group repeats its last row
+            rows[j] = w + r * K + k0;
+            gs[j] = gscale ? gscale + r * groups + k0 / kGroup : nullptr;
+          }
+          const float* const* g = gscale ? gs : nullptr;
           int64_t m = 0;
-          for (; m + 4 <= M; m += 4) block_dot<T, 4>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
-          for (; m < M; ++m) block_dot<T, 1>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
+          for (; m + 4 <= M; m += 4) block_dot<T, 4>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
+          for (; m < M; ++m) block_dot<T, 1>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
         }
       }
     }
@@ -155,7 +180,9 @@ inline void gemm_tile(int64_t kc, const float* a, const float* b, int64_t ldb, f
 
 // dst[r][0:kc] = fp32(w[r][k0 : k0 + kc]) for rows < nrows, zero rows up to kTaskRows.
 template <typename T>
-void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, float* dst) {
+void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, float* dst,
+                  const float* gscale = nullptr) {
+  const int64_t groups = (K + kGroup - 1) / kGroup;
   for (int64_t r = 0; r < kTaskRows; ++r) {
     float* out = dst + r * kKC;
     if (r >= nrows) {
@@ -166,6 +193,10 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
     int64_t k = 0;
     for (; k + W <= kc; k += W) Load<T>::full(row + k).store(out + k);
     if (k < kc) Load<T>::part(row + k, static_cast<int>(kc - k)).store(out + k, static_cast<int>(kc - k));
+    if (gscale) {  // grouped int8: each value times its group's scale (slices need not start on a group)
+      const float* s = gscale + r * groups;
+      for (int64_t i = 0; i < kc; ++i) out[i] *= s[(k0 + i) / kGroup];
+    }
   }
 }
 
@@ -200,7 +231,8 @@ void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
 }
 
 template <typename T>
-void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
+void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
+  const int64_t groups = (K + kGroup - 1) / kGroup;
   // Tokens per block, rounded up to whole vectors: a batch of 16 decodes as one block of 16.
   const int64_t mc = std::min(kTokensPerBlock, ((M + W - 1) / W) * W);
   const int64_t m_blocks = (M + mc - 1) / mc;
@@ -232,7 +264,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K)
       const float* xblock = xt + mb * K * mc;
       for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = std::min(slice, K - k0);
-        pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data());
+        pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
         // Fetch the next slice of W (this task's, or the next task's first) while the
         // micro-kernels run: the packing loop otherwise waits on memory latency.
         if (k0 + slice < K) {
@@ -286,6 +318,8 @@ void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float
     case WeightDtype::kInt8:
       matvec(x, static_cast<const int8_t*>(w), y, M, N, K);
       return scale_columns(y, row_scale, M, N);
+    case WeightDtype::kInt8Group:
+      return matvec(x, static_cast<const int8_t*>(w), y, M, N, K, row_scale);
     case WeightDtype::kFloat32:
       return matvec(x, static_cast<const float*>(w), y, M, N, K);
   }
@@ -299,6 +333,8 @@ void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* 
     case WeightDtype::kInt8:
       gemm(x, static_cast<const int8_t*>(w), y, M, N, K);
       return scale_columns(y, row_scale, M, N);
+    case WeightDtype::kInt8Group:
+      return gemm(x, static_cast<const int8_t*>(w), y, M, N, K, row_scale);
     case WeightDtype::kFloat32:
       return gemm(x, static_cast<const float*>(w), y, M, N, K);
   }

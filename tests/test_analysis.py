@@ -48,3 +48,6 @@ def test_int8_weights_quality_and_generation(model):
     assert q["context"] == 256 and 0 < q["kl_nats"] < 0.05 and q["top1_agreement"] >= 0.9
     assert abs(q["perplexity"] / q["perplexity_reference"] - 1) < 0.1
     assert "Paris" in int8.generate("The capital of France is", max_new_tokens=4).text
+    grouped = wb.load_model("smollm2-135m", dtype="int8-g32")  # a scale per 32 weights: closer to fp32
+    g = weight_quality(model, grouped, context=256)
+    assert g["kl_nats"] < q["kl_nats"] and g["top1_agreement"] >= 0.95

@@ -39,21 +39,25 @@ def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed
 @given(
     M=st.one_of(st.integers(1, 40), st.sampled_from([255, 257])),
     N=st.integers(1, 130),
-    K=st.sampled_from([1, 7, 64, 129, 576]),
+    K=st.sampled_from([1, 7, 64, 129, 576, 1000]),
     matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
+    group=st.sampled_from([None, 32]),
     seed=st.integers(0, 1000),
 )
-def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, seed):
-    """Weight-only int8 (one scale per output row) on both paths against float64 over the
-    dequantized weights: only fp32 accumulation differs, as for fp32 and bf16."""
+def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, seed):
+    """Weight-only int8 (one scale per output row, or per 32 weights of a row) on both paths
+    against float64 over the dequantized weights: only fp32 accumulation differs, as for
+    fp32 and bf16 (K = 129, 1000 leave a partial last group; the GEMM's K slices do not start
+    on group boundaries)."""
     from workbench.kernels import quantize_weight_int8
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 3  # rows of different ranges
-    q, s = quantize_weight_int8(w)
+    q, s = quantize_weight_int8(w, group)
     y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
-    deq = q.double() * s.double()[:, None]
+    per = s.double()[:, None] if group is None else s.double().repeat_interleave(32, dim=1)[:, :K]
+    deq = q.double() * per
     ref = x.double() @ deq.t()
     scale = K**0.5 * x.abs().max().item() * deq.abs().max().item()
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
@@ -72,6 +76,12 @@ def test_int8_weight_quantization_within_half_a_step():
     err = (q.float() * s[:, None] - w).abs()
     assert torch.all(err <= s[:, None] / 2 * 1.0001 + 1e-7)
     assert torch.allclose(s, w.abs().amax(1) / 127)
+    q, g = quantize_weight_int8(w, 32)  # per 32 weights of a row: 300 = 9 full groups and 12
+    assert g.shape == (50, 10)
+    step = g.repeat_interleave(32, dim=1)[:, :300]
+    assert torch.all((q.float() * step - w).abs() <= step / 2 * 1.0001 + 1e-7)
+    with pytest.raises(ValueError, match="group must be None"):
+        quantize_weight_int8(w, 64)
 
 
 def test_int8_weights_bad_input(kernels):
@@ -82,6 +92,8 @@ def test_int8_weights_bad_input(kernels):
         kernels.linear(torch.randn(2, 8), q)
     with pytest.raises(ValueError, match="scale must have N = 4 entries"):
         kernels.linear(torch.randn(2, 8), q, scale=torch.ones(3))
+    with pytest.raises(ValueError, match="grouped scale must be"):
+        kernels.linear(torch.randn(2, 8), q, scale=torch.ones(4, 2))
     with pytest.raises(ValueError, match="scale is only for int8 weights"):
         kernels.linear(torch.randn(2, 8), torch.randn(4, 8), scale=s)
 

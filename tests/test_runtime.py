@@ -285,14 +285,18 @@ def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
     weight per token, 4 H D per visible (query, key) pair, 2 per LM-head weight per row."""
     m = wb.load_model(preset, random=True, layers=2, dtype=dtype)
     c = m.config
-    w = {"fp32": 4, "bf16": 2, "int8": 1}[dtype]
-    row_scale = 4 if dtype == "int8" else 0  # int8: one fp32 scale per output row
-    emb = {"fp32": 4, "bf16": 2, "int8": 2}[dtype]  # a random int8 model keeps its embedding in bf16
+    w = {"fp32": 4, "bf16": 2, "int8": 1, "int8-g32": 1}[dtype]
+    emb = {"fp32": 4, "bf16": 2, "int8": 2, "int8-g32": 2}[dtype]  # a random int8 model keeps a bf16 embedding
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     params = c.dim * q + 2 * c.dim * kv + q * c.dim + 3 * c.dim * c.ffn_dim
-    rows = (q + 2 * kv) + c.dim + 2 * c.ffn_dim + c.dim  # output rows of qkv, o, gate/up, down
-    layer = params * w + rows * row_scale + 2 * c.dim * 4
-    head = c.vocab_size * c.dim * w + c.vocab_size * row_scale + c.dim * 4
+
+    def scales(rows, k):  # fp32 scales of an [rows, k] int8 matrix: one per row, or per 32 weights of a row
+        return {"int8": 4 * rows, "int8-g32": 4 * rows * math.ceil(k / 32)}.get(dtype, 0)
+
+    layer_scales = (scales(q + 2 * kv, c.dim) + scales(c.dim, q) + scales(2 * c.ffn_dim, c.dim)
+                    + scales(c.dim, c.ffn_dim))  # qkv, o, gate/up, down
+    layer = params * w + layer_scales + 2 * c.dim * 4
+    head = c.vocab_size * c.dim * w + scales(c.vocab_size, c.dim) + c.dim * 4
     pair_flops, head_flops_per_row = 4 * c.n_heads * c.head_dim, 2 * c.vocab_size * c.dim
 
     def embedding_rows(tokens):

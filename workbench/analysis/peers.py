@@ -9,7 +9,8 @@ Engines (`ENGINES`; a peer whose package is missing is a row saying so, never si
 dropped):
     workbench fp32 / bf16        our runtime, slim attention, fp16 KV cache (llama.cpp's default)
     workbench fp32, int8 KV      the paper's KV cache
-    workbench int8               weight-only int8 (one scale per output row)
+    workbench int8 / int8-g32    weight-only int8: one scale per output row / per 32 weights
+                                 (Q8_0's granularity, the row llama.cpp Q8_0 is compared with)
     transformers fp32            the same GGUF through transformers (sdpa attention)
     llama.cpp F32                an F32 conversion of the bundled Q4_1 file (dequantized with
                                  gguf, metadata kept): matched precision, f16 KV
@@ -52,12 +53,14 @@ ENGINES: tuple[Engine, ...] = (
     Engine("workbench fp32, int8 KV", {"engine": "workbench", "dtype": "fp32", "kv_cache": "int8"}, None,
            "workbench fp32"),
     Engine("workbench int8", {"engine": "workbench", "dtype": "int8", "kv_cache": "fp16"}, None, "workbench fp32"),
+    Engine("workbench int8-g32", {"engine": "workbench", "dtype": "int8-g32", "kv_cache": "fp16"}, None,
+           "workbench fp32"),
     Engine("transformers fp32", {"engine": "transformers"}, "transformers", "workbench fp32"),
     Engine("llama.cpp F32", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench fp32", "F32"),
     Engine("llama.cpp F32, q8_0 KV", {"engine": "llama.cpp", "kv": "q8_0"}, "llama_cpp", "workbench fp32, int8 KV",
            "F32"),
     Engine("llama.cpp Q4_1", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench bf16", "Q4_1"),
-    Engine("llama.cpp Q8_0", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench int8", "Q8_0"),
+    Engine("llama.cpp Q8_0", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench int8-g32", "Q8_0"),
 )
 IPEX_ABSENT = ("IPEX", "not run: intel-extension-for-pytorch is end-of-life and pinned to torch 2.8, and this "
                        "environment has torch 2.13; README 'Peers' has the side-environment recipe")

@@ -194,20 +194,31 @@ class KernelSet:
         self.ext.kv_cache_append(cache, values, positions, scales)
 
 
-def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8, one symmetric scale per output row: w [N, K] (any float dtype) ->
-    (q int8 [N, K], scale fp32 [N]) with scale = max|w_row| / 127, q = round(w / scale), so
-    |w - q scale| <= scale / 2. An all-zero row gets scale 0 (and stays exact)."""
+def quantize_weight_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, symmetric: w [N, K] (any float dtype) -> (q int8 [N, K], scale fp32).
+    group None: one scale per output row, scale [N]; group 32: one per 32 weights of a row,
+    scale [N, ceil(K / 32)] (llama.cpp's Q8_0 granularity). scale = max|w| / 127 over what it
+    covers, q = round(w / scale), so |w - q scale| <= scale / 2; all-zero: scale 0, exact."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_weight_int8: w must be a 2-D float tensor [N, K], got {tuple(w.shape)} {w.dtype}")
-    scales = torch.empty(w.shape[0])
+    if group not in (None, 32):
+        raise ValueError(f"quantize_weight_int8: group must be None (per row) or 32, got {group!r}")
+    N, K = w.shape
+    groups = -(-K // 32) if group else 1
+    scales = torch.empty(N, groups) if group else torch.empty(N)
     q = torch.empty(w.shape, dtype=torch.int8)
-    step = max(1, (64 << 20) // max(1, 4 * w.shape[1]))  # ~64 MiB of fp32 at a time: a 7B matrix never twice
-    for r0 in range(0, w.shape[0], step):
+    step = max(1, (64 << 20) // max(1, 4 * K))  # ~64 MiB of fp32 at a time: a 7B matrix never twice
+    for r0 in range(0, N, step):
         block = w[r0:r0 + step].float()
-        s = block.abs().amax(dim=1) / 127
+        if group:
+            padded = torch.nn.functional.pad(block, (0, groups * 32 - K)).reshape(block.shape[0], groups, 32)
+            s = padded.abs().amax(-1) / 127  # [rows, groups]
+            per = s.repeat_interleave(32, dim=1)[:, :K]
+        else:
+            s = block.abs().amax(dim=1) / 127
+            per = s[:, None]
         scales[r0:r0 + step] = s
-        q[r0:r0 + step] = torch.where(s[:, None] > 0, block / torch.where(s > 0, s, 1)[:, None], 0).round().clamp(
+        q[r0:r0 + step] = torch.where(per > 0, block / torch.where(per > 0, per, 1), 0).round().clamp(
             -127, 127).to(torch.int8)
     return q, scales
 

@@ -35,7 +35,7 @@ from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
 from workbench.model.kv_formats import KVCache, new_kv_cache
 from workbench.model.switches import Switches
-from workbench.model.weights import weight_dtype
+from workbench.model.weights import INT8_GROUPS, weight_dtype
 from workbench.runtime.timing import Clock, StepRecord
 
 NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
@@ -49,12 +49,13 @@ ShardHook = Callable[[ModelConfig, int | None, dict[str, torch.Tensor]], dict[st
 class Linear:
     """y = x W^T with W [out, in] in fp32, bf16 or int8 (one scale per output row, `scale`):
     our matrix-vector kernel for decode's few rows, our packed GEMM for more
-    (workbench.kernels.linear). int8=True quantizes the given weight (weight-only int8)."""
+    (workbench.kernels.linear). int8=True quantizes the given weight (weight-only int8; group
+    32: a scale per 32 weights of a row)."""
 
-    def __init__(self, weight: torch.Tensor, int8: bool = False):
+    def __init__(self, weight: torch.Tensor, int8: bool = False, group: int | None = None):
         self.scale = None
         if int8:
-            self.weight, self.scale = kernels.quantize_weight_int8(weight)
+            self.weight, self.scale = kernels.quantize_weight_int8(weight, group)
         else:
             self.weight = weight.contiguous()
 
@@ -99,16 +100,16 @@ class Layer:
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
     and two, which matters in decode where every product is a separate pass over memory."""
 
-    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, int8: bool = False):
+    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, int8: bool = False, group: int | None = None):
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
         self.head_dim = head_dim
         self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
         self.n_heads, self.n_kv_heads = self.q_dim // head_dim, self.kv_dim // head_dim  # this process's heads
         self.ffn_dim = w["w_gate"].shape[0]
-        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]), int8)
-        self.wo = Linear(w["wo"], int8)
-        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]), int8)
-        self.w_down = Linear(w["w_down"], int8)
+        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]), int8, group)
+        self.wo = Linear(w["wo"], int8, group)
+        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]), int8, group)
+        self.w_down = Linear(w["w_down"], int8, group)
         # Fixed once the weights are: counted here, not on every recorded step.
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         norms = self.attn_norm.numel() + self.mlp_norm.numel()
@@ -145,12 +146,14 @@ class LlamaModel:
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, int8=weight_dtype_name == "int8"))
+            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, int8=weight_dtype_name in INT8_GROUPS,
+                                     group=INT8_GROUPS.get(weight_dtype_name)))
         head = keep(cfg, None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
                                 "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
         self.embedding = head.pop("embedding")  # [vocab, dim], fp32 or bf16 (rows widened on lookup; int8: fp32)
         self.final_norm = head.pop("final_norm")
-        self.lm_head = Linear(head.pop("lm_head"), int8=weight_dtype_name == "int8")
+        self.lm_head = Linear(head.pop("lm_head"), int8=weight_dtype_name in INT8_GROUPS,
+                              group=INT8_GROUPS.get(weight_dtype_name))
         self.extras = head
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)

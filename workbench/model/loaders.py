@@ -340,7 +340,8 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         path = bundled_gguf_path()
         model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, shard)
         model.source = str(path)
-        how = "dequantized to fp32, re-quantized to int8 per output row" if dtype == "int8" else f"dequantized to {dtype}"
+        how = {"int8": "dequantized to fp32, re-quantized to int8 per output row",
+               "int8-g32": "dequantized to fp32, re-quantized to int8 per 32 weights"}.get(dtype, f"dequantized to {dtype}")
         return model, tok, f"{BUNDLED_MODEL} ({path.name}, {how})"
     if key in PRESETS:
         for d in models_dirs():
