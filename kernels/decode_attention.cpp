@@ -25,8 +25,8 @@
 // q_scale * k_scale_t * (q8 . k8_t). P.V stays fp32 with the V scales folded in.
 // Widening happens in registers, once per token for all the query heads that share the
 // KV head (GQA: up to 8 heads per pass, each with its own accumulators), so a grouped
-// cache costs no more widening than a plain one. Each pass prefetches the rows 4 KB ahead
-// of the ones it reads.
+// cache costs no more widening than a plain one. Each pass prefetches the rows ahead of
+// the ones it reads, as far and with the hint measured for the host (prefetch.h).
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -310,34 +310,35 @@ void scale_columns(float* y, const float* row_scale, int64_t M, int64_t N) {
 
 }  // namespace
 
-void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
-                   int64_t N, int64_t K) {
+namespace {
+
+// run(typed weights, group scales or nullptr) for the weights' dtype; per-row int8 scales
+// are applied to the finished outputs afterwards.
+template <typename Run>
+void with_weights(const void* w, WeightDtype dtype, const float* scale, float* y, int64_t M, int64_t N, Run&& run) {
   switch (dtype) {
     case WeightDtype::kBFloat16:
-      return matvec(x, static_cast<const BFloat16*>(w), y, M, N, K);
+      return run(static_cast<const BFloat16*>(w), nullptr);
     case WeightDtype::kInt8:
-      matvec(x, static_cast<const int8_t*>(w), y, M, N, K);
-      return scale_columns(y, row_scale, M, N);
+      run(static_cast<const int8_t*>(w), nullptr);
+      return scale_columns(y, scale, M, N);
     case WeightDtype::kInt8Group:
-      return matvec(x, static_cast<const int8_t*>(w), y, M, N, K, row_scale);
+      return run(static_cast<const int8_t*>(w), scale);
     case WeightDtype::kFloat32:
-      return matvec(x, static_cast<const float*>(w), y, M, N, K);
+      return run(static_cast<const float*>(w), nullptr);
   }
+}
+
+}  // namespace
+
+void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
+                   int64_t N, int64_t K) {
+  with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { matvec(x, tw, y, M, N, K, gs); });
 }
 
 void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                  int64_t N, int64_t K) {
-  switch (dtype) {
-    case WeightDtype::kBFloat16:
-      return gemm(x, static_cast<const BFloat16*>(w), y, M, N, K);
-    case WeightDtype::kInt8:
-      gemm(x, static_cast<const int8_t*>(w), y, M, N, K);
-      return scale_columns(y, row_scale, M, N);
-    case WeightDtype::kInt8Group:
-      return gemm(x, static_cast<const int8_t*>(w), y, M, N, K, row_scale);
-    case WeightDtype::kFloat32:
-      return gemm(x, static_cast<const float*>(w), y, M, N, K);
-  }
+  with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { gemm(x, tw, y, M, N, K, gs); });
 }
 
 }  // namespace wbk

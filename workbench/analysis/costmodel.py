@@ -151,6 +151,10 @@ class Prediction:
         ms = self.layer_ms(phase)
         return [{"layer": i, **{f"{p}_ms": ms[p] for p in LAYER_PARTS}} for i in range(self.config.n_layers)]
 
+    def per_layer_ms(self) -> dict[str, list[dict]]:
+        """per_layer of both phases, the shape the figures and reports take."""
+        return {phase: self.per_layer(phase) for phase in PHASES}
+
     def step_ms(self, phase: str) -> float:
         """One step on one rank: every layer and the head."""
         return sum(self.layer_ms(phase).values()) * self.config.n_layers + 1e3 * self.head[phase].seconds
@@ -187,7 +191,8 @@ class Prediction:
             steps = timings.phase_steps(phase)
             if not steps:
                 continue
-            measured = {p: 1e3 * sum(sum(s.parts_s.get(p, ())) for s in steps) / len(steps) for p in LAYER_PARTS}
+            layers = timings.per_layer(phase)  # mean ms per step of each part, per layer
+            measured = {p: sum(r[f"{p}_ms"] for r in layers) for p in LAYER_PARTS}
             measured["head"] = 1e3 * sum(s.head_s for s in steps) / len(steps)
             measured["step"] = 1e3 * sum(s.total_s for s in steps) / len(steps)
             predicted = {p: n * 1e3 * c.seconds for p, c in self.layers[phase].items()}

@@ -118,11 +118,12 @@ def summarize(speedscope: Path, top: int = 15, thread: str | None = "MainThread"
     if thread:
         profiles = [p for p in profiles if thread in str(p.get("name", ""))] or profiles
 
-    def name(i: int) -> str:
-        f = frames[i]
+    def label(f: dict) -> str:
         where = Path(f.get("file") or "").name
         short = _without_template_args(f["name"])
         return f"{short} ({where}:{f.get('line')})" if where else short
+
+    names = [label(f) for f in frames]  # once per frame, not once per sample
 
     self_count, total_count, stacks = Counter(), Counter(), Counter()
     n, count = 0, 0  # total weight (py-spy weights samples by seconds) and number of samples
@@ -136,9 +137,9 @@ def summarize(speedscope: Path, top: int = 15, thread: str | None = "MainThread"
             for i in set(stack):
                 total_count[i] += weight
             stacks[tuple(stack)] += weight
-    rows = [{"frame": name(i), "self %": 100 * self_count[i] / n, "total %": 100 * total_count[i] / n}
+    rows = [{"frame": names[i], "self %": 100 * self_count[i] / n, "total %": 100 * total_count[i] / n}
             for i, _ in self_count.most_common(top)] if n else []
-    return {"samples": count, "top_frames": rows, "stacks": {tuple(name(i) for i in s): c for s, c in stacks.items()}}
+    return {"samples": count, "top_frames": rows, "stacks": {tuple(names[i] for i in s): c for s, c in stacks.items()}}
 
 
 def _without_template_args(name: str) -> str:

@@ -202,9 +202,7 @@ class _Side:
             out[:, full:] = self.residual[b, :, :length - full]
             return out
         scale = self.scales[b]
-        if g in ("token", "head_token"):
-            scale = scale[:, :length]
-        elif g == "block32":
+        if g in ("token", "head_token", "block32"):  # a scale per token: the first `length`
             scale = scale[:, :length]
         return dequantize(q, scale, g)
 

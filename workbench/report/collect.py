@@ -99,7 +99,7 @@ def prediction_entry(model, result) -> dict | None:
                          "comm_beta_gbps": None if p.hardware.comm_beta_gbps == float("inf") else p.hardware.comm_beta_gbps,
                          "notes": p.hardware.notes},
             "decode_kv_len": p.decode_kv_len, "parts": p.compare(result.timings),
-            "per_layer_ms": {phase: p.per_layer(phase) for phase in ("prefill", "decode")},
+            "per_layer_ms": p.per_layer_ms(),
             "utilisation": p.utilisation(result.timings)}
 
 

@@ -266,7 +266,7 @@ class Panel:
         except (ValueError, RuntimeError) as e:
             self.output.append_stdout(f"no roofline prediction drawn: {e}\n")
             return None
-        return {phase: p.per_layer(phase) for phase in ("prefill", "decode")}
+        return p.per_layer_ms()
 
     @staticmethod
     def _summary_html(rows: list[dict]) -> str:
