@@ -6,6 +6,7 @@ Hkv=8) where split-KV matters. Cases, interleaved in one run:
 
     int8      the paper's kernel: int8 K and V widened to fp32 in registers
     int8dot   the same cache, the query quantized to int8, scores by integer dot products
+    int8tile  int8 in the tiled layout: integer dot products for the scores and for P.V
     fp16 / bf16 / fp32   a cache of that dtype
     sdpa fp32 torch scaled_dot_product_attention on the same fp32 cache
     triad     the STREAM triad, re-measured between the cases (same machine state)
@@ -78,7 +79,9 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
         skipped.append(f"fp32 and sdpa: {layers * per_layer / 2**30:.1f} GiB of caches exceed the memory budget")
     shared = [n for n in names if n != "int8dot"]  # int8dot reads the int8 caches
     caches = make_caches(B, Hkv, L, D, shared, layers)
-    caches["int8dot"] = caches["int8"]
+    caches["int8dot"] = [KVCache.__new__(KVCache) for _ in caches["int8"]]  # the int8 caches, int8dot's kernel
+    for view, cache in zip(caches["int8dot"], caches["int8"]):
+        view.__dict__.update(cache.__dict__, format=KV_FORMATS["int8dot"])
     q = torch.randn(B, H, D)
     lengths = torch.full((B,), L, dtype=torch.int64)
     a, b, c = torch.empty(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS)
@@ -86,9 +89,7 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
 
     def step(name, s):
         """One timed call: this format's decode over every layer's cache (splits s, None: default)."""
-        return lambda: [kernels.decode_attention(q, cache.k[0], cache.v[0], lengths, k_scale=cache.k_scale[0],
-                                                 v_scale=cache.v_scale[0], num_splits=s,
-                                                 int8_query=name == "int8dot") for cache in caches[name]]
+        return lambda: [cache.attend(0, q, lengths, num_splits=s) for cache in caches[name]]
 
     cases = {}
     for name in names:
@@ -121,6 +122,7 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
         ratios["fp16_over_int8"] = med["fp16"] / med["int8"]
         ratios["fp16_over_int8dot"] = med["fp16"] / med["int8dot"]
         ratios["int8_over_int8dot"] = med["int8"] / med["int8dot"]
+        ratios["fp16_over_int8tile"] = med["fp16"] / med["int8tile"]
         ratios["bytes_ceiling_fp16_over_int8"] = cache_bytes(B, Hkv, L, D, "fp16") / cache_bytes(B, Hkv, L, D, "int8")
     if "fp32" in med:
         ratios["fp32_over_int8"] = med["fp32"] / med["int8"]

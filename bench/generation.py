@@ -5,7 +5,7 @@
                 the same GGUF (fp32, its sdpa attention). Decode tokens/s excludes the first
                 token (ours: from the per-step timings; theirs: t(128 new) - t(1 new)).
     kv          batch 16 with a 1024-token context (--kv-batch, --kv-context, --kv-weights):
-                int8 and int8dot vs fp16 KV cache, interleaved, decode tokens/s, set against
+                int8, int8dot and int8tile vs fp16 KV cache, interleaved, decode tokens/s, set against
                 the ceilings the same run's triad and FMA peak allow.
     record      the cost of per-layer recording: record=True vs record=False.
     plots       the cost of live plots (FigureWidgets updated during the run) vs none.
@@ -82,6 +82,9 @@ def bench_peer(repeats: int) -> dict:
     return r
 
 
+INT8_KERNELS = ("int8", "int8dot", "int8tile")  # the paper's kernel first
+
+
 def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int = 16,
              weights=("fp32", "bf16")) -> dict:
     """int8 vs fp16 KV decode, and the ratio the two would show if both ran at the machine's
@@ -101,7 +104,7 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
         if text_ids is None:
             text_ids = model.tokenizer.encode(sample_text() * max(4, context // 256))
         prompts = [text_ids[i * 7:i * 7 + context] for i in range(batch)]
-        tps = {"int8": [], "int8dot": [], "fp16": []}
+        tps = {kv: [] for kv in INT8_KERNELS + ("fp16",)}
         step_bytes, step_flops = {}, {}
         model.generate(prompts, max_new_tokens=2, kv_cache="int8")  # warm-up
         for _ in range(repeats):
@@ -116,16 +119,14 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
         mem_s = {kv: b / (triad * 1e9) for kv, b in step_bytes.items()}
         compute_s = {kv: f / (fma * 1e9) for kv, f in step_flops.items()}
         step_s = {kv: batch / med(t) for kv, t in tps.items()}
-        ratio = med(tps["int8"]) / med(tps["fp16"])
-        ratio_dot = med(tps["int8dot"]) / med(tps["fp16"])
         bound = step_bytes["fp16"] / step_bytes["int8"]
         serial = (compute_s["fp16"] + mem_s["fp16"]) / (compute_s["int8"] + mem_s["int8"])
         overlap = max(compute_s["fp16"], mem_s["fp16"]) / max(compute_s["int8"], mem_s["int8"])
-        results[dtype] = {"batch": batch, "context": context,
-                          "int8_tokens_per_s": med(tps["int8"]), "fp16_tokens_per_s": med(tps["fp16"]),
-                          "int8dot_tokens_per_s": med(tps["int8dot"]), "int8dot_over_fp16": ratio_dot,
+        results[dtype] = {"batch": batch, "context": context, "fp16_tokens_per_s": med(tps["fp16"]),
+                          **{f"{kv}_tokens_per_s": med(tps[kv]) for kv in INT8_KERNELS},
+                          **{f"{kv}_over_fp16": med(tps[kv]) / med(tps["fp16"]) for kv in INT8_KERNELS},
                           "kv_share_of_step_bytes_fp16": kv_bytes(model, prompts, new_tokens, "fp16") / step_bytes["fp16"],
-                          "int8_over_fp16": ratio, "floors_ratio_bytes": bound, "floors_ratio_serial": serial,
+                          "floors_ratio_bytes": bound, "floors_ratio_serial": serial,
                           "floors_ratio_overlapped": overlap, "triad_gbps": triad, "fma_gflops": fma,
                           "step_mb": {kv: b / 1e6 for kv, b in step_bytes.items()},
                           "step_gflop": {kv: f / 1e9 for kv, f in step_flops.items()},
@@ -133,11 +134,12 @@ def bench_kv(repeats: int, batch: int = 16, context: int = 1024, new_tokens: int
                           "memory_floor_ms": {kv: 1e3 * v for kv, v in mem_s.items()},
                           "compute_floor_ms": {kv: 1e3 * v for kv, v in compute_s.items()},
                           "samples": tps}
-        print(f"kv (weights {dtype}, batch {batch}, context {context}): int8 {med(tps['int8']):.1f} tok/s, "
-              f"int8dot {med(tps['int8dot']):.1f}, fp16 {med(tps['fp16']):.1f} tok/s -> int8 {ratio:.2f}x, "
-              f"int8dot {ratio_dot:.2f}x (min-max int8dot {min(tps['int8dot']):.1f}-{max(tps['int8dot']):.1f}, "
-              f"fp16 {min(tps['fp16']):.1f}-{max(tps['fp16']):.1f}); the KV cache is "
-              f"{100 * results[dtype]['kv_share_of_step_bytes_fp16']:.0f}% of an fp16 step's bytes", flush=True)
+        print(f"kv (weights {dtype}, batch {batch}, context {context}): fp16 {med(tps['fp16']):.1f} tok/s "
+              f"({min(tps['fp16']):.1f}-{max(tps['fp16']):.1f}); "
+              + "; ".join(f"{kv} {med(tps[kv]):.1f} ({min(tps[kv]):.1f}-{max(tps[kv]):.1f}) = "
+                          f"{med(tps[kv]) / med(tps['fp16']):.2f}x" for kv in INT8_KERNELS)
+              + f"; the KV cache is {100 * results[dtype]['kv_share_of_step_bytes_fp16']:.0f}% of an fp16 step's bytes",
+              flush=True)
         for kv in ("int8", "fp16"):
             print(f"  {kv}: step {1e3 * step_s[kv]:.1f} ms; {step_bytes[kv] / 1e6:.0f} MB / triad {triad:.0f} GB/s "
                   f"= {1e3 * mem_s[kv]:.1f} ms; {step_flops[kv] / 1e9:.2f} GFLOP / FMA peak {fma:.0f} GFLOP/s "
@@ -250,10 +252,11 @@ def main() -> None:
                      "value": f"{k['int8_tokens_per_s']:.1f} vs {k['fp16_tokens_per_s']:.1f}",
                      "ratio": f"{k['int8_over_fp16']:.2f}x (at the floors {k['floors_ratio_bytes']:.2f}x bytes only, "
                               f"{k['floors_ratio_serial']:.2f}x serial, {k['floors_ratio_overlapped']:.2f}x overlapped)"})
-        rows.append({"benchmark": f"B={k['batch']} ctx {k['context']} decode, int8dot vs fp16 KV ({dtype} weights)",
-                     "value": f"{k['int8dot_tokens_per_s']:.1f} vs {k['fp16_tokens_per_s']:.1f}",
-                     "ratio": f"{k['int8dot_over_fp16']:.2f}x (KV {100 * k['kv_share_of_step_bytes_fp16']:.0f}% of "
-                              f"an fp16 step's bytes)"})
+        for kv in INT8_KERNELS[1:]:
+            rows.append({"benchmark": f"B={k['batch']} ctx {k['context']} decode, {kv} vs fp16 KV ({dtype} weights)",
+                         "value": f"{k[f'{kv}_tokens_per_s']:.1f} vs {k['fp16_tokens_per_s']:.1f}",
+                         "ratio": f"{k[f'{kv}_over_fp16']:.2f}x (KV {100 * k['kv_share_of_step_bytes_fp16']:.0f}% of "
+                                  f"an fp16 step's bytes)"})
     if "record" in payload:
         rows.append({"benchmark": "recording overhead", "value": f"{payload['record']['with_ms']:.0f} vs "
                      f"{payload['record']['without_ms']:.0f} ms", "ratio": f"{100 * payload['record']['overhead']:.1f}%"})

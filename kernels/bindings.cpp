@@ -153,9 +153,17 @@ Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool c
   return prefill(q, k, v, causal, scale, block_m, block_n, false);
 }
 
+// The tiled int8 layout's shape rules (kernels.h), checked before any kernel runs.
+void check_tiled_shape(int64_t Lmax, int64_t D, const char* fn, const char* name) {
+  TORCH_CHECK_VALUE(Lmax % wbk::kTiledAlign == 0, fn, ": the tiled layout needs ", name,
+                    "'s Lmax to be a multiple of ", wbk::kTiledAlign, ", got ", Lmax);
+  TORCH_CHECK_VALUE(D % 4 == 0, fn, ": the tiled layout needs the head dim D to be a multiple of 4, got ", D);
+}
+
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
-                        std::optional<double> scale, std::optional<int64_t> num_splits, bool int8_query) {
+                        std::optional<double> scale, std::optional<int64_t> num_splits, bool int8_query,
+                        bool tiled) {
   const char* fn = "decode_attention";
   check_tensor(q, fn, "q", 3, "[B, H, D]");
   check_float_input(q, fn, "q");
@@ -194,7 +202,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                       k_cache.scalar_type());
     TORCH_CHECK_VALUE(!int8_query, fn, ": int8_query needs an int8 cache, but the cache is ",
                       k_cache.scalar_type());
+    TORCH_CHECK_VALUE(!tiled, fn, ": tiled needs an int8 cache, but the cache is ", k_cache.scalar_type());
   }
+  if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
   const float s = checked_scale(scale, D, fn);
   int64_t splits = num_splits.value_or(0);
   if (num_splits) {
@@ -224,7 +234,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                     dtype,
                     s,
                     splits,
-                    int8_query};
+                    int8_query || tiled,
+                    tiled};
   wbk::decode_attention(a);
   return out.to(q.scalar_type());
 }
@@ -248,8 +259,16 @@ std::tuple<Tensor, Tensor> quantize_kv_int8(const Tensor& x) {
 }
 
 void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& positions,
-                     const std::optional<Tensor>& scales) {
+                     const std::optional<Tensor>& scales, const std::string& layout) {
   const char* fn = "kv_cache_append";
+  wbk::CacheLayout lay = wbk::CacheLayout::kRows;
+  if (layout == "k_tiles") {
+    lay = wbk::CacheLayout::kKTiles;
+  } else if (layout == "v_groups") {
+    lay = wbk::CacheLayout::kVGroups;
+  } else {
+    TORCH_CHECK_VALUE(layout == "rows", fn, ": layout must be 'rows', 'k_tiles' or 'v_groups', got '", layout, "'");
+  }
   check_tensor(cache, fn, "cache", 4, "[B, Hkv, Lmax, D]");
   // values are converted to fp32 on the way in anyway, so any strides are accepted
   // (new K / V usually arrive as views of a projection's output).
@@ -276,11 +295,14 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
   } else {
     TORCH_CHECK_VALUE(!scales.has_value(), fn, ": scales are only used with an int8 cache, but the cache is ",
                       cache.scalar_type());
+    TORCH_CHECK_VALUE(lay == wbk::CacheLayout::kRows, fn, ": layout '", layout,
+                      "' needs an int8 cache, but the cache is ", cache.scalar_type());
   }
+  if (lay != wbk::CacheLayout::kRows) check_tiled_shape(Lmax, D, fn, "cache");
   if (values.numel() == 0) return;
   Tensor src = values.to(at::kFloat).contiguous();
   wbk::AppendArgs a{src.data_ptr<float>(), cache.data_ptr(), is_int8 ? scales->data_ptr<float>() : nullptr,
-                    pos.data_ptr<int64_t>(), B, Hkv, T, Lmax, D, dtype};
+                    pos.data_ptr<int64_t>(), B, Hkv, T, Lmax, D, dtype, lay};
   wbk::kv_cache_append(a);
 }
 
@@ -446,7 +468,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
-        py::arg("int8_query") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("int8_query") = false, py::arg("tiled") = false, py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
   m.def("set_prefetch", [](int64_t bytes, int hint) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
@@ -462,7 +484,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),
-        py::arg("scales"),
+        py::arg("scales"), py::arg("layout") = "rows",
         py::call_guard<py::gil_scoped_release>());
   m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
         py::call_guard<py::gil_scoped_release>());

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_common.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "prefetch.h"
@@ -125,7 +126,7 @@ void dot_rows_i8(const int8_t* q8, int64_t ldq, const float* qmul, const float* 
       VecB qv[GC];
       for (int g = 0; g < GC; ++g) qv[g] = VecB::load(q8 + g * ldq + d);
       for (int r = 0; r < R; ++r) {
-        const VecB kv = VecB::load(rows[r0 + r] + d);
+        const DotK kv = dot_operand(VecB::load(rows[r0 + r] + d));  // once for all GC heads
         for (int g = 0; g < GC; ++g) acc[r * GC + g] = dot_i8(acc[r * GC + g], kv, qv[g]);
       }
     }
@@ -134,7 +135,7 @@ void dot_rows_i8(const int8_t* q8, int64_t ldq, const float* qmul, const float* 
       VecB qv[GC];
       for (int g = 0; g < GC; ++g) qv[g] = VecB::load(q8 + g * ldq + d);  // zero-padded past D
       for (int r = 0; r < R; ++r) {
-        const VecB kv = VecB::load(rows[r0 + r] + d, rem);
+        const DotK kv = dot_operand(VecB::load(rows[r0 + r] + d, rem));
         for (int g = 0; g < GC; ++g) acc[r * GC + g] = dot_i8(acc[r * GC + g], kv, qv[g]);
       }
     }
@@ -143,27 +144,6 @@ void dot_rows_i8(const int8_t* q8, int64_t ldq, const float* qmul, const float* 
       reduce_add4(to_float(acc[i]), to_float(acc[i + 1]), to_float(acc[i + 2]), to_float(acc[i + 3]), sums + i);
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < GC; ++g) out[g * ldo + r0 + r] = qmul[g] * (sums[r * GC + g] - qbias[g]);
-  }
-}
-
-// q [G, D] fp32 -> q8 [G, ldq] int8 (zero-padded), qmul[g] = the head's scale max|q| / 127,
-// qbias[g] = kDotBias * sum(q8_g) (what dot_i8 adds, see simd.h).
-void quantize_query(const float* q, int64_t G, int64_t D, int64_t ldq, int8_t* q8, float* qmul, float* qbias) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float* x = q + g * D;
-    float amax = 0.0f;
-    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-    int8_t* o = q8 + g * ldq;
-    int64_t sum = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const int v = static_cast<int>(std::clamp(std::nearbyint(x[d] * inv), -127.0f, 127.0f));
-      o[d] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    std::fill(o + D, o + ldq, int8_t{0});
-    qmul[g] = s;
-    qbias[g] = static_cast<float>(kDotBias * sum);
   }
 }
 
@@ -186,9 +166,6 @@ inline void pv_chunk(const float* p, int64_t ldp, const T* rows, int64_t n, int6
     for (int c = 0; c < C; ++c) o[g][c].store(acc + g * D + d0 + c * W);
 }
 
-// The largest power of two <= n (n >= 1).
-constexpr int floor_pow2(int n) { return n < 2 ? 1 : 2 * floor_pow2(n / 2); }
-
 // acc[g][0:D] += sum_i p[g][i] * rows[i] for GC heads (p rows ldp apart) and n rows of V,
 // in chunks of C vectors (the largest power of two with C * GC <= kAccRegs), then halving
 // chunks for what is left of D; powers of two so that D = 64 or 128 takes whole chunks
@@ -207,22 +184,6 @@ void accumulate_pv(const float* p, int64_t ldp, const T* rows, int64_t n, int64_
       for (int g = 0; g < GC; ++g) o[g] = fmadd(VecF::set1(p[g * ldp + i]), v, o[g]);
     }
     for (int g = 0; g < GC; ++g) o[g].store(acc + g * D + d, cnt);
-  }
-}
-
-// Calls f(std::integral_constant<int, GC>) with GC = G for 1 <= G <= 8; larger groups
-// are processed 8 heads at a time by the caller.
-template <typename F>
-void with_group(int64_t G, F&& f) {
-  switch (G) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
   }
 }
 
@@ -326,44 +287,11 @@ void decode_impl(const DecodeArgs& a) {
         }
       }
 
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kvh * G + g;
-        if (S == 1) {
-          float* o = a.out + (b * a.H + h) * D;
-          const float inv = 1.0f / l_g[g];
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-        } else {
-          const int64_t slot = (b * a.H + h) * S + s;
-          std::copy(acc.data() + g * D, acc.data() + (g + 1) * D, part_o.begin() + slot * D);
-          part_ml[slot * 2] = m_g[g];
-          part_ml[slot * 2 + 1] = l_g[g];
-        }
-      }
+      for (int64_t g = 0; g < G; ++g)
+        write_result(a, b, kvh * G + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
     };
   });
-
-  if (S == 1) return;
-  // Merge the splits of each (batch, head): rescale by exp(m_s - m) and normalise.
-  at::parallel_for(0, a.B * a.H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < S; ++s)
-        if (part_ml[(bh * S + s) * 2 + 1] > 0.0f) m = std::max(m, part_ml[(bh * S + s) * 2]);
-      float* o = a.out + bh * D;
-      std::fill(o, o + D, 0.0f);
-      float l = 0.0f;
-      for (int64_t s = 0; s < S; ++s) {
-        const float ls = part_ml[(bh * S + s) * 2 + 1];
-        if (ls == 0.0f) continue;  // an empty split (sequence shorter than the split count)
-        const float w = std::exp(part_ml[(bh * S + s) * 2] - m);
-        l += ls * w;
-        const float* os = part_o.data() + (bh * S + s) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * os[d];
-      }
-      const float inv = 1.0f / l;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    }
-  });
+  if (S > 1) merge_splits(a, part_o, part_ml);
 }
 
 }  // namespace
@@ -381,6 +309,7 @@ int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int nu
 const char* decode_dot_isa() { return kDotIsa; }
 
 void decode_attention(const DecodeArgs& a) {
+  if (a.tiled) return decode_attention_tiled(a);
   switch (a.dtype) {
     case CacheDtype::kFloat32:
       return decode_impl<float>(a);

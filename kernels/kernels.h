@@ -50,7 +50,17 @@ struct DecodeArgs {
   // int8 cache only: quantize each query head to int8 too (one scale per head) and compute
   // the scores with integer dot products; false: K widened to fp32 (the paper's kernel).
   bool int8_query = false;
+  // int8 cache in the tiled layout (decode_tiled.cpp): integer scores and integer P.V.
+  bool tiled = false;
 };
+
+// The tiled int8 layout (decode_tiled.cpp): K in tiles of 16 tokens, V in groups of 4, a
+// plane's Lmax a multiple of kTiledAlign (splits start on whole blocks of that many tokens,
+// each with its own probability scale), D a multiple of 4.
+inline constexpr int kTileTokens = 16;
+inline constexpr int kVGroupTokens = 4;
+inline constexpr int kTiledAlign = 32;
+void decode_attention_tiled(const DecodeArgs& a);
 
 // Which integer dot-product instructions the int8-query scores use in this build.
 const char* decode_dot_isa();
@@ -63,6 +73,10 @@ int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int nu
 //   scale = max|x| / 127, q = round(x / scale); an all-zero vector gets scale 0.
 void quantize_int8(const float* x, int8_t* q, float* scales, int64_t rows, int64_t D);
 
+// How a cache plane [Lmax, D] is laid out: token rows, or (int8 only) the tiled layout's K
+// tiles or V groups (decode_tiled.cpp).
+enum class CacheLayout { kRows, kKTiles, kVGroups };
+
 // Append T new tokens per sequence into a preallocated cache at per-sequence positions.
 //   src [B, Hkv, T, D] fp32; cache [B, Hkv, Lmax, D]; scales [B, Hkv, Lmax] (int8 only).
 struct AppendArgs {
@@ -72,6 +86,7 @@ struct AppendArgs {
   const int64_t* positions;
   int64_t B, Hkv, T, Lmax, D;
   CacheDtype dtype;
+  CacheLayout layout = CacheLayout::kRows;
 };
 
 void kv_cache_append(const AppendArgs& a);

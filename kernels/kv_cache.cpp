@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels.h"
 #include "parallel.h"
@@ -39,6 +40,13 @@ void quantize_row(const float* x, int8_t* q, float* scale_out, int64_t D) {
   }
 }
 
+// Byte offset of value (t, d) within a plane of the tiled layout (decode_tiled.cpp).
+inline int64_t tiled_offset(CacheLayout layout, int64_t t, int64_t d, int64_t D) {
+  if (layout == CacheLayout::kKTiles)
+    return (t / kTileTokens) * kTileTokens * D + (d / 4) * (4 * kTileTokens) + (t % kTileTokens) * 4 + d % 4;
+  return (t / kVGroupTokens) * kVGroupTokens * D + d * kVGroupTokens + t % kVGroupTokens;
+}
+
 }  // namespace
 
 void quantize_int8(const float* x, int8_t* q, float* scales, int64_t rows, int64_t D) {
@@ -51,6 +59,7 @@ void kv_cache_append(const AppendArgs& a) {
   // One row = one (batch, kv head, new token) vector of D values.
   const int64_t rows = a.B * a.Hkv * a.T;
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.D, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> row(a.layout == CacheLayout::kRows ? 0 : a.D);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t t = r % a.T, bk = r / a.T, b = bk / a.Hkv;
       const int64_t dst_row = bk * a.Lmax + a.positions[b] + t;
@@ -70,7 +79,14 @@ void kv_cache_append(const AppendArgs& a) {
           break;
         }
         case CacheDtype::kInt8:
-          quantize_row(src, static_cast<int8_t*>(a.cache) + dst_row * a.D, a.scales + dst_row, a.D);
+          if (a.layout == CacheLayout::kRows) {
+            quantize_row(src, static_cast<int8_t*>(a.cache) + dst_row * a.D, a.scales + dst_row, a.D);
+          } else {  // quantized as a row, then scattered into the plane's tiles or groups
+            int8_t* plane = static_cast<int8_t*>(a.cache) + bk * a.Lmax * a.D;
+            const int64_t pos = a.positions[b] + t;
+            quantize_row(src, row.data(), a.scales + dst_row, a.D);
+            for (int64_t d = 0; d < a.D; ++d) plane[tiled_offset(a.layout, pos, d, a.D)] = row[d];
+          }
           break;
       }
     }

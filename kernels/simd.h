@@ -298,16 +298,22 @@ inline VecF vexp(VecF x) {
 
 // Integer dot products of int8 vectors, for decode attention with an int8 query (scores
 // as llama.cpp computes q8_0 x q8_0: integer products, one float scale per token):
-//   VecB          I8B int8 values; VecB::load(p), VecB::load(p, n) (the rest zero)
+//   VecB          I8B int8 values; VecB::load(p), VecB::load(p, n) (the rest zero),
+//                 VecB::bcast4(p) (the 4 bytes at p in every 32-bit lane)
 //   VecI          W int32 lanes (as many as VecF has floats)
+//   DotK          a K vector prepared once (dot_operand(k)) for the dot products with
+//                 several query heads
 //   dot_i8(acc, k, q)   acc += k . q in groups of 4 adjacent bytes per lane, plus
 //                       kDotBias * (the same groups of q): the caller subtracts
 //                       kDotBias * sum(q) from each finished dot product
+//   dot_u7(acc, p, v)   acc += p . v in groups of 4 bytes per lane, p unsigned in [0, 127],
+//                       v signed: exact, no bias (P.V with quantized probabilities)
 //   to_float(acc)  the lanes as a VecF
 // VNNI (AVX-512 VNNI, AVX-VNNI) multiplies unsigned by signed bytes: k is made unsigned by
 // flipping its sign bit (k + 128), hence the bias 128. Without VNNI, pmaddubsw on
 // sign-adjusted operands (|k| times q with k's sign) keeps every 16-bit pair sum within
-// 2 x 128 x 127 < 2^15 (no saturation), and pmaddwd widens the pairs: bias 0.
+// 2 x 128 x 127 < 2^15 (no saturation), and pmaddwd widens the pairs: bias 0. dot_u7's
+// 127 limit is what keeps pmaddubsw's pair sums (2 x 127 x 127) below 2^15 on that path.
 #if defined(WBK_ISA_AVX512)
 inline constexpr int I8B = 64;
 struct VecB {
@@ -315,6 +321,11 @@ struct VecB {
   static inline VecB load(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
   static inline VecB load(const int8_t* p, int n) {
     return {_mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : ((1ull << n) - 1ull), p)};
+  }
+  static inline VecB bcast4(const int8_t* p) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    return {_mm512_set1_epi32(x)};
   }
 };
 struct VecI {
@@ -325,17 +336,27 @@ inline VecF to_float(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 #if defined(__AVX512VNNI__)
 inline constexpr int kDotBias = 128;
 inline constexpr const char* kDotIsa = "avx512-vnni";
-inline VecI dot_i8(VecI acc, VecB k, VecB q) {
-  return {_mm512_dpbusd_epi32(acc.v, _mm512_xor_si512(k.v, _mm512_set1_epi8(static_cast<char>(0x80))), q.v)};
-}
+struct DotK {
+  __m512i biased;  // k + 128 as unsigned bytes
+};
+inline DotK dot_operand(VecB k) { return {_mm512_xor_si512(k.v, _mm512_set1_epi8(static_cast<char>(0x80)))}; }
+inline VecI dot_i8(VecI acc, const DotK& k, VecB q) { return {_mm512_dpbusd_epi32(acc.v, k.biased, q.v)}; }
+inline VecI dot_u7(VecI acc, VecB p, VecB v) { return {_mm512_dpbusd_epi32(acc.v, p.v, v.v)}; }
 #else
 inline constexpr int kDotBias = 0;
 inline constexpr const char* kDotIsa = "avx512bw-maddubs";
-inline VecI dot_i8(VecI acc, VecB k, VecB q) {
-  const __mmask64 negative = _mm512_movepi8_mask(k.v);
-  const __m512i sq = _mm512_mask_sub_epi8(q.v, negative, _mm512_setzero_si512(), q.v);
-  const __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(k.v), sq);
+struct DotK {
+  __m512i magnitude;  // |k|
+  __mmask64 negative;  // k < 0
+};
+inline DotK dot_operand(VecB k) { return {_mm512_abs_epi8(k.v), _mm512_movepi8_mask(k.v)}; }
+inline VecI dot_i8(VecI acc, const DotK& k, VecB q) {
+  const __m512i sq = _mm512_mask_sub_epi8(q.v, k.negative, _mm512_setzero_si512(), q.v);
+  const __m512i pairs = _mm512_maddubs_epi16(k.magnitude, sq);
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
+}
+inline VecI dot_u7(VecI acc, VecB p, VecB v) {
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(p.v, v.v), _mm512_set1_epi16(1)))};
 }
 #endif
 #elif defined(WBK_ISA_AVX2)
@@ -348,6 +369,11 @@ struct VecB {
     std::memcpy(tmp, p, static_cast<size_t>(n < 32 ? n : 32));
     return {_mm256_load_si256(reinterpret_cast<const __m256i*>(tmp))};
   }
+  static inline VecB bcast4(const int8_t* p) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    return {_mm256_set1_epi32(x)};
+  }
 };
 struct VecI {
   __m256i v;
@@ -357,15 +383,25 @@ inline VecF to_float(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 #if defined(__AVXVNNI__)
 inline constexpr int kDotBias = 128;
 inline constexpr const char* kDotIsa = "avx-vnni";
-inline VecI dot_i8(VecI acc, VecB k, VecB q) {
-  return {_mm256_dpbusd_avx_epi32(acc.v, _mm256_xor_si256(k.v, _mm256_set1_epi8(static_cast<char>(0x80))), q.v)};
-}
+struct DotK {
+  __m256i biased;  // k + 128 as unsigned bytes
+};
+inline DotK dot_operand(VecB k) { return {_mm256_xor_si256(k.v, _mm256_set1_epi8(static_cast<char>(0x80)))}; }
+inline VecI dot_i8(VecI acc, const DotK& k, VecB q) { return {_mm256_dpbusd_avx_epi32(acc.v, k.biased, q.v)}; }
+inline VecI dot_u7(VecI acc, VecB p, VecB v) { return {_mm256_dpbusd_avx_epi32(acc.v, p.v, v.v)}; }
 #else
 inline constexpr int kDotBias = 0;
 inline constexpr const char* kDotIsa = "avx2-maddubs";
-inline VecI dot_i8(VecI acc, VecB k, VecB q) {
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(k.v, k.v), _mm256_sign_epi8(q.v, k.v));
+struct DotK {
+  __m256i magnitude, k;  // |k|, and k for its signs
+};
+inline DotK dot_operand(VecB k) { return {_mm256_sign_epi8(k.v, k.v), k.v}; }
+inline VecI dot_i8(VecI acc, const DotK& k, VecB q) {
+  const __m256i pairs = _mm256_maddubs_epi16(k.magnitude, _mm256_sign_epi8(q.v, k.k));
   return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))};
+}
+inline VecI dot_u7(VecI acc, VecB p, VecB v) {
+  return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(p.v, v.v), _mm256_set1_epi16(1)))};
 }
 #endif
 #else
@@ -380,16 +416,27 @@ struct VecB {
     for (int i = 0; i < n && i < 4; ++i) r.b[i] = p[i];
     return r;
   }
+  static inline VecB bcast4(const int8_t* p) { return load(p, 4); }
 };
 struct VecI {
   int32_t v;
   static inline VecI zero() { return {0}; }
 };
 inline VecF to_float(VecI a) { return {static_cast<float>(a.v)}; }
-inline VecI dot_i8(VecI acc, VecB k, VecB q) {
-  return {acc.v + k.b[0] * q.b[0] + k.b[1] * q.b[1] + k.b[2] * q.b[2] + k.b[3] * q.b[3]};
+struct DotK {
+  VecB k;
+};
+inline DotK dot_operand(VecB k) { return {k}; }
+inline VecI dot_i8(VecI acc, const DotK& k, VecB q) {
+  return {acc.v + k.k.b[0] * q.b[0] + k.k.b[1] * q.b[1] + k.k.b[2] * q.b[2] + k.k.b[3] * q.b[3]};
+}
+inline VecI dot_u7(VecI acc, VecB p, VecB v) {
+  int32_t s = acc.v;
+  for (int i = 0; i < 4; ++i) s += static_cast<uint8_t>(p.b[i]) * v.b[i];
+  return {s};
 }
 #endif
+inline VecI dot_i8(VecI acc, VecB k, VecB q) { return dot_i8(acc, dot_operand(k), q); }
 
 // Typed loads for templated kernels: load_as<T>(p) widens T to fp32.
 template <typename T>

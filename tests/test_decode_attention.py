@@ -196,3 +196,166 @@ def test_default_splits_leave_no_thread_idle():
     assert native.default_num_splits(1, 1, 4096) >= min(threads, 16)
     assert native.default_num_splits(64, 32, 4096) == 1
     assert native.default_num_splits(1, 1, 100) == 1  # too short to be worth splitting
+
+
+# -- the tiled int8 layout: integer scores and integer P.V (kernels/decode_tiled.cpp) ---------
+
+
+def build_tiled(kernels, B, Hkv, Lmax, D, gen, spread=1.0):
+    """Random K/V written twice through the append kernel: token rows (for the reference) and
+    the tiled layout (Lmax rounded up to whole 32-token blocks), with the same scales."""
+    from workbench.kernels import TILED_ALIGN
+
+    stored = -(-Lmax // TILED_ALIGN) * TILED_ALIGN
+    k = torch.randn(B, Hkv, Lmax, D, generator=gen) * spread
+    v = torch.randn(B, Hkv, Lmax, D, generator=gen) * spread
+    rows = {n: torch.zeros(B, Hkv, Lmax, D, dtype=torch.int8) for n in ("k", "v")}
+    tiles = {n: torch.zeros(B, Hkv, stored, D, dtype=torch.int8) for n in ("k", "v")}
+    scales = {n: torch.zeros(B, Hkv, Lmax) for n in ("k_scale", "v_scale")}
+    tiled_scales = {n: torch.zeros(B, Hkv, stored) for n in ("k_scale", "v_scale")}
+    start = torch.zeros(B, dtype=torch.int64)
+    for name, x, layout in (("k", k, "k_tiles"), ("v", v, "v_groups")):
+        kernels.kv_cache_append(rows[name], x, start, scales=scales[f"{name}_scale"])
+        kernels.kv_cache_append(tiles[name], x, start, scales=tiled_scales[f"{name}_scale"], layout=layout)
+    return rows, scales, tiles, tiled_scales
+
+
+def tiled_bound(q, rows, scales, lengths, ratio):
+    """What the tiled kernel may differ from the float64 reference over the same cache.
+
+    Its query rounding moves each score by at most delta (as for int8_query), so every
+    probability by a factor within exp(+-2 delta): (exp(2 delta) - 1) max|v|. Then P.V
+    quantizes p'_t = p_t s^v_t per 32-token block b to ps_b * round(p'_t / ps_b), ps_b =
+    max_b p' / 127: each p'_t moves by at most max_b p' / 254, against |v8| <= 127, so the
+    output moves by at most 0.5 * sum_b n_b max_{t in b} pi'_t (pi' the normalised p'),
+    with pi' at most exp(2 delta) times the reference's."""
+    B, H, D = q.shape
+    k = (rows["k"].double() * scales["k_scale"].double().unsqueeze(-1)).repeat_interleave(ratio, dim=1)
+    v = rows["v"].double() * scales["v_scale"].double().unsqueeze(-1)
+    vs = scales["v_scale"].double().repeat_interleave(ratio, dim=1)  # [B, H, L]
+    q_scale = q.double().abs().amax(-1) / 127
+    delta = (q_scale.unsqueeze(-1) / 2 * k.abs().sum(-1)).amax(-1) / math.sqrt(D)  # [B, H]
+    bound = torch.empty(B, H, dtype=torch.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        s = torch.einsum("hd,hnd->hn", q[b].double(), k[b, :, :n]) / math.sqrt(D)
+        pi = torch.softmax(s, -1) * vs[b, :, :n]  # [H, n]
+        blocks = torch.nn.functional.pad(pi, (0, -n % 32)).reshape(H, -1, 32)
+        counts = torch.full((blocks.shape[1],), 32.0, dtype=torch.float64)
+        counts[-1] = n - 32 * (blocks.shape[1] - 1)
+        p_part = 0.5 * (blocks.amax(-1) * counts).sum(-1)
+        bound[b] = torch.expm1(2 * delta[b]) * v[b].abs().amax() + torch.exp(2 * delta[b]) * p_part
+    return bound
+
+
+@st.composite
+def tiled_case(draw):
+    return dict(
+        B=draw(st.integers(1, 3)),
+        Hkv=draw(st.integers(1, 3)),
+        ratio=draw(st.sampled_from([1, 3, 4, 5, 8, 12])),
+        Lmax=draw(st.integers(1, 300)),
+        D=draw(st.sampled_from([64, 128, 80, 72, 20, 4])),
+        num_splits=draw(st.one_of(st.none(), st.integers(1, 9))),
+        ragged=draw(st.booleans()),
+        spread=draw(st.sampled_from([0.05, 1.0, 8.0])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(c=tiled_case())
+def test_tiled_within_the_query_and_probability_bound(kernels, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    B, Hkv, Lmax, D, ratio = c["B"], c["Hkv"], c["Lmax"], c["D"], c["ratio"]
+    rows, scales, tiles, tiled_scales = build_tiled(kernels, B, Hkv, Lmax, D, gen, c["spread"])
+    q = torch.randn(B, Hkv * ratio, D, generator=gen)
+    lengths = torch.randint(1, Lmax + 1, (B,), generator=gen) if c["ragged"] else torch.full((B,), Lmax)
+    out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, num_splits=c["num_splits"], tiled=True,
+                                   **tiled_scales)
+    ref = decode_reference(q, rows["k"], rows["v"], lengths, **scales)
+    bound = tiled_bound(q, rows, scales, lengths, ratio)
+    err = (out.double() - ref).abs().amax(-1)
+    assert torch.all(err <= bound * 1.001 + 1e-5 + 1e-5 * ref.abs().amax(-1)), (err / bound).max()
+
+
+@given(B=st.integers(1, 3), Hkv=st.integers(1, 3), Lmax=st.integers(1, 200), D=st.sampled_from([4, 20, 64, 128]),
+       T=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_tiled_appends_hold_the_row_layouts_bytes(kernels, B, Hkv, Lmax, D, T, seed):
+    """Appends at ragged positions into the tiled layout, read back by untile_kv, are the row
+    layout's bytes and scales exactly."""
+    from workbench.kernels import TILED_ALIGN, untile_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    T = min(T, Lmax)
+    stored = -(-Lmax // TILED_ALIGN) * TILED_ALIGN
+    x = torch.randn(B, Hkv, T, D, generator=gen)
+    pos = torch.randint(0, Lmax - T + 1, (B,), generator=gen)
+    rows, rs = torch.zeros(B, Hkv, stored, D, dtype=torch.int8), torch.zeros(B, Hkv, stored)
+    kernels.kv_cache_append(rows, x, pos, scales=rs)
+    for layout in ("k_tiles", "v_groups"):
+        tiles, ts = torch.zeros(B, Hkv, stored, D, dtype=torch.int8), torch.zeros(B, Hkv, stored)
+        kernels.kv_cache_append(tiles, x, pos, scales=ts, layout=layout)
+        assert torch.equal(untile_kv(tiles, layout), rows) and torch.equal(ts, rs)
+
+
+def test_tiled_is_exact_when_nothing_is_rounded(kernels):
+    """Uniform attention (all-zero K) over V rows that share one scale quantizes every
+    probability to exactly 127: the integer P.V then equals the reference (the mean of v)."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hkv, L, D = 2, 2, 77, 64
+    v = torch.randint(-126, 127, (B, Hkv, L, D), generator=gen).float()
+    v[..., 0] = 127  # every row's max |v| is 127: scale 1, stored exactly
+    k = torch.zeros(B, Hkv, L, D)
+    tiles = {n: torch.zeros(B, Hkv, 96, D, dtype=torch.int8) for n in ("k", "v")}
+    sc = {n: torch.zeros(B, Hkv, 96) for n in ("k_scale", "v_scale")}
+    start = torch.zeros(B, dtype=torch.int64)
+    kernels.kv_cache_append(tiles["k"], k, start, scales=sc["k_scale"], layout="k_tiles")
+    kernels.kv_cache_append(tiles["v"], v, start, scales=sc["v_scale"], layout="v_groups")
+    q = torch.randn(B, 3 * Hkv, D, generator=gen)
+    lengths = torch.tensor([77, 45])
+    for splits in (1, 2, 3):
+        out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, tiled=True, num_splits=splits, **sc)
+        for b in range(B):
+            want = v[b, :, : int(lengths[b])].double().mean(1).repeat_interleave(3, dim=0)
+            torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_tiled_ignores_whatever_lies_past_each_length(kernels):
+    gen = torch.Generator().manual_seed(4)
+    rows, scales, tiles, sc = build_tiled(kernels, 2, 2, 70, 64, gen)
+    q = torch.randn(2, 6, 64, generator=gen)
+    lengths = torch.tensor([20, 70])
+    out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, tiled=True, **sc)
+    junk = torch.randn(2, 2, 96 - 20, 64, generator=gen) * 50
+    junk_sc = {n: torch.zeros_like(s) for n, s in sc.items()}
+    for name, layout in (("k", "k_tiles"), ("v", "v_groups")):
+        kernels.kv_cache_append(tiles[name][:1], junk[:1], torch.tensor([20]), scales=junk_sc[f"{name}_scale"][:1],
+                                layout=layout)
+    sc["k_scale"][0, :, 20:] = float("inf")
+    sc["v_scale"][0, :, 20:] = float("nan")
+    again = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, tiled=True, **sc)
+    assert torch.equal(out, again)
+
+
+def test_tiled_rejects_what_it_cannot_read(kernels):
+    import pytest
+
+    i8 = torch.zeros(1, 1, 64, 16, dtype=torch.int8)
+    s = dict(k_scale=torch.zeros(1, 1, 64), v_scale=torch.zeros(1, 1, 64))
+    q = torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match="tiled needs an int8 cache"):
+        kernels.decode_attention(q, i8.float(), i8.float(), torch.tensor([8]), tiled=True)
+    odd = torch.zeros(1, 1, 40, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="Lmax to be a multiple of 32, got 40"):
+        kernels.decode_attention(q, odd, odd, torch.tensor([8]), tiled=True, k_scale=torch.zeros(1, 1, 40),
+                                 v_scale=torch.zeros(1, 1, 40))
+    d18 = torch.zeros(1, 1, 64, 18, dtype=torch.int8)
+    with pytest.raises(ValueError, match="head dim D to be a multiple of 4, got 18"):
+        kernels.kv_cache_append(d18, torch.zeros(1, 1, 1, 18), torch.tensor([0]), scales=s["k_scale"],
+                                layout="k_tiles")
+    with pytest.raises(ValueError, match="layout must be one of rows, k_tiles, v_groups, got 'tiles'"):
+        kernels.kv_cache_append(i8, torch.zeros(1, 1, 1, 16), torch.tensor([0]), scales=s["k_scale"], layout="tiles")
+    with pytest.raises(ValueError, match="layout 'k_tiles' needs an int8 cache"):
+        kernels.kv_cache_append(i8.float(), torch.zeros(1, 1, 1, 16), torch.tensor([0]), layout="k_tiles")
+    with pytest.raises(TypeError, match="tiled must be True or False"):
+        kernels.decode_attention(q, i8, i8, torch.tensor([8]), tiled=1, **s)

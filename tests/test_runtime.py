@@ -306,7 +306,7 @@ def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
     D, Hkv = c.head_dim, c.n_kv_heads
     kivi = (4 * D / 32 + 4) / 2  # K: a scale per channel per 32 tokens; V: one per head per token
     block = 2 * math.ceil(D / 32)  # an fp16 scale per 32 values
-    for name, elem, scale in (("int8", 1, 4), ("int8dot", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0),
+    for name, elem, scale in (("int8", 1, 4), ("int8dot", 1, 4), ("int8tile", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0),
                               ("int8-tensor", 1, 0), ("int8-head", 1, 0), ("int8-token", 1, 4 / Hkv),
                               ("int8-ref", 1, 4), ("int8-kivi", 1, kivi), ("int8-block32", 1, block),
                               ("int4-head_token", 0.5, 4), ("int4-block32", 0.5, block), ("int4-kivi", 0.5, kivi)):
@@ -319,7 +319,7 @@ def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
             kv_bytes = int(cached * 2 * c.n_kv_heads * (c.head_dim * elem + scale))
             assert st.bytes_read == 2 * (layer + kv_bytes) + embedding_rows(2) + head, (name, step)
             assert st.total_flops == 2 * (2 * 2 * params + pair_flops * cached) + 2 * head_flops_per_row
-    assert set(KV_FORMATS) == {"int8", "int8dot", "fp16", "bf16", "fp32", "int8-tensor", "int8-head", "int8-token",
+    assert set(KV_FORMATS) == {"int8", "int8dot", "int8tile", "fp16", "bf16", "fp32", "int8-tensor", "int8-head", "int8-token",
                                "int8-ref", "int8-kivi", "int8-block32", "int4-head_token", "int4-block32",
                                "int4-kivi"}  # a new format needs its row above
 

@@ -1,6 +1,6 @@
 """The software-prefetch distance and hint the streaming kernels use, measured per host.
 
-Decode attention itself (int8 cache, int8 query, Llama-2-7B head shapes) is timed with each
+Decode attention itself (the tiled int8 kernel, Llama-2-7B head shapes) is timed with each
 candidate over a cache twice the last-level cache (at least 256 MiB) on huge pages, and the
 fastest is kept, cached per CPU and thread count like the peaks. Measured on host C (Xeon, 2 threads): no prefetch 25.4 GB/s, prefetchnta 4 KB
 ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; on the AMD hosts the
@@ -44,7 +44,8 @@ def measure(ext, repeats: int = 3) -> dict:
     before = ext.get_prefetch()
 
     def run():
-        ext.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, scale=None, num_splits=None, int8_query=True)
+        ext.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, scale=None, num_splits=None, int8_query=True,
+                             tiled=True)
 
     gbps = {}
     try:

@@ -116,7 +116,7 @@ class KernelSet:
 
     def decode_attention(self, q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
                          scale: float | None = None, num_splits: int | None = None,
-                         int8_query: bool = False) -> torch.Tensor:
+                         int8_query: bool = False, tiled: bool = False) -> torch.Tensor:
         """Attention of one new token per sequence over a KV cache.
 
         q [B, H, D] fp32/bf16; k_cache / v_cache [B, Hkv, Lmax, D] int8, fp16, bf16 or fp32;
@@ -124,15 +124,19 @@ class KernelSet:
         fp32 for an int8 cache. num_splits: split-KV chunks per (batch, KV head); default
         picks enough for every thread when B * Hkv is small. int8_query (int8 cache only):
         quantize each query head to int8 and compute the scores with integer dot products
-        (`decode_dot_isa()` says which instructions); False widens K to fp32.
+        (`decode_dot_isa()` says which instructions); False widens K to fp32. tiled (int8
+        cache only): the caches are in the tiled layout (K written with layout="k_tiles", V
+        with "v_groups"; Lmax a multiple of TILED_ALIGN, D of 4) and both the scores and P.V
+        are integer dot products, the probabilities quantized to [0, 127] per 32 tokens.
         """
         _check_tensor_args(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)
         if num_splits is not None:
             num_splits = _positive_int("num_splits", num_splits)
-        if not isinstance(int8_query, bool):
-            raise TypeError(f"decode_attention: int8_query must be True or False, got {int8_query!r}")
+        for name, flag in (("int8_query", int8_query), ("tiled", tiled)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"decode_attention: {name} must be True or False, got {flag!r}")
         return self.ext.decode_attention(q, k_cache, v_cache, lengths, k_scale=k_scale, v_scale=v_scale,
-                                         scale=scale, num_splits=num_splits, int8_query=int8_query)
+                                         scale=scale, num_splits=num_splits, int8_query=int8_query, tiled=tiled)
 
     def decode_dot_isa(self) -> str:
         """The integer dot-product instructions of the int8-query decode path in this build."""
@@ -184,14 +188,37 @@ class KernelSet:
         _check_tensor_args(x=x)
         return self.ext.quantize_kv_int8(x)
 
-    def kv_cache_append(self, cache, values, positions, *, scales=None) -> None:
+    def kv_cache_append(self, cache, values, positions, *, scales=None, layout: str = "rows") -> None:
         """Write values [B, Hkv, T, D] into cache [B, Hkv, Lmax, D] at positions[b] .. +T, in place.
 
         The cache may be int8 (then scales [B, Hkv, Lmax] fp32 receives the per-token scales),
         fp16, bf16 or fp32; values (any strides, fp32/bf16/fp16) are converted, rounding to
-        nearest even. The cache and scales must be contiguous: they are written in place."""
+        nearest even. The cache and scales must be contiguous: they are written in place.
+        layout: "rows" (token after token), or for an int8 cache the tiled layout's "k_tiles"
+        (K) or "v_groups" (V), read by decode_attention(..., tiled=True); see untile_kv."""
         _check_tensor_args(cache=cache, values=values, positions=positions)
-        self.ext.kv_cache_append(cache, values, positions, scales)
+        if layout not in TILED_LAYOUTS:
+            raise ValueError(f"kv_cache_append: layout must be one of {', '.join(TILED_LAYOUTS)}, got {layout!r}")
+        self.ext.kv_cache_append(cache, values, positions, scales, layout)
+
+
+TILED_ALIGN = 32  # the tiled layout's Lmax multiple (kernels.h: kTiledAlign)
+TILED_LAYOUTS = ("rows", "k_tiles", "v_groups")
+
+
+def untile_kv(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """A plane [..., Lmax, D] of the tiled int8 layout back in token rows (same shape).
+
+    k_tiles: byte (t, d) at (t // 16) 16 D + (d // 4) 64 + (t % 16) 4 + d % 4;
+    v_groups: byte (t, d) at (t // 4) 4 D + 4 d + t % 4 (kernels/decode_tiled.cpp)."""
+    *lead, L, D = values.shape
+    if layout == "rows":
+        return values
+    if layout == "k_tiles":
+        return values.reshape(*lead, L // 16, D // 4, 16, 4).transpose(-3, -2).reshape(*lead, L, D)
+    if layout == "v_groups":
+        return values.reshape(*lead, L // 4, D, 4).transpose(-2, -1).reshape(*lead, L, D)
+    raise ValueError(f"untile_kv: layout must be one of {', '.join(TILED_LAYOUTS)}, got {layout!r}")
 
 
 def quantize_weight_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,10 +12,13 @@ its kernels:
     append        writes new tokens into the cache (quantizing them if scaled)
     dequantize    stored values (+ scales) -> fp32, for the reference attention paths
     decode        the decode-attention kernel over this format
+    tiled         K and V in the tiled int8 layout (kernels/decode_tiled.cpp), not token rows
 
 A layer's cache holds K and V as [B, Hkv, max_len, D] of `storage`, plus [B, Hkv, max_len]
 fp32 scales each when `scaled`; Hkv is the model's local KV-head count, so a tensor-parallel
-rank allocates only its own heads.
+rank allocates only its own heads. A tiled format rounds the allocated max_len up to a
+multiple of 32 (kernels.TILED_ALIGN) and keeps each plane's tokens in tiles; `dequantized`
+returns token rows either way.
 """
 
 from __future__ import annotations
@@ -32,20 +35,25 @@ from workbench.model.kv_quant import QuantSpec, _Side, reference_attention
 SCALE_BYTES = 4  # one fp32 scale
 
 
-def _append(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, positions: torch.Tensor) -> None:
-    kernels.kv_cache_append(cache, x, positions, scales=scales)
+def _append(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, positions: torch.Tensor,
+            layout: str = "rows") -> None:
+    kernels.kv_cache_append(cache, x, positions, scales=scales, layout=layout)
 
 
 def _dequantize(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     return values.float() if scales is None else kernels.dequantize_kv_int8(values, scales)
 
 
-def _decode(q, k, v, k_scale, v_scale, lengths) -> torch.Tensor:
-    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale)
+def _decode(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
+    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, **options)
 
 
-def _decode_int8_query(q, k, v, k_scale, v_scale, lengths) -> torch.Tensor:
-    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, int8_query=True)
+def _decode_int8_query(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
+    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, int8_query=True, **options)
+
+
+def _decode_tiled(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
+    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, tiled=True, **options)
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class KVFormat:
     # Reference-path formats (the quality study's granularities and bit widths): how K and V
     # are quantized (workbench.model.kv_quant); None for the formats with C++ kernels.
     quant: QuantSpec | None = None
+    tiled: bool = False
 
     @property
     def bits(self) -> int:
@@ -102,6 +111,9 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
              description="int8, one fp32 scale per head per token (the paper's format and kernel: K widened)"),
     KVFormat("int8dot", torch.int8, scaled=True, decode=_decode_int8_query,
              description="the int8 cache, scores by integer dot products with an int8 query (VNNI / pmaddubsw)"),
+    KVFormat("int8tile", torch.int8, scaled=True, decode=_decode_tiled, tiled=True,
+             description="int8 in a tiled layout: integer scores and integer P.V (probabilities at 7 bits per "
+                         "32 tokens)"),
     KVFormat("fp16", torch.float16, scaled=False, description="IEEE half precision"),
     KVFormat("bf16", torch.bfloat16, scaled=False, description="bfloat16"),
     KVFormat("fp32", torch.float32, scaled=False, description="single precision (the reference)"),
@@ -142,7 +154,13 @@ class KVCache:
         self.format = kv_format(fmt)
         self.max_len = max_len
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (batch, kv_heads, max_len, head_dim)  # per layer
+        stored = max_len
+        if self.format.tiled:
+            if head_dim % 4:
+                raise ValueError(f"kv_cache {fmt!r} (tiled layout) needs a head_dim that is a multiple of 4, "
+                                 f"got {head_dim}; use int8 or int8dot")
+            stored = -(-max_len // kernels.TILED_ALIGN) * kernels.TILED_ALIGN
+        shape = (batch, kv_heads, stored, head_dim)  # per layer
         zeros = memory.zeros  # on huge pages where the OS allows: decode streams these from DRAM
         self.k = [zeros(shape, self.format.storage) for _ in range(n_layers)]
         self.v = [zeros(shape, self.format.storage) for _ in range(n_layers)]
@@ -161,19 +179,31 @@ class KVCache:
         `rows` (all by default; prefill writes one prompt at a time)."""
         append = self.format.append
         k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]
-        append(self.k[layer][rows], None if k_scale is None else k_scale[rows], k, positions)
-        append(self.v[layer][rows], None if v_scale is None else v_scale[rows], v, positions)
+        k_layout, v_layout = self.layouts
+        append(self.k[layer][rows], None if k_scale is None else k_scale[rows], k, positions, k_layout)
+        append(self.v[layer][rows], None if v_scale is None else v_scale[rows], v, positions, v_layout)
 
-    def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Decode attention of q [B, H, D] over this layer's cache with this format's kernel."""
-        return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths)
+    @property
+    def layouts(self) -> tuple[str, str]:
+        """How K and V planes are stored (kernels.kv_cache_append's layout)."""
+        return ("k_tiles", "v_groups") if self.format.tiled else ("rows", "rows")
+
+    def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """Decode attention of q [B, H, D] over this layer's cache with this format's kernel
+        (options: the kernel's, such as num_splits)."""
+        return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths,
+                                  **options)
 
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K, V [Hkv, length, D] of sequence b (for the reference attention paths)."""
-        def one(values, scales):
-            return self.format.dequantize(values[b, :, :length], None if scales is None else scales[b, :, :length])
+        def one(values, scales, layout):
+            plane = values[b]
+            if layout != "rows":  # whole blocks of the tiled layout, back in token rows
+                plane = kernels.untile_kv(plane[:, :-(-length // kernels.TILED_ALIGN) * kernels.TILED_ALIGN], layout)
+            return self.format.dequantize(plane[:, :length], None if scales is None else scales[b, :, :length])
 
-        return one(self.k[layer], self.k_scale[layer]), one(self.v[layer], self.v_scale[layer])
+        k_layout, v_layout = self.layouts
+        return (one(self.k[layer], self.k_scale[layer], k_layout), one(self.v[layer], self.v_scale[layer], v_layout))
 
     def bytes_read(self, lengths: torch.Tensor) -> int:
         """KV bytes (scales included) one layer's decode attention reads at these lengths."""

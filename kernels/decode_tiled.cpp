@@ -1,0 +1,266 @@
+// Decode attention over the tiled int8 cache: integer dot products for the scores and for
+// P.V, in a layout that lets a SIMD lane hold one token (for Q.K) or one output element (for
+// P.V), so no horizontal sums are needed anywhere.
+//
+// Layout of one (batch, KV head) plane of Lmax tokens x D values (Lmax a multiple of 32,
+// D a multiple of 4; kernels.h: kTileTokens, kVGroupTokens):
+//   K  tiles of 16 tokens, token-interleaved in groups of 4 values: byte (t, d) at
+//        (t / 16) * 16 D + (d / 4) * 64 + (t % 16) * 4 + d % 4
+//      so the 64 bytes of (tile, d / 4) are 16 tokens x 4 values: one 32-bit lane per token.
+//   V  groups of 4 tokens, value-interleaved: byte (t, d) at (t / 4) * 4 D + d * 4 + t % 4
+//      so the 4 bytes of one lane are 4 tokens of one output element.
+//   Scales stay [Lmax] fp32 per plane (one per head per token, as in the row layout).
+//
+// Per (batch, KV head, split) task, as in decode_attention.cpp:
+//   1. scores: the query heads quantized to int8 (one scale per head); for each d / 4, one
+//      64-byte load of K is dotted with the broadcast 4 query bytes of each head sharing the
+//      KV head (VNNI vpdpbusd, or pmaddubsw + pmaddwd: simd.h), 16 tokens' dot products
+//      accumulating in the lanes. One float multiply per 16 tokens applies both scales.
+//   2. exact softmax over the chunk, the V scales folded into the probabilities; then each
+//      32-token block of probabilities is quantized to [0, 127] with one scale per block
+//      and head (p8 = round(127 p / max p of the block)).
+//   3. O += P.V: for each group of 4 tokens, one load of 4 tokens x (I8B / 4) values is
+//      dotted with the 4 broadcast probability bytes of each head (unsigned x signed, no
+//      bias); int32 sums per block, then one multiply-add by the block's scale into fp32.
+// Tokens past a sequence's length inside its last tile or group get probability 0, so
+// whatever those cache bytes hold contributes exactly 0 (integer arithmetic: no NaN).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "decode_common.h"
+#include "kernels.h"
+#include "parallel.h"
+#include "prefetch.h"
+#include "rows.h"
+#include "simd.h"
+
+namespace wbk {
+namespace {
+
+constexpr int W = VecF::W;          // fp32 / int32 lanes = tokens per K vector
+constexpr int KV = 64 / I8B;        // vectors per 64-byte unit (16 tokens x 4 values)
+constexpr int kBlock = kTiledAlign;  // tokens per probability scale (a multiple of 16 and 4)
+static_assert(W * KV == kTileTokens, "one 64-byte unit holds a tile's 16 tokens");
+
+#if defined(WBK_ISA_AVX512)
+constexpr int kAccRegs = 24;   // of 32 zmm
+constexpr int kHeadsPerPass = 8;
+#elif defined(WBK_ISA_AVX2)
+constexpr int kAccRegs = 8;    // of 16 ymm
+constexpr int kHeadsPerPass = 4;
+#else
+constexpr int kAccRegs = 8;
+constexpr int kHeadsPerPass = 8;
+#endif
+
+// scores[g][r * 16 + i] = qmul[g] * kscale[r * 16 + i] * (q8_g . k_i - qbias[g]) for the 16
+// tokens i of each of R consecutive tiles and GC heads.
+template <int GC, int R>
+inline void score_tiles(const int8_t* tiles, const int8_t* values, int64_t D, const int8_t* q8, int64_t ldq,
+                        const float* qmul, const float* qbias, const float* kscale, float* out, int64_t ldo) {
+  VecI acc[R][GC][KV];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < GC; ++g)
+      for (int u = 0; u < KV; ++u) acc[r][g][u] = VecI::zero();
+  const int64_t tile_bytes = kTileTokens * D;
+  for (int64_t dg = 0; dg < D / 4; ++dg) {
+    VecB qb[GC];
+    for (int g = 0; g < GC; ++g) qb[g] = VecB::bcast4(q8 + g * ldq + 4 * dg);
+    for (int r = 0; r < R; ++r) {
+      // One line of K and one of V (the same tokens' bytes, read by pass 3) fetched
+      // g_prefetch.bytes ahead for each line of K read: spread out, never a burst.
+      const int64_t at = r * tile_bytes + dg * 64;
+      if (g_prefetch.bytes > 0) {
+        prefetch_bytes(tiles + at + g_prefetch.bytes, 64, g_prefetch.hint);
+        if (values) prefetch_bytes(values + at + g_prefetch.bytes, 64, g_prefetch.hint);
+      }
+      for (int u = 0; u < KV; ++u) {
+        const DotK k = dot_operand(VecB::load(tiles + at + u * I8B));
+        for (int g = 0; g < GC; ++g) acc[r][g][u] = dot_i8(acc[r][g][u], k, qb[g]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    const VecF bias = VecF::set1(qbias[g]), mul = VecF::set1(qmul[g]);
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < KV; ++u) {
+        const int64_t i = r * kTileTokens + u * W;
+        ((to_float(acc[r][g][u]) - bias) * VecF::load(kscale + i) * mul).store(out + g * ldo + i);
+      }
+  }
+}
+
+// All n_tiles tiles from `tiles`: R at a time while that many are left, then one by one. R
+// independent accumulator chains per head hide the dot product's latency; half the register
+// budget goes to them, the rest to the query broadcasts and the K operand.
+template <int GC>
+void score_all_tiles(const int8_t* tiles, const int8_t* values, int64_t n_tiles, int64_t D, const int8_t* q8,
+                     int64_t ldq, const float* qmul, const float* qbias, const float* kscale, float* out,
+                     int64_t ldo) {
+  constexpr int R = std::clamp(kAccRegs / (2 * GC * KV), 1, 4);
+  const int64_t tile_bytes = kTileTokens * D;
+  int64_t t = 0;
+  for (; t + R <= n_tiles; t += R)
+    score_tiles<GC, R>(tiles + t * tile_bytes, values ? values + t * tile_bytes : nullptr, D, q8, ldq, qmul, qbias,
+                       kscale + t * kTileTokens, out + t * kTileTokens, ldo);
+  for (; t < n_tiles; ++t)
+    score_tiles<GC, 1>(tiles + t * tile_bytes, values ? values + t * tile_bytes : nullptr, D, q8, ldq, qmul, qbias,
+                       kscale + t * kTileTokens, out + t * kTileTokens, ldo);
+}
+
+// acc[g][d0 : d0 + C W] += ps[g] * sum over `groups` groups of 4 tokens of p8[g] . v, with the
+// int32 sums kept per call (one block); `part` > 0: a single partial vector of `part` values.
+template <int GC, int C>
+inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups, int64_t D,
+                     int64_t d0, float* acc, int part = 0) {
+  VecI ai[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) ai[g][c] = VecI::zero();
+  for (int64_t j = 0; j < groups; ++j) {
+    const int8_t* grp = v + j * 4 * D + d0 * 4;
+    VecB vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = part ? VecB::load(grp, 4 * part) : VecB::load(grp + c * I8B);
+    for (int g = 0; g < GC; ++g) {
+      const VecB pb = VecB::bcast4(p8 + g * ldp + 4 * j);
+      for (int c = 0; c < C; ++c) ai[g][c] = dot_u7(ai[g][c], pb, vv[c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    const VecF s = VecF::set1(ps[g]);
+    float* o = acc + g * D + d0;
+    for (int c = 0; c < C; ++c) {
+      if (part) {
+        fmadd(to_float(ai[g][c]), s, VecF::load(o, part)).store(o, part);
+      } else {
+        fmadd(to_float(ai[g][c]), s, VecF::load(o + c * W)).store(o + c * W);
+      }
+    }
+  }
+}
+
+// One block: acc[g][0 : D] += ps[g] * sum_j p8[g][4j : 4j + 4] . V group j, in chunks of C
+// vectors (the largest power of two with C * GC <= kAccRegs), halving for what is left of D.
+template <int GC, int C = floor_pow2(std::max(1, kAccRegs / GC))>
+void pv_block(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups, int64_t D, float* acc,
+              int64_t d = 0) {
+  for (; d + C * W <= D; d += C * W) pv_chunk<GC, C>(p8, ldp, ps, v, groups, D, d, acc);
+  if constexpr (C > 1) {
+    pv_block<GC, C / 2>(p8, ldp, ps, v, groups, D, acc, d);
+  } else if (d < D) {
+    pv_chunk<GC, 1>(p8, ldp, ps, v, groups, D, d, acc, static_cast<int>(D - d));
+  }
+}
+
+// p [n] fp32 >= 0 -> p8 [round up to kBlock] in [0, 127] (zero past n), one scale per block.
+void quantize_probabilities(const float* p, int64_t n, int8_t* p8, float* ps) {
+  for (int64_t b0 = 0, blk = 0; b0 < n; b0 += kBlock, ++blk) {
+    const int64_t nb = std::min<int64_t>(kBlock, n - b0);
+    const float pmax = row_max(p + b0, nb);
+    const float inv = pmax > 0.0f ? 127.0f / pmax : 0.0f;
+    ps[blk] = pmax / 127.0f;
+    const VecF vinv = VecF::set1(inv);
+    int64_t i = 0;
+    for (; i + W <= nb; i += W) store_i8(p8 + b0 + i, round_nearest(VecF::load(p + b0 + i) * vinv), W);
+    for (; i < nb; ++i) p8[b0 + i] = static_cast<int8_t>(std::nearbyint(p[b0 + i] * inv));
+    std::fill(p8 + b0 + nb, p8 + b0 + kBlock, int8_t{0});
+  }
+}
+
+}  // namespace
+
+void decode_attention_tiled(const DecodeArgs& a) {
+  const int8_t* k_cache = static_cast<const int8_t*>(a.k_cache);
+  const int8_t* v_cache = static_cast<const int8_t*>(a.v_cache);
+  const int64_t G = a.H / a.Hkv, S = a.num_splits, D = a.D;
+  // Chunks start on whole blocks (so on whole tiles and groups): a split of chunk tokens.
+  auto chunk_of = [&](int64_t len) {
+    const int64_t c = (len + S - 1) / S;
+    return (c + kBlock - 1) / kBlock * kBlock;
+  };
+  const int64_t lds = chunk_of(a.Lmax), nblk = lds / kBlock;
+
+  std::vector<float> part_o, part_ml;
+  if (S > 1) {
+    part_o.resize(a.B * a.H * S * D);
+    part_ml.resize(a.B * a.H * S * 2);
+  }
+  const int64_t ldq = (D + 3) / 4 * 4;
+
+  run_tasks(a.B * a.Hkv * S, [&] {
+    return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D), stats = Scratch(2, 4 * G + G * nblk),
+            qint = Scratch(3, G * ldq / 4 + 1), pint = Scratch(4, G * lds / 4 + 1)](int64_t task) mutable {
+      const int64_t s = task % S, bk = task / S;
+      const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
+      const int64_t len = a.lengths[b], chunk = chunk_of(len);
+      const int64_t t0 = std::min(len, s * chunk), t1 = std::min(len, t0 + chunk), n = t1 - t0;
+      const int8_t* kbase = k_cache + bk * a.Lmax * D;
+      const int8_t* vbase = v_cache + bk * a.Lmax * D;
+      const float* qbase = a.q + (b * a.H + kvh * G) * D;
+
+      std::fill(acc.data(), acc.data() + G * D, 0.0f);
+      float* m_g = stats.data();
+      float* l_g = m_g + G;
+      float* qmul = l_g + G;
+      float* qbias = qmul + G;
+      float* ps = qbias + G;  // [G, nblk]
+      int8_t* q8 = reinterpret_cast<int8_t*>(qint.data());
+      int8_t* p8 = reinterpret_cast<int8_t*>(pint.data());  // [G, lds]
+      for (int64_t g = 0; g < G; ++g) {
+        m_g[g] = -std::numeric_limits<float>::infinity();
+        l_g[g] = 0.0f;
+      }
+
+      if (n > 0) {
+        // The first rows of both streams, which the in-loop prefetches (always some distance
+        // ahead) never cover: without this each task's K and V start with a latency-bound ramp.
+        if (g_prefetch.bytes > 0) {
+          const int64_t head = std::min<int64_t>(g_prefetch.bytes, n * D);
+          prefetch_bytes(kbase + t0 * D, head, g_prefetch.hint);
+          prefetch_bytes(vbase + t0 * D, head, g_prefetch.hint);
+        }
+        quantize_query(qbase, G, D, ldq, q8, qmul, qbias);
+        for (int64_t g = 0; g < G; ++g) qmul[g] *= a.scale;
+        // 1. scores of every tile of the chunk (the last one may run past t1: ignored).
+        const int64_t n_tiles = (n + kTileTokens - 1) / kTileTokens;
+        const float* kscale = a.k_scale + bk * a.Lmax + t0;
+        for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
+          with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
+            score_all_tiles<decltype(gc)::value>(kbase + t0 * D, g0 == 0 ? vbase + t0 * D : nullptr, n_tiles, D, q8 + g0 * ldq, ldq, qmul + g0,
+                                                 qbias + g0, kscale, scores.data() + g0 * lds, lds);
+          });
+        }
+        // 2. softmax, V scales folded in, probabilities quantized per block.
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * lds;
+          m_g[g] = row_max(sg, n);
+          l_g[g] = exp_and_sum(sg, n, 1.0f, m_g[g]);
+          mul_rows(sg, a.v_scale + bk * a.Lmax + t0, n);
+          quantize_probabilities(sg, n, p8 + g * lds, ps + g * nblk);
+        }
+        // 3. O += P.V one block at a time (int32 within the block, fp32 across blocks).
+        for (int64_t tb = 0, blk = 0; tb < n; tb += kBlock, ++blk) {
+          const int64_t groups = (std::min<int64_t>(kBlock, n - tb) + kVGroupTokens - 1) / kVGroupTokens;
+          const int8_t* vblock = vbase + (t0 + tb) * D;
+          if (g_prefetch.bytes > 0)
+            prefetch_bytes(vblock + std::max<int64_t>(g_prefetch.bytes, kBlock * D), kBlock * D, g_prefetch.hint);
+          for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
+            with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
+              constexpr int GC = decltype(gc)::value;
+              float psb[GC];
+              for (int g = 0; g < GC; ++g) psb[g] = ps[(g0 + g) * nblk + blk];
+              pv_block<GC>(p8 + g0 * lds + tb, lds, psb, vblock, groups, D, acc.data() + g0 * D);
+            });
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        write_result(a, b, kvh * G + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
+    };
+  });
+  if (S > 1) merge_splits(a, part_o, part_ml);
+}
+
+}  // namespace wbk
