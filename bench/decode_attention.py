@@ -10,6 +10,8 @@ Hkv=8) where split-KV matters. Cases, interleaved in one run:
     fp16 / bf16 / fp32   a cache of that dtype
     sdpa fp32 torch scaled_dot_product_attention on the same fp32 cache
     triad     the STREAM triad, re-measured between the cases (same machine state)
+    read      a plain read of one large array per thread (the fastest any reader streams
+              here: the ceiling a decode kernel, which only reads, can approach)
 
 Every timed call attends over `layers` separate caches, as a decode step does over its
 layers, with layers chosen so that even the int8 caches together exceed twice the
@@ -35,6 +37,7 @@ from common import fmt_ms, interleaved, print_table, summarize, write_results  #
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from workbench.hw import memory  # noqa: E402
 from workbench.hw.machine import machine_info  # noqa: E402
 from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KVCache  # noqa: E402
 from workbench.model.loaders import available_memory_bytes  # noqa: E402
@@ -85,6 +88,7 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
     q = torch.randn(B, H, D)
     lengths = torch.full((B,), L, dtype=torch.int64)
     a, b, c = torch.empty(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS)
+    r = memory.empty((3 * TRIAD_FLOATS,)).fill_(1.0)
     from workbench import kernels
 
     def step(name, s):
@@ -100,22 +104,26 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
         cases["sdpa fp32"] = lambda: [F.scaled_dot_product_attention(qs, cache.k[0], cache.v[0],
                                                                      enable_gqa=Hkv != H) for cache in caches["fp32"]]
     cases["triad"] = lambda: kernels.native.ext.triad(a, b, c, 3.0)
+    cases["read"] = lambda: kernels.native.ext.read_sum(r)
 
     stats = {name: summarize(s) for name, s in interleaved(cases, repeats).items()}
     triad_gbps = 12 * TRIAD_FLOATS / (stats["triad"]["median_ms"] / 1e3) / 1e9
+    read_gbps = 12 * TRIAD_FLOATS / (stats["read"]["median_ms"] / 1e3) / 1e9
     rows = []
     for label, st in stats.items():
-        if label == "triad":
+        if label in ("triad", "read"):
             continue
         dtype = label.split()[1] if label.startswith("sdpa") else label.split()[0]
         nbytes = layers * cache_bytes(B, Hkv, L, D, dtype)
         gbps = nbytes / (st["median_ms"] / 1e3) / 1e9
         st["gbps"] = gbps
         st["pct_triad"] = 100 * gbps / triad_gbps
+        st["pct_read"] = 100 * gbps / read_gbps
         st["ms_per_layer"] = st["median_ms"] / layers
         rows.append({"H/Hkv/D": f"{H}/{Hkv}/{D}", "B": B, "L": L, "layers": layers, "case": label,
                      "KV MiB": f"{nbytes / 2**20:.0f}", "ms median (min-max)": fmt_ms(st),
-                     "ms/layer": f"{st['ms_per_layer']:.3f}", "GB/s": f"{gbps:.1f}", "% triad": f"{st['pct_triad']:.0f}"})
+                     "ms/layer": f"{st['ms_per_layer']:.3f}", "GB/s": f"{gbps:.1f}", "% triad": f"{st['pct_triad']:.0f}",
+                     "% read": f"{st['pct_read']:.0f}"})
     med = {k: v["median_ms"] for k, v in stats.items()}
     ratios = {}
     if "fp16" in med:
@@ -128,9 +136,10 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
         ratios["fp32_over_int8"] = med["fp32"] / med["int8"]
         ratios["sdpa_fp32_over_fp32"] = med["sdpa fp32"] / med["fp32"]
     default_splits = kernels.native.default_num_splits(B, Hkv, L)
-    print(f"H/Hkv/D {H}/{Hkv}/{D} B={B} L={L} ({layers} layers): triad {triad_gbps:.1f} GB/s; "
+    print(f"H/Hkv/D {H}/{Hkv}/{D} B={B} L={L} ({layers} layers): triad {triad_gbps:.1f} GB/s, read {read_gbps:.1f}; "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; default splits {default_splits}", flush=True)
     return {"B": B, "H": H, "Hkv": Hkv, "L": L, "D": D, "layers": layers, "stats": stats, "triad_gbps": triad_gbps,
+            "read_gbps": read_gbps,
             "ratios": ratios, "default_splits": default_splits, "skipped": skipped, "rows": rows}
 
 

@@ -9,6 +9,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels.h"
 #include "prefetch.h"
@@ -306,23 +308,22 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
   wbk::kv_cache_append(a);
 }
 
-Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
-              const std::optional<Tensor>& scale) {
-  const char* fn = "linear";
-  check_tensor(x, fn, "x", 2, "[M, K]");
-  check_tensor(w, fn, "w", 2, "[N, K]");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+// A linear layer's weights w [N, K] (fp32, bf16, or int8 with `scale` [N] per row or
+// [N, ceil(K / 32)] per 32 weights), checked, as the linear kernels take them.
+wbk::WeightRef checked_weight(const Tensor& w, const std::optional<Tensor>& scale, const char* fn,
+                              const std::string& name, int64_t K) {
+  const char* nm = name.c_str();
+  check_tensor(w, fn, nm, 2, "[N, K]");
   TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar,
-                   fn, ": w must be float32, bfloat16 or int8 (with scale), got ", w.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK_VALUE(w.size(1) == K, fn, ": x has K = ", K, " columns but w has ", w.size(1),
+                   fn, ": ", nm, " must be float32, bfloat16 or int8 (with scale), got ", w.scalar_type());
+  const int64_t N = w.size(0);
+  TORCH_CHECK_VALUE(w.size(1) == K, fn, ": x has K = ", K, " columns but ", nm, " has ", w.size(1),
                     " (w is [out_features, in_features])");
-  const wbk::WeightDtype dtype = w.scalar_type() == at::kBFloat16 ? wbk::WeightDtype::kBFloat16
-                                 : w.scalar_type() == at::kChar   ? wbk::WeightDtype::kInt8
-                                                                  : wbk::WeightDtype::kFloat32;
+  wbk::WeightDtype kind = w.scalar_type() == at::kBFloat16 ? wbk::WeightDtype::kBFloat16
+                          : w.scalar_type() == at::kChar   ? wbk::WeightDtype::kInt8
+                                                           : wbk::WeightDtype::kFloat32;
   const float* row_scale = nullptr;
-  wbk::WeightDtype kind = dtype;
-  if (dtype == wbk::WeightDtype::kInt8) {
+  if (kind == wbk::WeightDtype::kInt8) {
     TORCH_CHECK_VALUE(scale.has_value(), fn, ": int8 weights need scale: one float32 per output row [N], or per "
                       "32 weights of a row [N, ceil(K / 32)]");
     TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, fn, ": scale must be float32, got ", scale->scalar_type());
@@ -339,8 +340,21 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
     }
     row_scale = scale->data_ptr<float>();
   } else {
-    TORCH_CHECK_VALUE(!scale.has_value(), fn, ": scale is only for int8 weights, but w is ", w.scalar_type());
+    TORCH_CHECK_VALUE(!scale.has_value(), fn, ": scale is only for int8 weights, but ", nm, " is ", w.scalar_type());
   }
+  return {w.data_ptr(), kind, row_scale, N, K};
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
+              const std::optional<Tensor>& scale) {
+  const char* fn = "linear";
+  check_tensor(x, fn, "x", 2, "[M, K]");
+  check_tensor(w, fn, "w", 2, "[N, K]");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const wbk::WeightRef wr = checked_weight(w, scale, fn, "w", K);
+  const wbk::WeightDtype kind = wr.dtype;
+  const float* row_scale = wr.scale;
   Tensor y;
   if (out.has_value()) {  // write into the caller's buffer (e.g. a collective's: zero copy)
     check_tensor(*out, fn, "out", 2, "[M, N]");
@@ -458,8 +472,153 @@ double read_sum(const Tensor& x) {
 
 }  // namespace
 
+// The fused decode step's Python face: built once per (model, cache) with every layer's
+// weights and cache tensors (checked here, kept alive here), then step() runs all layers
+// in one call with the GIL released (decode_step.cpp).
+class DecodeStack {
+ public:
+  DecodeStack(const std::vector<Tensor>& attn_norm, const std::vector<Tensor>& mlp_norm,
+              const std::vector<Tensor>& wqkv, const std::vector<std::optional<Tensor>>& wqkv_scale,
+              const std::vector<Tensor>& wo, const std::vector<std::optional<Tensor>>& wo_scale,
+              const std::vector<Tensor>& wgu, const std::vector<std::optional<Tensor>>& wgu_scale,
+              const std::vector<Tensor>& wdown, const std::vector<std::optional<Tensor>>& wdown_scale,
+              const std::vector<Tensor>& k_cache, const std::vector<Tensor>& v_cache,
+              const std::vector<std::optional<Tensor>>& k_scale, const std::vector<std::optional<Tensor>>& v_scale,
+              int64_t heads, double eps, bool int8_query, bool tiled) {
+    const char* fn = "DecodeStack";
+    const size_t n = attn_norm.size();
+    TORCH_CHECK_VALUE(n >= 1, fn, ": needs at least one layer");
+    for (size_t len : {mlp_norm.size(), wqkv.size(), wqkv_scale.size(), wo.size(), wo_scale.size(), wgu.size(),
+                       wgu_scale.size(), wdown.size(), wdown_scale.size(), k_cache.size(), v_cache.size(),
+                       k_scale.size(), v_scale.size()})
+      TORCH_CHECK_VALUE(len == n, fn, ": every per-layer list needs ", n, " entries (one per layer), got ", len);
+    check_tensor(k_cache[0], fn, "k_cache[0]", 4, "[B, Hkv, Lmax, D]");
+    const int64_t B = k_cache[0].size(0), Hkv = k_cache[0].size(1), Lmax = k_cache[0].size(2),
+                  D = k_cache[0].size(3);
+    check_tensor(attn_norm[0], fn, "attn_norm[0]", 1, "[dim]");
+    const int64_t dim = attn_norm[0].size(0);
+    TORCH_CHECK_VALUE(heads >= 1 && heads % Hkv == 0, fn, ": heads (", heads,
+                      ") must be a positive multiple of the cache's KV heads (", Hkv, ")");
+    check_tensor(wdown[0], fn, "wdown[0]", 2, "[dim, ffn]");
+    const int64_t ffn = wdown[0].size(1);
+    const wbk::CacheDtype dtype = cache_dtype(k_cache[0], fn, "k_cache[0]");
+    const bool is_int8 = dtype == wbk::CacheDtype::kInt8;
+    TORCH_CHECK_VALUE(!(int8_query || tiled) || is_int8, fn, ": int8_query / tiled need an int8 cache, got ",
+                      k_cache[0].scalar_type());
+    if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
+    shape_ = {dim, heads, Hkv, D, ffn, Lmax, static_cast<float>(eps), static_cast<float>(1.0 / std::sqrt(double(D))),
+              dtype, tiled ? wbk::CacheLayout::kKTiles : wbk::CacheLayout::kRows,
+              tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_query || tiled, tiled};
+    batch_ = B;
+    for (size_t l = 0; l < n; ++l) {
+      const std::string at = "[" + std::to_string(l) + "]";
+      for (auto [t, name] : {std::pair{attn_norm[l], "attn_norm"}, std::pair{mlp_norm[l], "mlp_norm"}}) {
+        check_tensor(t, fn, (name + at).c_str(), 1, "[dim]");
+        TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", name, at, " must be float32, got ", t.scalar_type());
+        TORCH_CHECK_VALUE(t.size(0) == dim, fn, ": ", name, at, " has ", t.size(0), " values, expected dim = ", dim);
+      }
+      wbk::LayerRef r{};
+      r.attn_norm = attn_norm[l].data_ptr<float>();
+      r.mlp_norm = mlp_norm[l].data_ptr<float>();
+      r.qkv = checked_weight(wqkv[l], wqkv_scale[l], fn, "wqkv" + at, dim);
+      r.o = checked_weight(wo[l], wo_scale[l], fn, "wo" + at, heads * D);
+      r.gate_up = checked_weight(wgu[l], wgu_scale[l], fn, "wgu" + at, dim);
+      r.down = checked_weight(wdown[l], wdown_scale[l], fn, "wdown" + at, ffn);
+      TORCH_CHECK_VALUE(r.qkv.N == (heads + 2 * Hkv) * D && r.o.N == dim && r.gate_up.N == 2 * ffn && r.down.N == dim,
+                        fn, ": layer ", l, "'s weights do not fit dim ", dim, ", ", heads, " heads, ", Hkv,
+                        " KV heads of ", D, " and ffn ", ffn);
+      for (auto [t, name] : {std::pair{k_cache[l], "k_cache"}, std::pair{v_cache[l], "v_cache"}}) {
+        check_tensor(t, fn, (name + at).c_str(), 4, "[B, Hkv, Lmax, D]");
+        TORCH_CHECK_VALUE(t.sizes() == k_cache[0].sizes() && t.scalar_type() == k_cache[0].scalar_type(), fn, ": ",
+                          name, at, " must match k_cache[0] (", k_cache[0].sizes(), " ", k_cache[0].scalar_type(),
+                          "), got ", t.sizes(), " ", t.scalar_type());
+      }
+      r.k_cache = k_cache[l].data_ptr();
+      r.v_cache = v_cache[l].data_ptr();
+      for (auto [t, name] : {std::pair{k_scale[l], "k_scale"}, std::pair{v_scale[l], "v_scale"}}) {
+        TORCH_CHECK_VALUE(t.has_value() == is_int8, fn, ": ", name, at, is_int8 ? " is needed (int8 cache)" :
+                          " is only for an int8 cache");
+        if (t) {
+          check_tensor(*t, fn, (name + at).c_str(), 3, "[B, Hkv, Lmax]");
+          TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", name, at, " must be float32");
+          TORCH_CHECK_VALUE(t->sizes() == k_cache[0].sizes().slice(0, 3), fn, ": ", name, at, " must be ",
+                            k_cache[0].sizes().slice(0, 3), ", got ", t->sizes());
+          keep_.push_back(*t);
+        }
+      }
+      r.k_scale = k_scale[l] ? k_scale[l]->data_ptr<float>() : nullptr;
+      r.v_scale = v_scale[l] ? v_scale[l]->data_ptr<float>() : nullptr;
+      layers_.push_back(r);
+      for (const Tensor& t : {attn_norm[l], mlp_norm[l], wqkv[l], wo[l], wgu[l], wdown[l], k_cache[l], v_cache[l]})
+        keep_.push_back(t);
+      for (const auto& t : {wqkv_scale[l], wo_scale[l], wgu_scale[l], wdown_scale[l]})
+        if (t) keep_.push_back(*t);
+    }
+  }
+
+  // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, 3]
+  // float64 (attention, mlp, other seconds added) or None.
+  void step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+            const std::optional<Tensor>& timers) {
+    const char* fn = "DecodeStack.step";
+    const int64_t B = batch_, D = shape_.D;
+    check_tensor(x, fn, "x", 2, "[B, dim]");
+    TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+    TORCH_CHECK_VALUE(x.size(0) == B && x.size(1) == shape_.dim, fn, ": x must be [B, dim] = [", B, ", ",
+                      shape_.dim, "], got ", x.sizes());
+    for (auto [t, name] : {std::pair{cos, "cos"}, std::pair{sin, "sin"}}) {
+      check_tensor(t, fn, name, 2, "[B, D]");
+      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", name, " must be float32");
+      TORCH_CHECK_VALUE(t.size(0) == B && t.size(1) == D, fn, ": ", name, " must be [", B, ", ", D, "], got ",
+                        t.sizes());
+    }
+    Tensor pos = checked_positions(positions, fn, "positions", B, 0, shape_.Lmax - 1,
+                                   "each new token must fit in the cache");
+    Tensor len = pos + 1;
+    double* tm = nullptr;
+    if (timers) {
+      check_tensor(*timers, fn, "timers", 2, "[layers, 3]");
+      TORCH_CHECK_TYPE(timers->scalar_type() == at::kDouble, fn, ": timers must be float64");
+      TORCH_CHECK_VALUE(timers->size(0) == static_cast<int64_t>(layers_.size()) && timers->size(1) == 3, fn,
+                        ": timers must be [", layers_.size(), ", 3], got ", timers->sizes());
+      tm = timers->data_ptr<double>();
+    }
+    const int64_t* lp = len.data_ptr<int64_t>();
+    const int64_t longest = *std::max_element(lp, lp + B);
+    const int64_t splits = std::min(wbk::decode_default_splits(B, shape_.Hkv, longest, at::get_num_threads()),
+                                    shape_.Lmax);
+    wbk::StepArgs a{x.data_ptr<float>(), B, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
+                    lp, splits, tm};
+    wbk::decode_stack_step(shape_, layers_, a, buffers_);
+  }
+
+  int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  wbk::StackShape shape_{};
+  int64_t batch_ = 0;
+  std::vector<wbk::LayerRef> layers_;
+  std::vector<Tensor> keep_;  // every tensor a pointer above points into
+  wbk::StepBuffers buffers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "workbench attention and KV-cache kernels (see workbench.kernels for the documented API)";
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)
+      .def(py::init<const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
+                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
+                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
+                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
+                    const std::vector<Tensor>&, const std::vector<std::optional<Tensor>>&,
+                    const std::vector<std::optional<Tensor>>&, int64_t, double, bool, bool>(),
+           py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wqkv_scale"), py::arg("wo"),
+           py::arg("wo_scale"), py::arg("wgu"), py::arg("wgu_scale"), py::arg("wdown"), py::arg("wdown_scale"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("heads"),
+           py::arg("eps"), py::arg("int8_query"), py::arg("tiled"))
+      .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+           py::arg("timers"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("layers", &DecodeStack::layers);
   m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
         py::arg("scale"), py::arg("block_m"),
         py::call_guard<py::gil_scoped_release>());

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace wbk {
 
@@ -110,6 +111,49 @@ void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* 
 // T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).
 void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,
                       const float* sin);
+
+// Up to this many rows a linear layer runs the matrix-vector kernel, above it the GEMM (the
+// measured crossover, bench/linear.py; workbench.kernels.linear's default matvec_max_rows).
+inline constexpr int64_t kMatvecMaxRows = 10;
+
+// The fused decode step (decode_step.cpp): every layer of the stack in one call.
+struct WeightRef {  // one linear layer's weights, as linear_matvec / linear_gemm take them
+  const void* w;
+  WeightDtype dtype;
+  const float* scale;  // int8 scales (per row or per 32 weights), else null
+  int64_t N, K;
+};
+struct LayerRef {  // one layer's weights and KV cache
+  const float* attn_norm;
+  const float* mlp_norm;
+  WeightRef qkv, o, gate_up, down;
+  void* k_cache;
+  void* v_cache;
+  float* k_scale;  // int8 caches only
+  float* v_scale;
+};
+struct StackShape {
+  int64_t dim, H, Hkv, D, ffn, Lmax;  // local heads (a tensor-parallel rank's share)
+  float eps, scale;                   // RMSNorm epsilon, attention scale
+  CacheDtype dtype;
+  CacheLayout k_layout, v_layout;
+  bool int8_query, tiled;
+};
+struct StepArgs {
+  float* x;  // [B, dim] the residual stream, updated in place
+  int64_t B;
+  const float* cos;  // [B, D] each sequence's RoPE row
+  const float* sin;
+  const int64_t* positions;  // [B] where each sequence's new token goes
+  const int64_t* lengths;    // [B] positions + 1
+  int64_t num_splits;
+  double* timers;  // [layers, 3] seconds added per part (attention, mlp, other), or null
+};
+struct StepBuffers {  // scratch reused from step to step
+  std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
+};
+void decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layers, const StepArgs& a,
+                       StepBuffers& buf);
 
 // Machine-peak probes used by the benchmarks (bench/peaks.py).
 // fma_loop runs `iterations` steps of independent FMA chains on every torch thread and

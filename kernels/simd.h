@@ -113,6 +113,7 @@ inline __m256 hi256(VecF a) {
 inline VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline VecF vabs(VecF a) { return {_mm512_abs_ps(a.v)}; }
@@ -197,6 +198,7 @@ struct VecF {
 
 inline VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
@@ -258,6 +260,7 @@ struct VecF {
 inline VecF operator+(VecF a, VecF b) { return {a.v + b.v}; }
 inline VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
 inline VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
+inline VecF operator/(VecF a, VecF b) { return {a.v / b.v}; }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return {std::fma(a.v, b.v, c.v)}; }
 inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
 inline VecF vabs(VecF a) { return {std::fabs(a.v)}; }

@@ -434,7 +434,7 @@ class WorkbenchMagics(Magics):
         print(f"text: {args.text or default_text_name()}; the last {args.steps} tokens of each context "
               f"teacher-forced over the cache; reference: an fp32 cache")
         cols = ["kv_cache", "granularity", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
-                "top1_agreement_vs_fp32", "kernel"]
+                "top1_agreement_vs_fp32", "attention_rel_error", "kernel"]
         print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
         front = best_per_byte(rows)
         print("best per byte (no format has fewer bytes and lower KL), at context "

@@ -29,6 +29,18 @@ def test_kv_quality_against_the_fp32_cache(model):
         kv_quality(model, context=16, steps=16)
 
 
+def test_attention_error_separates_the_kernels_own_rounding(model):
+    """The probe compares each decode kernel with float64 over the values its cache stores:
+    fp32 accumulation alone (fp32, int8 widened, the torch reference path) is ~1e-7, the
+    int8 query (int8dot) and the 7-bit probabilities (int8tile) add errors of their own."""
+    fmts = ("fp32", "int8", "int8dot", "int8tile", "int8-ref")
+    rows = {r["kv_cache"]: r for r in kv_quality(model, fmts, context=200, steps=8)}
+    for exact in ("fp32", "int8", "int8-ref"):
+        assert rows[exact]["attention_rel_error"] < 1e-5, rows[exact]
+    for rounded in ("int8dot", "int8tile"):
+        assert 1e-4 < rows[rounded]["attention_rel_error"] < 0.05, rows[rounded]
+
+
 def test_format_table_aligns_and_formats():
     text = format_table([{"a": 1.23456, "b": "x"}, {"a": 10.0, "b": "longer"}], ["a", "b"], {"a": "{:.1f}"})
     lines = text.splitlines()

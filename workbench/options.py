@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.switches import DECODE_PATHS
 from workbench.model.weights import WEIGHT_DTYPES
 
 Option = tuple[tuple[str, ...], dict]
@@ -29,6 +30,8 @@ GENERATE_OPTIONS: list[Option] = [
                             help="attention backend for this run (default: the current switch)")),
     (("--kv-cache",), dict(choices=list(KV_FORMATS), default=None,
                            help="KV-cache format for this run (default: the current switch)")),
+    (("--decode",), dict(choices=list(DECODE_PATHS), default=None,
+                         help="decode path: fused (one C++ call per step) or python (default: the current switch)")),
     (("--temperature",), dict(type=float, default=0.0, help="0 is greedy (default)")),
     (("--top-k",), dict(type=int, default=None)),
     (("--top-p",), dict(type=float, default=None)),
@@ -57,7 +60,7 @@ def magic_options(options: list[Option]):
 def generate_kwargs(args) -> dict:
     """The keyword arguments of Model.generate from parsed GENERATE_OPTIONS."""
     return dict(max_new_tokens=args.max_new_tokens, attention=args.attention, kv_cache=args.kv_cache,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                decode=args.decode, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 def chat_prompt(model, prompt: str, chat: bool) -> str:

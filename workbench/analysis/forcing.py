@@ -13,14 +13,16 @@ from workbench.runtime.timing import StepRecord
 
 
 def forced_steps(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches,
-                 record: bool = False) -> Iterator[tuple[int, torch.Tensor, StepRecord | None]]:
+                 record: bool = False, cache=None) -> Iterator[tuple[int, torch.Tensor, StepRecord | None]]:
     """Yields (step, logits [B, vocab], record) for the prefill (step 0, the logits of each
     prompt's last token) and then for each token of continuation [B, steps] but the last:
-    step s + 1 predicts continuation[:, s + 1]. Runs under inference_mode."""
+    step s + 1 predicts continuation[:, s + 1]. Runs under inference_mode. cache: an empty
+    cache to use (new_cache_for's), else a new one in switches.kv_cache."""
     batch, steps = continuation.shape
     if batch != len(prompts):
         raise ValueError(f"continuation has {batch} rows for {len(prompts)} prompts")
-    cache = llama.new_cache(batch, max(map(len, prompts)) + steps, switches.kv_cache)
+    if cache is None:
+        cache = new_cache_for(llama, prompts, continuation, switches)
     with torch.inference_mode():
         tokens = torch.tensor([t for p in prompts for t in p])
         logits, rec = llama.prefill(tokens, [len(p) for p in prompts], cache, switches, record)
@@ -30,6 +32,13 @@ def forced_steps(llama, prompts: list[list[int]], continuation: torch.Tensor, sw
             yield s + 1, logits, rec
 
 
-def forced_logits(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches) -> torch.Tensor:
+def new_cache_for(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches):
+    """An empty cache long enough for the prompts and the continuation."""
+    return llama.new_cache(len(prompts), max(map(len, prompts)) + continuation.shape[1], switches.kv_cache)
+
+
+def forced_logits(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches,
+                  cache=None) -> torch.Tensor:
     """All of forced_steps' logits: [B, steps, vocab]; position s predicts continuation[:, s]."""
-    return torch.stack([logits for _, logits, _ in forced_steps(llama, prompts, continuation, switches)], dim=1)
+    steps = forced_steps(llama, prompts, continuation, switches, cache=cache)
+    return torch.stack([logits for _, logits, _ in steps], dim=1)

@@ -11,6 +11,10 @@ show the format). Each format is compared with the fp32 cache at the same positi
     kl_nats_max              the largest at any position
     perplexity               exp(mean negative log-likelihood of the text's actual next tokens)
     bytes_per_element        storage per cached value, scales included
+    attention_rel_error      the decode kernel's own error: its attention outputs against
+                             float64 over the very values the cache stores (AttentionErrorProbe),
+                             so int8dot's query rounding and int8tile's probability rounding
+                             show apart from the cache's storage rounding
 
 The default text is every license Debian ships (workbench.analysis.text.license_corpus).
 Formats marked kernel=False run on the labelled torch reference path
@@ -19,11 +23,12 @@ Formats marked kernel=False run on the labelled torch reference path
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
-from workbench.analysis.forcing import forced_logits
+from workbench.analysis.forcing import forced_logits, new_cache_for
 from workbench.analysis.text import license_corpus
 from workbench.model.kv_formats import KV_FORMATS, kv_format
 from workbench.model.switches import Switches
@@ -61,12 +66,18 @@ def kv_quality(model, formats=tuple(KV_FORMATS), context=1024, steps: int = 64, 
         # forced_logits' position s predicts follow[s]; position 0 is the prefill's, the rest decode's.
         targets = torch.tensor(ids[c - steps + 1:c])
 
-        def logprobs(fmt: str) -> torch.Tensor:
-            return forced_logits(model.llama, prompt, follow, Switches(attention, fmt))[0, 1:].log_softmax(-1)
+        def logprobs(fmt: str) -> tuple[torch.Tensor, float]:
+            # The Python decode path (the same kernels, called one by one), so the probe sees
+            # every attention call.
+            switches = Switches(attention, fmt, decode="python")
+            cache = new_cache_for(model.llama, prompt, follow, switches)
+            probe = AttentionErrorProbe(cache)
+            lp = forced_logits(model.llama, prompt, follow, switches, cache=cache)[0, 1:].log_softmax(-1)
+            return lp, probe.mean_relative_error
 
-        ref = logprobs(REFERENCE)  # [steps - 1, vocab]: the decode steps' predictions
+        ref, ref_err = logprobs(REFERENCE)  # [steps - 1, vocab]: the decode steps' predictions
         for fmt in formats:
-            lp = ref if fmt == REFERENCE else logprobs(fmt)
+            lp, attn_err = (ref, ref_err) if fmt == REFERENCE else logprobs(fmt)
             kl = (ref.exp() * (ref - lp)).sum(-1)
             nll = -lp.gather(-1, targets[:, None])
             f = KV_FORMATS[fmt]
@@ -75,9 +86,44 @@ def kv_quality(model, formats=tuple(KV_FORMATS), context=1024, steps: int = 64, 
                          "context": c, "positions": lp.shape[0],
                          "top1_agreement_vs_fp32": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                          "kl_nats": kl.mean().item(), "kl_nats_max": kl.max().item(),
-                         "perplexity": nll.mean().exp().item()})
+                         "perplexity": nll.mean().exp().item(), "attention_rel_error": attn_err})
             say(f"context {c}: {fmt} KL {rows[-1]['kl_nats']:.2e}, top-1 {rows[-1]['top1_agreement_vs_fp32']:.3f}")
     return rows
+
+
+class AttentionErrorProbe:
+    """Measures a decode kernel's own arithmetic error on a real run: every decode attention
+    over `cache` is also computed in float64 over exactly the values the cache stores, and
+    the relative L2 error of the kernel's output ||o - o64|| / ||o64|| (per sequence, head
+    and layer) is averaged. Storage rounding is not in it (both read the same values), only
+    what the kernel adds: int8dot's query quantization, int8tile's probability rounding, fp32
+    accumulation order. Wraps cache.attend on this one cache object."""
+
+    def __init__(self, cache):
+        self.cache, self.errors = cache, []
+        attend = cache.attend
+
+        def checked(layer, q, lengths, **options):
+            out = attend(layer, q, lengths, **options)
+            self.errors.append(self._relative_error(layer, q, lengths, out))
+            return out
+
+        cache.attend = checked
+
+    def _relative_error(self, layer, q, lengths, out) -> float:
+        errs = []
+        for b in range(q.shape[0]):
+            k, v = (t.double() for t in self.cache.dequantized(layer, b, int(lengths[b])))
+            group = q.shape[1] // k.shape[0]
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            s = torch.einsum("hd,hnd->hn", q[b].double(), k) / math.sqrt(q.shape[-1])
+            ref = torch.einsum("hn,hnd->hd", s.softmax(-1), v)
+            errs.append(((out[b].double() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).mean().item())
+        return sum(errs) / len(errs)
+
+    @property
+    def mean_relative_error(self) -> float:
+        return sum(self.errors) / len(self.errors) if self.errors else float("nan")
 
 
 def weight_quality(reference, candidate, context: int = 1024, text: str | None = None) -> dict:

@@ -386,8 +386,8 @@ class DistributedModel:
 
     # -- inference ---------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
-                 kv_cache: str | None = None, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
+                 kv_cache: str | None = None, decode: str | None = None, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
                  on_token=None, on_step=None, check_topk: bool | None = None):
         """Model.generate on every rank at once (see workbench.runtime.generate); rank 0's
         result, with `topk_log` (check_topk: per step, whether the distributed top-1 is the
@@ -400,7 +400,9 @@ class DistributedModel:
         kwargs = dict(max_new_tokens=max_new_tokens, attention=attention or self.attention,
                       kv_cache=kv_cache or self.kv_cache, temperature=temperature, top_k=top_k, top_p=top_p,
                       seed=seed, stop_at_eos=stop_at_eos, record=record)
-        Switches(kwargs["attention"], kwargs["kv_cache"])
+        if decode is not None:  # the ranks' layers end in all-reduces, so they decode on the Python path anyway
+            kwargs["decode"] = decode
+        Switches(kwargs["attention"], kwargs["kv_cache"], decode or "fused")
         seen = {"ids": 0, "steps": 0}
         live = Timings()
         ars: list = []

@@ -171,6 +171,24 @@ class KernelSet:
                             out, scale)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
+    def decode_stack(self, layers, k_cache, v_cache, k_scale, v_scale, *, heads: int, eps: float,
+                     int8_query: bool = False, tiled: bool = False):
+        """The fused decode step over a whole decoder stack (kernels/decode_step.cpp): `layers`
+        are the model's Layer objects (attn_norm, mlp_norm, and Linear wqkv, wo, w_gate_up,
+        w_down), the caches one tensor per layer (scales None unless int8). Returns an object
+        whose step(x, cos, sin, positions, timers) runs every layer for one new token per
+        sequence in one call with the GIL released: x [B, dim] fp32 updated in place, cos /
+        sin [B, head_dim], positions [B]; timers a float64 [layers, 3] tensor that receives
+        each layer's attention / MLP / norms-and-adds seconds, or None. The weights and caches
+        are held, not copied: build one per (model, cache)."""
+        def of(name):
+            return [getattr(layer, name).weight for layer in layers], [getattr(layer, name).scale for layer in layers]
+
+        (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = of("wqkv"), of("wo"), of("w_gate_up"), of("w_down")
+        return self.ext.DecodeStack([layer.attn_norm for layer in layers], [layer.mlp_norm for layer in layers],
+                                    wqkv, sqkv, wo, so, wgu, sgu, wd, sd, list(k_cache), list(v_cache),
+                                    list(k_scale), list(v_scale), heads, float(eps), bool(int8_query), bool(tiled))
+
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
         """Rotary position embedding (rotate-half layout) in place: in each row of x [T, C]
         fp32 (rows contiguous), the first `heads` vectors of head_dim values are rotated by
@@ -281,3 +299,4 @@ quantize_kv_int8 = native.quantize_kv_int8
 kv_cache_append = native.kv_cache_append
 linear = native.linear
 rope_ = native.rope_
+decode_stack = native.decode_stack

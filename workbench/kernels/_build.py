@@ -40,7 +40,7 @@ def _source_dir() -> Path:
 
 
 SOURCE_DIR = _source_dir()
-SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "decode_tiled.cpp", "kv_cache.cpp", "linear.cpp",
+SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "decode_tiled.cpp", "decode_step.cpp", "kv_cache.cpp", "linear.cpp",
            "rope.cpp", "peaks.cpp", "shm_comm.cpp")
 # GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
 # (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.

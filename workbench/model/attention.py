@@ -70,13 +70,14 @@ class AttentionBackend:
     description: str
     prefill: Callable
     decode: Callable
+    decode_kernel: bool = False  # decode is our C++ kernel (so the fused decode step can run it)
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     AttentionBackend("slim", "SlimAttention: queries split only, one exact softmax pass (our kernel)",
-                     lambda q, k, v: kernels.slim_attention(q, k, v, causal=True), _kernel_decode),
+                     lambda q, k, v: kernels.slim_attention(q, k, v, causal=True), _kernel_decode, True),
     AttentionBackend("flash", "FlashAttention-2: 2-D tiles, online softmax with rescaling (our kernel)",
-                     lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), _kernel_decode),
+                     lambda q, k, v: kernels.flash_attention(q, k, v, causal=True), _kernel_decode, True),
     AttentionBackend("sdpa", "torch.nn.functional.scaled_dot_product_attention (PyTorch's CPU kernels)",
                      _sdpa_prefill, _per_sequence_decode(_sdpa_one)),
     AttentionBackend("naive", "plain PyTorch matmul + softmax: the reference",

@@ -13,6 +13,7 @@ its kernels:
     dequantize    stored values (+ scales) -> fp32, for the reference attention paths
     decode        the decode-attention kernel over this format
     tiled         K and V in the tiled int8 layout (kernels/decode_tiled.cpp), not token rows
+    int8_query    its kernel quantizes the query to int8 (read by the fused decode step)
 
 A layer's cache holds K and V as [B, Hkv, max_len, D] of `storage`, plus [B, Hkv, max_len]
 fp32 scales each when `scaled`; Hkv is the model's local KV-head count, so a tensor-parallel
@@ -69,6 +70,7 @@ class KVFormat:
     # are quantized (workbench.model.kv_quant); None for the formats with C++ kernels.
     quant: QuantSpec | None = None
     tiled: bool = False
+    int8_query: bool = False  # its kernel quantizes the query to int8 (integer dot products for the scores)
 
     @property
     def bits(self) -> int:
@@ -109,7 +111,7 @@ def _reference(name: str, k: str, v: str | None = None, bits: int = 8, descripti
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int8", torch.int8, scaled=True,
              description="int8, one fp32 scale per head per token (the paper's format and kernel: K widened)"),
-    KVFormat("int8dot", torch.int8, scaled=True, decode=_decode_int8_query,
+    KVFormat("int8dot", torch.int8, scaled=True, decode=_decode_int8_query, int8_query=True,
              description="the int8 cache, scores by integer dot products with an int8 query (VNNI / pmaddubsw)"),
     KVFormat("int8tile", torch.int8, scaled=True, decode=_decode_tiled, tiled=True,
              description="int8 in a tiled layout: integer scores and integer P.V (probabilities at 7 bits per "

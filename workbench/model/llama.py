@@ -25,6 +25,7 @@ spent, the bytes read and the floating-point operations done (`StepRecord`).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -157,6 +158,7 @@ class LlamaModel:
         self.extras = head
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
+        self._stacks = weakref.WeakKeyDictionary()  # cache -> its fused decode step (kernels.decode_stack)
 
     @property
     def weight_bytes(self) -> int:
@@ -254,9 +256,34 @@ class LlamaModel:
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
                                     sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
 
+    def fused_decode_blocker(self, switches: Switches, cache: KVCache) -> str | None:
+        """Why a decode step with these switches over this cache runs the Python path, or
+        None when the fused C++ step (switches.decode == "fused") runs it."""
+        if switches.decode != "fused":
+            return "decode='python' was asked for"
+        if not attention_backend(switches.attention).decode_kernel:
+            return f"attention {switches.attention!r} decodes in PyTorch, not with our kernel"
+        if type(cache) is not KVCache:
+            return f"kv_cache {switches.kv_cache!r} runs on the torch reference path"
+        if any(type(lin) is not Linear for layer in self.layers
+               for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
+            return "tensor parallel: o_proj and down_proj end in an all-reduce (run from Python)"
+        return None
+
+    def _fused_stack(self, cache: KVCache):
+        stack = self._stacks.get(cache)
+        if stack is None:
+            fmt = cache.format
+            stack = kernels.decode_stack(self.layers, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                         heads=self.n_heads, eps=self.cfg.norm_eps,
+                                         int8_query=fmt.int8_query, tiled=fmt.tiled)
+            self._stacks[cache] = stack
+        return stack
+
     def decode(self, tokens: torch.Tensor, cache: KVCache, switches: Switches,
                record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
-        """tokens [B], one per sequence, at positions cache.lengths -> logits [B, vocab]."""
+        """tokens [B], one per sequence, at positions cache.lengths -> logits [B, vocab].
+        The layers run in one fused C++ call where fused_decode_blocker allows, else here."""
         clock = Clock(record, len(self.layers))
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
@@ -267,6 +294,23 @@ class LlamaModel:
                              f"allocate a longer cache")
         lengths = positions + 1
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
+
+        if self.fused_decode_blocker(switches, cache) is None:
+            x = self._embed(tokens)  # [B, dim]
+            timers = torch.zeros(len(self.layers), 3, dtype=torch.float64) if record else None
+            t_layers = clock.t()
+            self._fused_stack(cache).step(x, cos, sin, positions, timers)
+            layers_s = clock.t() - t_layers
+            if record:
+                for i, (attn_s, mlp_s, other_s) in enumerate(timers.tolist()):
+                    clock.add("attention", i, attn_s)
+                    clock.add("mlp", i, mlp_s)
+                    clock.add("other", i, other_s)
+            logits = self._head(x)
+            cache.lengths = lengths
+            return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
+                                        cache.bytes_read(lengths) if record else 0, int(lengths.sum()),
+                                        logits.shape[0])
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
             q, k, v = layer.qkv(h, cos, sin)

@@ -10,7 +10,7 @@ attention backend, KV-cache dtype and thread count, with per-layer timings built
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -30,13 +30,14 @@ class GenerationResult:
     prompt_token_ids: list[list[int]]
     timings: Timings
     switches: Switches
+    decode_path: str = "python"  # the decode path that ran: "fused" or "python" (see Switches.decode)
 
     def summary_line(self) -> str:
         """One line for people: prefill time, decode rate, achieved GB/s and GFLOP/s, switches."""
         s = self.timings.summary()
         return (f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s, "
                 f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | "
-                f"attention={self.switches.attention} kv_cache={self.switches.kv_cache}")
+                f"attention={self.switches.attention} kv_cache={self.switches.kv_cache} decode={self.decode_path}")
 
     def report(self) -> str:
         """A few lines: the tokens and the summary line, then the per-layer split of a decode
@@ -98,7 +99,7 @@ class Model:
 
     @attention.setter
     def attention(self, value: str) -> None:
-        self._set_switches(Switches(value, self.switches.kv_cache))
+        self._set_switches(replace(self.switches, attention=value))
 
     @property
     def kv_cache(self) -> str:
@@ -106,7 +107,16 @@ class Model:
 
     @kv_cache.setter
     def kv_cache(self, value: str) -> None:
-        self._set_switches(Switches(self.switches.attention, value))
+        self._set_switches(replace(self.switches, kv_cache=value))
+
+    @property
+    def decode(self) -> str:
+        """"fused" (one C++ call per decode step, where the switches allow) or "python"."""
+        return self.switches.decode
+
+    @decode.setter
+    def decode(self, value: str) -> None:
+        self._set_switches(replace(self.switches, decode=value))
 
     @property
     def threads(self) -> int:
@@ -160,13 +170,13 @@ class Model:
         return out
 
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
-                 kv_cache: str | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 kv_cache: str | None = None, decode: str | None = None, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
                  on_token: Callable[[int, list[int]], None] | None = None,
                  on_step: Callable[[StepRecord, Timings], None] | None = None) -> GenerationResult:
         """Generate up to max_new_tokens for one prompt or a batch of prompts of any lengths.
 
-        attention / kv_cache override the model's switches for this call. temperature 0 is
+        attention / kv_cache / decode override the model's switches for this call. temperature 0 is
         greedy; otherwise top_k / top_p sampling with `seed`. on_token(step, ids) is called
         after every step with the new token of each sequence (for streaming); on_step(record,
         timings) after every recorded forward step (for live plots, see workbench.plots)."""
@@ -176,7 +186,7 @@ class Model:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        sw = Switches(attention or self.attention, kv_cache or self.kv_cache)
+        sw = Switches(attention or self.attention, kv_cache or self.kv_cache, decode or self.decode)
         seqs = self._encode(prompt)
         self._check_ids(seqs)
         lens = [len(s) for s in seqs]
@@ -226,7 +236,8 @@ class Model:
 
         texts = [self.tokenizer.decode([t for t in o if t != eos]) for o in out]
         single = isinstance(prompt, str) or (seqs and len(seqs) == 1 and not isinstance(prompt[0], (list, str)))
-        return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw)
+        path = "python" if self.llama.fused_decode_blocker(sw, cache) else "fused"
+        return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw, path)
 
 
 def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,

@@ -1,0 +1,140 @@
+// One decode step of the whole decoder stack in C++: for every layer,
+//
+//   h = RMSNorm(x) * attn_norm
+//   qkv = h W_qkv^T; RoPE on the q and k heads; k, v appended to the layer's cache
+//   x += decode_attention(q, cache) W_o^T
+//   h = RMSNorm(x) * mlp_norm
+//   x += (SiLU(h W_gate^T) * (h W_up^T)) W_down^T
+//
+// with the same kernels the Python model calls one by one (linear.cpp, rope.cpp,
+// kv_cache.cpp, decode_attention.cpp / decode_tiled.cpp), but without a Python call, a
+// tensor allocation or the GIL between them. workbench/model/llama.py stays the readable
+// reference of the same step (LlamaModel.decode with decode="python").
+//
+// Per-part timers (attention, MLP, norms and adds: the parts the Python path records) are
+// steady_clock reads around each part, added into `timers` when the caller asks for them.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace wbk {
+namespace {
+
+constexpr int W = VecF::W;
+
+// y [n] = x [n] / sqrt(mean(x^2) + eps) * w, one row.
+void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  VecF acc = VecF::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const VecF v = VecF::load(x + i);
+    acc = fmadd(v, v, acc);
+  }
+  float ss = reduce_add(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const VecF vinv = VecF::set1(inv);
+  i = 0;
+  for (; i + W <= n; i += W) (VecF::load(x + i) * vinv * VecF::load(w + i)).store(y + i);
+  for (; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+// x [n] += y [n].
+void add_row(float* x, const float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) (VecF::load(x + i) + VecF::load(y + i)).store(x + i);
+  for (; i < n; ++i) x[i] += y[i];
+}
+
+// out [n] = SiLU(g) * u = g / (1 + exp(-g)) * u for one row of [gate | up].
+void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+  const VecF one = VecF::set1(1.0f), zero = VecF::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const VecF gv = VecF::load(g + i);
+    (gv / (one + vexp(zero - gv)) * VecF::load(u + i)).store(out + i);
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void linear(const float* x, const WeightRef& w, float* y, int64_t M) {
+  if (M <= kMatvecMaxRows) {
+    linear_matvec(x, w.w, w.dtype, w.scale, y, M, w.N, w.K);
+  } else {
+    linear_gemm(x, w.w, w.dtype, w.scale, y, M, w.N, w.K);
+  }
+}
+
+using Clock = std::chrono::steady_clock;
+inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+}  // namespace
+
+void decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layers, const StepArgs& a,
+                       StepBuffers& buf) {
+  const int64_t B = a.B, dim = s.dim, D = s.D, H = s.H, Hkv = s.Hkv, ffn = s.ffn;
+  const int64_t qkv_w = (H + 2 * Hkv) * D;
+  buf.h.resize(B * dim);
+  buf.qkv.resize(B * qkv_w);
+  buf.q.resize(B * H * D);
+  buf.k.resize(B * Hkv * D);
+  buf.v.resize(B * Hkv * D);
+  buf.attn.resize(B * H * D);
+  buf.out.resize(B * dim);
+  buf.gate_up.resize(B * 2 * ffn);
+  buf.act.resize(B * ffn);
+  float *h = buf.h.data(), *qkv = buf.qkv.data(), *out = buf.out.data();
+
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerRef& L = layers[l];
+    const auto t0 = Clock::now();
+    for (int64_t b = 0; b < B; ++b) rms_norm_row(a.x + b * dim, L.attn_norm, h + b * dim, dim, s.eps);
+    const auto t1 = Clock::now();
+
+    // Attention block: QKV, RoPE, cache append, attention, o_proj.
+    linear(h, L.qkv, qkv, B);
+    rope_rotate_half(qkv, B, qkv_w, H + Hkv, D, a.cos, a.sin);
+    for (int64_t b = 0; b < B; ++b) {  // q, k, v as [B, heads, D] for the cache and attention kernels
+      const float* row = qkv + b * qkv_w;
+      std::copy(row, row + H * D, buf.q.data() + b * H * D);
+      std::copy(row + H * D, row + (H + Hkv) * D, buf.k.data() + b * Hkv * D);
+      std::copy(row + (H + Hkv) * D, row + qkv_w, buf.v.data() + b * Hkv * D);
+    }
+    kv_cache_append({buf.k.data(), L.k_cache, L.k_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.k_layout});
+    kv_cache_append({buf.v.data(), L.v_cache, L.v_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.v_layout});
+    DecodeArgs da{buf.q.data(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, a.lengths, buf.attn.data(), B, H, Hkv,
+                  s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_query, s.tiled};
+    decode_attention(da);
+    linear(buf.attn.data(), L.o, out, B);
+    const auto t2 = Clock::now();
+
+    for (int64_t b = 0; b < B; ++b) {
+      add_row(a.x + b * dim, out + b * dim, dim);
+      rms_norm_row(a.x + b * dim, L.mlp_norm, h + b * dim, dim, s.eps);
+    }
+    const auto t3 = Clock::now();
+
+    // MLP: [gate | up], SiLU(gate) * up, down.
+    linear(h, L.gate_up, buf.gate_up.data(), B);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* gu = buf.gate_up.data() + b * 2 * ffn;
+      silu_mul_row(gu, gu + ffn, buf.act.data() + b * ffn, ffn);
+    }
+    linear(buf.act.data(), L.down, out, B);
+    const auto t4 = Clock::now();
+    for (int64_t b = 0; b < B; ++b) add_row(a.x + b * dim, out + b * dim, dim);
+    if (a.timers) {
+      const auto t5 = Clock::now();
+      double* t = a.timers + 3 * l;
+      t[0] += seconds(t1, t2);
+      t[1] += seconds(t3, t4);
+      t[2] += seconds(t0, t1) + seconds(t2, t3) + seconds(t4, t5);
+    }
+  }
+}
+
+}  // namespace wbk

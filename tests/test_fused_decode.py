@@ -1,0 +1,142 @@
+"""The fused decode step (kernels/decode_step.cpp: every layer in one C++ call) against the
+readable Python path it replaces (LlamaModel.decode with decode="python"), on the bundled
+model: the same logits to fp32 rounding and the same greedy tokens, for every weight dtype,
+every kernel KV format and each ISA build; its per-part timers fill the step records; where
+it cannot run (PyTorch attention, reference-path formats) the Python path runs and says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.analysis.forcing import forced_steps
+from workbench.kernels import KernelSet
+from workbench.model.kv_formats import KERNEL_FORMATS
+from workbench.model.switches import Switches
+from workbench.runtime.timing import Clock
+
+PROMPTS = [[1, 504, 3458, 1024, 29, 10, 77, 99, 314], [5, 6, 7, 8, 9, 10, 11]]  # ragged batch
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16", "int8-g32"])
+def model(request):
+    return wb.load_model("smollm2-135m", dtype=request.param, max_batch=2)
+
+
+def step_logits(llama, kv: str, decode: str, steps: int = 6) -> torch.Tensor:
+    follow = torch.tensor([[40 + i for i in range(steps)], [900 + 3 * i for i in range(steps)]])
+    return torch.stack([lg for _, lg, _ in forced_steps(llama, PROMPTS, follow, Switches("slim", kv, decode))])
+
+
+@pytest.mark.parametrize("kv", KERNEL_FORMATS)
+def test_fused_step_matches_the_python_path(model, kv):
+    fused = step_logits(model.llama, kv, "fused")
+    python = step_logits(model.llama, kv, "python")
+    assert torch.equal(fused.argmax(-1), python.argmax(-1))
+    diff = (fused - python).abs()
+    if kv == "fp32":
+        # The same kernels in the same order but for RMSNorm's and SiLU's own loops: fp32
+        # rounding through 30 layers (measured up to 4e-5 on logits up to 34).
+        assert diff.max() < 1e-3, diff.max()
+    else:
+        # A rounded cache turns those last-bit differences into an occasional value that
+        # rounds the other way (an int8 step, a bf16 ulp, a 7-bit probability): measured up to
+        # 0.26 at one logit. On average that must stay well inside what the format's rounding
+        # itself does to the logits (the same Python path with an fp32 cache).
+        effect = (python - step_logits(model.llama, "fp32", "python")).abs().mean()
+        assert diff.max() < 1.0 and diff.mean() < 0.25 * effect, (diff.max(), diff.mean(), effect)
+
+
+def test_greedy_tokens_are_the_python_paths(model):
+    prompt = "The licence grants every recipient the same rights, provided that"
+    for kv in ("fp32", "int8tile"):
+        fused = model.generate(prompt, max_new_tokens=24, kv_cache=kv, decode="fused", stop_at_eos=False)
+        python = model.generate(prompt, max_new_tokens=24, kv_cache=kv, decode="python", stop_at_eos=False)
+        assert fused.token_ids == python.token_ids, kv
+
+
+def test_fused_records_each_layers_parts(model):
+    out = model.generate("Hello there", max_new_tokens=4, decode="fused", stop_at_eos=False)
+    for step in out.timings.decode_steps:
+        layers = len(model.llama.layers)
+        assert all(len(v) == layers for v in step.parts_s.values())
+        assert all(s > 0 for s in step.parts_s["attention"]) and all(s > 0 for s in step.parts_s["mlp"])
+        assert all(s >= 0 for s in step.parts_s["other"]) and not any(step.parts_s["comm"])
+        layers_s = sum(sum(v) for v in step.parts_s.values())
+        assert layers_s < step.total_s  # the LM head and sampling are outside the layers
+    quiet = model.generate("Hello there", max_new_tokens=4, decode="fused", stop_at_eos=False, record=False)
+    assert quiet.token_ids == out.token_ids and not quiet.timings.decode_steps
+
+
+def test_where_the_fused_step_cannot_run_the_python_path_does(model):
+    llama = model.llama
+    cache = llama.new_cache(1, 16, "fp32")
+    assert llama.fused_decode_blocker(Switches("slim", "fp32", "fused"), cache) is None
+    assert "PyTorch" in llama.fused_decode_blocker(Switches("sdpa", "fp32", "fused"), cache)
+    ref = llama.new_cache(1, 16, "int8-kivi")
+    assert "reference path" in llama.fused_decode_blocker(Switches("slim", "int8-kivi", "fused"), ref)
+    assert "python" in llama.fused_decode_blocker(Switches("slim", "fp32", "python"), cache)
+    # and they still generate (the naive backend and a study format take the Python path)
+    for attention, kv in (("naive", "fp32"), ("slim", "int8-kivi")):
+        out = model.generate("Hello", max_new_tokens=3, attention=attention, kv_cache=kv, decode="fused")
+        assert len(out.token_ids) == 3
+    with pytest.raises(ValueError, match="decode must be one of fused, python, got 'fast'"):
+        model.generate("Hello", max_new_tokens=2, decode="fast")
+
+
+def test_every_isa_build_runs_the_same_step(kernels, model):
+    """The fused step of each build (AVX-512, AVX2, scalar) against the native Python path."""
+    llama = model.llama
+    B = 2
+    lengths = torch.tensor([9, 5])
+    outs = {}
+    for name, ks in (("python", None), ("fused", kernels)):
+        cache = llama.new_cache(B, 32, "fp32")  # nothing that rounds: the builds' arithmetic alone
+        gen = torch.Generator().manual_seed(0)
+        for i in range(len(llama.layers)):  # the same random history in both caches
+            k = torch.randn(B, llama.n_kv_heads, 9, llama.cfg.head_dim, generator=gen)
+            cache.append(i, k, torch.randn(k.shape, generator=gen), torch.zeros(B, dtype=torch.int64))
+        cache.lengths = lengths.clone()
+        x = llama._embed(torch.tensor([100, 2000]))  # real activations (random ones blow up over 30 layers)
+        cos, sin = llama.rope_cos[lengths], llama.rope_sin[lengths]
+        if ks is None:  # the Python layers on x directly, as decode runs them after the embedding
+            def attend(i, layer, h):
+                q, k, v = layer.qkv(h, cos, sin)
+                cache.append(i, k.reshape(B, -1, 1, llama.cfg.head_dim), v.reshape(B, -1, 1, llama.cfg.head_dim),
+                             lengths)
+                attn = cache.attend(i, q.reshape(B, llama.n_heads, -1).contiguous(), lengths + 1)
+                return layer.wo(attn.reshape(B, -1))
+
+            outs[name] = llama._layers(x, attend, Clock(False, len(llama.layers)))
+        else:
+            stack = ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                    heads=llama.n_heads, eps=llama.cfg.norm_eps)
+            stack.step(x, cos, sin, lengths, None)
+            outs[name] = x
+    rel = (outs["fused"] - outs["python"]).norm() / outs["python"].norm()
+    assert rel < 1e-4, rel
+
+
+def test_the_stack_checks_what_it_is_given(model):
+    llama = model.llama
+    cache = llama.new_cache(2, 32, "fp32")
+    ks = KernelSet("native")
+    stack = ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
+                            eps=llama.cfg.norm_eps)
+    assert stack.layers == len(llama.layers)
+    x, cs = torch.zeros(2, llama.cfg.dim), torch.zeros(2, llama.cfg.head_dim)
+    with pytest.raises(ValueError, match="positions must be in \\[0, 31\\]"):
+        stack.step(x, cs, cs, torch.tensor([3, 32]), None)
+    with pytest.raises(ValueError, match="x must be \\[B, dim\\] = \\[2, 576\\]"):
+        stack.step(torch.zeros(1, llama.cfg.dim), cs, cs, torch.tensor([3, 4]), None)
+    with pytest.raises(ValueError, match="timers must be \\[30, 3\\]"):
+        stack.step(x, cs, cs, torch.tensor([3, 4]), torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="heads \\(7\\) must be a positive multiple"):
+        ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale, heads=7, eps=1e-5)
+    with pytest.raises(ValueError, match="int8_query / tiled need an int8 cache"):
+        ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
+                        eps=1e-5, tiled=True)
+    with pytest.raises(ValueError, match="every per-layer list needs 30 entries"):
+        ks.decode_stack(llama.layers, cache.k[:2], cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
+                        eps=1e-5)
