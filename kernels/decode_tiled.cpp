@@ -59,7 +59,7 @@ constexpr int kHeadsPerPass = 8;
 // scores[g][r * 16 + i] = qmul[g] * kscale[r * 16 + i] * (q8_g . k_i - qbias[g]) for the 16
 // tokens i of each of R consecutive tiles and GC heads.
 template <int GC, int R>
-inline void score_tiles(const int8_t* tiles, const int8_t* values, int64_t D, const int8_t* q8, int64_t ldq,
+inline void score_tiles(const int8_t* tiles, int64_t D, const int8_t* q8, int64_t ldq,
                         const float* qmul, const float* qbias, const float* kscale, float* out, int64_t ldo) {
   VecI acc[R][GC][KV];
   for (int r = 0; r < R; ++r)
@@ -70,13 +70,9 @@ inline void score_tiles(const int8_t* tiles, const int8_t* values, int64_t D, co
     VecB qb[GC];
     for (int g = 0; g < GC; ++g) qb[g] = VecB::bcast4(q8 + g * ldq + 4 * dg);
     for (int r = 0; r < R; ++r) {
-      // One line of K and one of V (the same tokens' bytes, read by pass 3) fetched
-      // g_prefetch.bytes ahead for each line of K read: spread out, never a burst.
+      // The line g_prefetch.bytes ahead of each line of K read: spread out, never a burst.
       const int64_t at = r * tile_bytes + dg * 64;
-      if (g_prefetch.bytes > 0) {
-        prefetch_bytes(tiles + at + g_prefetch.bytes, 64, g_prefetch.hint);
-        if (values) prefetch_bytes(values + at + g_prefetch.bytes, 64, g_prefetch.hint);
-      }
+      if (g_prefetch.bytes > 0) prefetch_bytes(tiles + at + g_prefetch.bytes, 64, g_prefetch.hint);
       for (int u = 0; u < KV; ++u) {
         const DotK k = dot_operand(VecB::load(tiles + at + u * I8B));
         for (int g = 0; g < GC; ++g) acc[r][g][u] = dot_i8(acc[r][g][u], k, qb[g]);
@@ -97,17 +93,17 @@ inline void score_tiles(const int8_t* tiles, const int8_t* values, int64_t D, co
 // independent accumulator chains per head hide the dot product's latency; half the register
 // budget goes to them, the rest to the query broadcasts and the K operand.
 template <int GC>
-void score_all_tiles(const int8_t* tiles, const int8_t* values, int64_t n_tiles, int64_t D, const int8_t* q8,
+void score_all_tiles(const int8_t* tiles, int64_t n_tiles, int64_t D, const int8_t* q8,
                      int64_t ldq, const float* qmul, const float* qbias, const float* kscale, float* out,
                      int64_t ldo) {
   constexpr int R = std::clamp(kAccRegs / (2 * GC * KV), 1, 4);
   const int64_t tile_bytes = kTileTokens * D;
   int64_t t = 0;
   for (; t + R <= n_tiles; t += R)
-    score_tiles<GC, R>(tiles + t * tile_bytes, values ? values + t * tile_bytes : nullptr, D, q8, ldq, qmul, qbias,
+    score_tiles<GC, R>(tiles + t * tile_bytes, D, q8, ldq, qmul, qbias,
                        kscale + t * kTileTokens, out + t * kTileTokens, ldo);
   for (; t < n_tiles; ++t)
-    score_tiles<GC, 1>(tiles + t * tile_bytes, values ? values + t * tile_bytes : nullptr, D, q8, ldq, qmul, qbias,
+    score_tiles<GC, 1>(tiles + t * tile_bytes, D, q8, ldq, qmul, qbias,
                        kscale + t * kTileTokens, out + t * kTileTokens, ldo);
 }
 
@@ -121,6 +117,9 @@ inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_
     for (int c = 0; c < C; ++c) ai[g][c] = VecI::zero();
   for (int64_t j = 0; j < groups; ++j) {
     const int8_t* grp = v + j * 4 * D + d0 * 4;
+    // The group g_prefetch.bytes further on (first pass over the block only), spread over the
+    // loads rather than one burst per block.
+    if (d0 == 0 && g_prefetch.bytes > 0) prefetch_bytes(v + j * 4 * D + g_prefetch.bytes, 4 * D, g_prefetch.hint);
     VecB vv[C];
     for (int c = 0; c < C; ++c) vv[c] = part ? VecB::load(grp, 4 * part) : VecB::load(grp + c * I8B);
     for (int g = 0; g < GC; ++g) {
@@ -228,7 +227,7 @@ void decode_attention_tiled(const DecodeArgs& a) {
         const float* kscale = a.k_scale + bk * a.Lmax + t0;
         for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
           with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
-            score_all_tiles<decltype(gc)::value>(kbase + t0 * D, g0 == 0 ? vbase + t0 * D : nullptr, n_tiles, D, q8 + g0 * ldq, ldq, qmul + g0,
+            score_all_tiles<decltype(gc)::value>(kbase + t0 * D, n_tiles, D, q8 + g0 * ldq, ldq, qmul + g0,
                                                  qbias + g0, kscale, scores.data() + g0 * lds, lds);
           });
         }
@@ -244,8 +243,6 @@ void decode_attention_tiled(const DecodeArgs& a) {
         for (int64_t tb = 0, blk = 0; tb < n; tb += kBlock, ++blk) {
           const int64_t groups = (std::min<int64_t>(kBlock, n - tb) + kVGroupTokens - 1) / kVGroupTokens;
           const int8_t* vblock = vbase + (t0 + tb) * D;
-          if (g_prefetch.bytes > 0)
-            prefetch_bytes(vblock + std::max<int64_t>(g_prefetch.bytes, kBlock * D), kBlock * D, g_prefetch.hint);
           for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
             with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
               constexpr int GC = decltype(gc)::value;

@@ -26,11 +26,14 @@
 //     transposed into y.
 #include <algorithm>
 #include <memory>
+#include <type_traits>
+#include <vector>
 
 
 #include "gemm.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "simd.h"
 
 namespace wbk {
@@ -38,13 +41,11 @@ namespace {
 
 constexpr int W = VecF::W;
 constexpr int64_t kRowsPerTask = 16;
-// Software prefetch in the matrix-vector kernel (measured, bench/linear.py and an
-// interleaved A/B over SmolLM2 and Llama-2-7B shapes): the rows about 8 KB further on,
-// into L1, only for row chunks of at most 3 KB. Short chunks are where the hardware
-// prefetcher falls behind; for 4 KB chunks (fp32, K >= 1024) it does better alone.
-constexpr int64_t kPrefetchBytes = 8192;
-constexpr int64_t kPrefetchMaxChunkBytes = 3072;
-constexpr int kPrefetchLocality = 3;
+// Software prefetch in the matrix-vector kernel: the rows about g_matvec_prefetch.bytes
+// further on, only for row chunks of at most g_matvec_prefetch.max_chunk_bytes (short chunks
+// are where the hardware prefetcher falls behind), with its hint as a template argument (the
+// prefetch instruction takes it as a constant). Distance, hint and cut-off are measured per
+// host (prefetch.h, workbench/hw/prefetch.py), not constants from one machine.
 constexpr int64_t kChunk = 1024;  // K elements per chunk (a multiple of the int8 weight group)
 
 // y[m][j] += x_m . w_j over one K-chunk, for MB rows of x and four rows of W: MB x 4
@@ -97,12 +98,81 @@ inline void block_dot(const float* x, int64_t ldx, const T* const* w, int64_t kc
   }
 }
 
-template <typename T>
-void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
+// block_dot for bf16 weights: each load of 2W weights is widened in place into its even and
+// odd elements (a shift and a mask, VecF::load_bf16_pairs) instead of W at a time with a
+// cross-lane widening, against x permuted to match (xp: per block of 2W, the W even then
+// the W odd elements; permute_pairs). The tail of a chunk that is not whole blocks reads x.
+template <int MB>
+inline void block_dot_bf16(const float* x, const float* xp, int64_t ldx, const BFloat16* const* w, int64_t kc,
+                           float* y, int64_t ldy, int nr) {
+  // One row of x: the odd elements get their own accumulators (8 independent chains, not 4
+  // chains of two dependent FMAs); with 4 rows of x there are 16 chains already.
+  constexpr bool kSplit = MB == 1;
+  VecF acc[MB][4], odd[kSplit ? 4 : 1];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = VecF::zero();
+  for (auto& o : odd) o = VecF::zero();
+  int64_t k = 0;
+  for (; k + 2 * W <= kc; k += 2 * W) {
+    VecF we[4], wo[4];
+    for (int j = 0; j < 4; ++j) VecF::load_bf16_pairs(reinterpret_cast<const uint16_t*>(w[j] + k), we[j], wo[j]);
+    for (int m = 0; m < MB; ++m) {
+      const VecF xe = VecF::load(xp + m * ldx + k), xo = VecF::load(xp + m * ldx + k + W);
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (kSplit) {
+          acc[m][j] = fmadd(xe, we[j], acc[m][j]);
+          odd[j] = fmadd(xo, wo[j], odd[j]);
+        } else {
+          acc[m][j] = fmadd(xo, wo[j], fmadd(xe, we[j], acc[m][j]));
+        }
+      }
+    }
+  }
+  if constexpr (kSplit)
+    for (int j = 0; j < 4; ++j) acc[0][j] = acc[0][j] + odd[j];
+  for (; k < kc; k += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, kc - k));
+    VecF wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = Load<BFloat16>::part(w[j] + k, n);
+    for (int m = 0; m < MB; ++m) {
+      const VecF xv = VecF::load(x + m * ldx + k, n);
+      for (int j = 0; j < 4; ++j) acc[m][j] = fmadd(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float out[4];
+    reduce_add4(acc[m][0], acc[m][1], acc[m][2], acc[m][3], out);
+    for (int j = 0; j < nr; ++j) y[m * ldy + j] += out[j];
+  }
+}
+
+// xp [M, K]: each row of x with every whole block of 2W elements (from k = 0) reordered to
+// its W even then its W odd elements; what is left of a row is copied as it is.
+void permute_pairs(const float* x, float* xp, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float* o = xp + m * K;
+    int64_t k = 0;
+    for (; k + 2 * W <= K; k += 2 * W)
+      for (int i = 0; i < W; ++i) {
+        o[k + i] = xr[k + 2 * i];
+        o[k + W + i] = xr[k + 2 * i + 1];
+      }
+    for (; k < K; ++k) o[k] = xr[k];
+  }
+}
+
+template <typename T, int kLocality>
+void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale,
+                 const MatvecPrefetch pf) {
+  constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
+  static_assert(kChunk % (2 * W) == 0, "chunks start on whole pair blocks");
+  std::vector<float> xp(kBf16 ? M * K : 0);
+  if constexpr (kBf16) permute_pairs(x, xp.data(), M, K);
   const int64_t groups = (K + kGroup - 1) / kGroup;  // grouped int8: scales per row
   // One contiguous range of 16-row tasks per thread (they cost the same), so a thread knows
   // which rows it reads next: each 4-row group prefetches the same K-chunk of the rows
-  // about kPrefetchBytes further on. The hardware prefetcher alone does poorly on short
+  // about g_matvec_prefetch.bytes further on. The hardware prefetcher alone does poorly on short
   // row chunks, each its own stream (1152 bytes for a bf16 row of K = 576).
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -115,12 +185,13 @@ void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t 
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, K - k0);
         const int64_t chunk_bytes = kc * static_cast<int64_t>(sizeof(T));
-        const int64_t ahead_rows = 4 * std::max<int64_t>(1, kPrefetchBytes / (4 * chunk_bytes));
+        const int64_t ahead_rows = 4 * std::max<int64_t>(1, pf.bytes / (4 * chunk_bytes));
         for (int64_t n = n0; n < n1; n += 4) {
-          const int64_t pf_end = chunk_bytes <= kPrefetchMaxChunkBytes ? std::min(last_row, n + ahead_rows + 4) : 0;
+          const bool prefetch = pf.bytes > 0 && chunk_bytes <= pf.max_chunk_bytes;
+          const int64_t pf_end = prefetch ? std::min(last_row, n + ahead_rows + 4) : 0;
           for (int64_t r = n + ahead_rows; r < pf_end; ++r) {
             const char* row = reinterpret_cast<const char*>(w + r * K + k0);
-            for (int64_t off = 0; off < chunk_bytes; off += 64) __builtin_prefetch(row + off, 0, kPrefetchLocality);
+            for (int64_t off = 0; off < chunk_bytes; off += 64) prefetch_line<kLocality>(row + off);
           }
           const int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
           const T* rows[4];
@@ -132,12 +203,30 @@ void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t 
           }
           const float* const* g = gscale ? gs : nullptr;
           int64_t m = 0;
-          for (; m + 4 <= M; m += 4) block_dot<T, 4>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
-          for (; m < M; ++m) block_dot<T, 1>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
+          if constexpr (kBf16) {
+            for (; m + 4 <= M; m += 4)
+              block_dot_bf16<4>(x + m * K + k0, xp.data() + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
+            for (; m < M; ++m)
+              block_dot_bf16<1>(x + m * K + k0, xp.data() + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
+          } else {
+            for (; m + 4 <= M; m += 4) block_dot<T, 4>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
+            for (; m < M; ++m) block_dot<T, 1>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
+          }
         }
       }
     }
   });
+}
+
+template <typename T>
+void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
+  const MatvecPrefetch pf = g_matvec_prefetch;
+  switch (pf.hint) {  // prefetch.h's hints: 0 nta, 1 t2, 2 t1, 3 t0 = __builtin_prefetch's locality
+    case 3: return matvec_with<T, 3>(x, w, y, M, N, K, gscale, pf);
+    case 2: return matvec_with<T, 2>(x, w, y, M, N, K, gscale, pf);
+    case 1: return matvec_with<T, 1>(x, w, y, M, N, K, gscale, pf);
+    default: return matvec_with<T, 0>(x, w, y, M, N, K, gscale, pf);
+  }
 }
 
 // -- linear_gemm -------------------------------------------------------------------------

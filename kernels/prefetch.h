@@ -14,22 +14,54 @@ struct PrefetchConfig {
   int hint = 0;          // 0 prefetchnta, 1 prefetcht2, 2 prefetcht1, 3 prefetcht0
 };
 
-inline PrefetchConfig g_prefetch;  // set by set_prefetch (bindings), read by the kernels
+inline PrefetchConfig g_prefetch;  // set by set_prefetch (bindings), read by the attention kernels
+
+// The matrix-vector kernel's own (linear.cpp), measured per host with that kernel at small K
+// (workbench/hw/prefetch.py): W rows about `bytes` ahead, for row chunks of at most
+// `max_chunk_bytes` (longer chunks are one long stream each, which the hardware prefetcher
+// follows by itself on the hosts measured so far). The defaults are the Zen host's.
+struct MatvecPrefetch {
+  int64_t bytes = 8192;
+  int hint = 3;
+  int64_t max_chunk_bytes = 3072;
+};
+inline MatvecPrefetch g_matvec_prefetch;
+
+// One cache line's prefetch with the hint as a constant. On x86 as inline asm: GCC 12 drops
+// every __builtin_prefetch of a switch over the hint like the one below (measured: the
+// decode kernels' object code had no prefetch instruction at all, so the per-host choice
+// changed nothing), and an asm statement can be neither merged nor removed.
+template <int Hint>
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  if constexpr (Hint == 3) {
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+  } else if constexpr (Hint == 2) {
+    asm volatile("prefetcht1 %0" : : "m"(*p));
+  } else if constexpr (Hint == 1) {
+    asm volatile("prefetcht2 %0" : : "m"(*p));
+  } else {
+    asm volatile("prefetchnta %0" : : "m"(*p));
+  }
+#else
+  __builtin_prefetch(p, 0, Hint);
+#endif
+}
 
 inline void prefetch_bytes(const void* p, int64_t bytes, int hint) {
   const char* c = static_cast<const char*>(p);
-  switch (hint) {  // __builtin_prefetch needs its locality as a constant
+  switch (hint) {
     case 3:
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+      for (int64_t off = 0; off < bytes; off += 64) prefetch_line<3>(c + off);
       break;
     case 2:
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+      for (int64_t off = 0; off < bytes; off += 64) prefetch_line<2>(c + off);
       break;
     case 1:
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+      for (int64_t off = 0; off < bytes; off += 64) prefetch_line<1>(c + off);
       break;
     default:
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+      for (int64_t off = 0; off < bytes; off += 64) prefetch_line<0>(c + off);
   }
 }
 

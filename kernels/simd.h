@@ -101,6 +101,13 @@ struct VecF {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask(n), p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
   }
+  // 2W bf16 values in one load, widened in place: even = p[0], p[2], ...; odd = p[1], p[3], ...
+  // (a shift and a mask per vector, no cross-lane widening).
+  static inline void load_bf16_pairs(const uint16_t* p, VecF& even, VecF& odd) {
+    const __m512i w = _mm512_loadu_si512(p);
+    even = {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+    odd = {_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
   inline void store(float* p) const { _mm512_storeu_ps(p, v); }
   inline void store(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
 };
@@ -192,6 +199,11 @@ struct VecF {
     std::memcpy(tmp, p, n * sizeof(uint16_t));
     return load_bf16(tmp);
   }
+  static inline void load_bf16_pairs(const uint16_t* p, VecF& even, VecF& odd) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+    odd = {_mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
   inline void store(float* p) const { _mm256_storeu_ps(p, v); }
   inline void store(float* p, int n) const { _mm256_maskstore_ps(p, mask(n), v); }
 };
@@ -253,6 +265,10 @@ struct VecF {
   static inline VecF load_f16(const uint16_t* p, int) { return load_f16(p); }
   static inline VecF load_bf16(const uint16_t* p) { return {bf16_to_float(*p)}; }
   static inline VecF load_bf16(const uint16_t* p, int) { return load_bf16(p); }
+  static inline void load_bf16_pairs(const uint16_t* p, VecF& even, VecF& odd) {
+    even = load_bf16(p);
+    odd = load_bf16(p + 1);
+  }
   inline void store(float* p) const { *p = v; }
   inline void store(float* p, int) const { *p = v; }
 };

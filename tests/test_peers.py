@@ -57,6 +57,16 @@ def test_harness_runs_engines_in_their_own_processes_interleaved():
     assert r["min"] <= r["median"] <= r["max"] and r["median"] > 0
     assert hf["same_tokens_as_workbench_fp32"] == 6  # fp32 on the same weights: the same greedy tokens
     assert "ours_over_peer" not in ok["workbench fp32"]
+    ours = ok["workbench fp32"]  # our rows: GB/s on the step's bytes against the run's own triad
+    assert len(ours["triad_gbps"]["samples"]) == 2 and ours["triad_gbps"]["min"] > 0
+    import workbench as wb
+
+    m = wb.load_model("smollm2-135m")
+    fp32_weights = sum(layer.weight_bytes for layer in m.llama.layers) + m.llama.head_bytes(1)
+    per_step = ours["decode_gbps"] * 1e9 / ours["decode_tokens_per_s"]["median"]
+    assert fp32_weights < per_step < 1.01 * fp32_weights  # a 16-token prompt's KV adds a little
+    assert ours["decode_pct_of_triad"] == pytest.approx(100 * ours["decode_gbps"] / ours["triad_gbps"]["median"])
+    assert "decode_gbps" not in hf
     assert {"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]} in rows  # its absence stated
     text = format_peers(rows)
     assert "transformers fp32" in text and "IPEX" in text and "vs workbench fp32" in text

@@ -43,3 +43,36 @@ def test_results_do_not_depend_on_the_prefetch(bytes_ahead, hint):
 def test_bad_prefetch_settings_are_refused():
     with pytest.raises(ValueError, match="hint in 0..3"):
         kernels.native.ext.set_prefetch(4096, 7)
+
+
+def test_the_matrix_vector_kernel_runs_with_its_measured_choice():
+    ext = kernels.native.ext
+    found = json.loads(prefetch._path().read_text())["matvec"]
+    assert ext.get_matvec_prefetch() == (found["bytes"], found["hint"], found["max_chunk_bytes"])
+    keys = {":".join(map(str, c)) for c in prefetch.MATVEC_CANDIDATES}
+    assert set(found["gbps"]) == {"float32", "bfloat16"} and all(set(g) == keys for g in found["gbps"].values())
+    assert kernels.build_info()["matvec_prefetch"]["bytes"] == found["bytes"]
+
+
+@pytest.mark.parametrize("setting", prefetch.MATVEC_CANDIDATES)
+def test_linear_results_do_not_depend_on_the_prefetch(setting):
+    ks = KernelSet("native")
+    before = ks.ext.get_matvec_prefetch()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 576, generator=gen)
+    for w in (torch.randn(96, 576, generator=gen), torch.randn(40, 1536, generator=gen).bfloat16()):
+        xi = x if w.shape[1] == 576 else torch.randn(3, 1536, generator=gen)
+        ref = ks.linear(xi, w)
+        try:
+            ks.ext.set_matvec_prefetch(*setting)
+            out = ks.linear(xi, w)
+        finally:
+            ks.ext.set_matvec_prefetch(*before)
+        assert torch.equal(out, ref)
+
+
+def test_bad_matvec_prefetch_settings_are_refused():
+    with pytest.raises(ValueError, match="hint in 0..3"):
+        kernels.native.ext.set_matvec_prefetch(4096, 9, 3072)
+    with pytest.raises(ValueError, match="max_chunk_bytes >= 0"):
+        kernels.native.ext.set_matvec_prefetch(4096, 3, -1)

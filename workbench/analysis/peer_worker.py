@@ -25,12 +25,21 @@ def _workbench(spec: dict):
     model = wb.load_model(spec.get("model", "smollm2-135m"), dtype=spec.get("dtype", "fp32"))
     model.attention, model.kv_cache = spec.get("attention", "slim"), spec.get("kv_cache", "fp16")
 
+    from workbench.model.kv_formats import kv_format
+
+    llama = model.llama
+    weights = sum(layer.weight_bytes for layer in llama.layers) + llama.head_bytes(1)  # read by every step
+    kv_per_token = 2 * llama.cfg.n_layers * llama.n_kv_heads * kv_format(model.kv_cache).bytes_per_vector(
+        llama.cfg.head_dim, llama.n_kv_heads)
+
     def run(prompt: list[int], n: int) -> dict:
         stamps = []  # wall time at each token: the gaps are decode steps, sampling included
         out = model.generate([prompt], max_new_tokens=n, stop_at_eos=False, record=False,
                              on_token=lambda step, ids: stamps.append(time.perf_counter()))
         return {"prefill_ms": 1e3 * out.timings.time_to_first_token_s,
-                "decode_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], "tokens": out.token_ids[0]}
+                "decode_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], "tokens": out.token_ids[0],
+                # what a decode step reads, as the step records count it, at the run's middle step
+                "decode_bytes_per_step": weights + kv_per_token * (len(prompt) + n / 2)}
 
     return run, model.description
 

@@ -201,7 +201,10 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
         samples = {(name, n): [] for name in workers for n in prompt_lens}
         for name in workers:  # warm-up: caches, thread pools, first-touch pages
             workers[name].run(prompts[prompt_lens[0]], 4)
+        from workbench.hw.peaks import measure_triad_gbps
+
         order = random.Random(seed)
+        triads = []  # the STREAM triad after each round: the bandwidth our GB/s are set against
         for r in range(rounds):
             for n in prompt_lens:
                 for name in order.sample(list(workers), len(workers)):
@@ -209,6 +212,7 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
                     last = samples[(name, n)][-1]
                     say(f"round {r + 1}/{rounds}, prompt {n}: {name} prefill {last['prefill_ms']:.1f} ms, decode "
                         f"{1e3 / statistics.median(last['decode_ms']):.1f} tokens/s")
+            triads.append(measure_triad_gbps())
         descriptions = {name: w.description for name, w in workers.items()}
     finally:
         for w in workers.values():
@@ -222,7 +226,11 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
             tps = [1e3 / statistics.median(s["decode_ms"]) for s in runs]
             row = {"engine": e.name, "status": "ok", "description": descriptions[e.name], "prompt_len": n,
                    "new_tokens": new_tokens, "threads": threads, "prefill_ms": _spread([s["prefill_ms"] for s in runs]),
-                   "decode_tokens_per_s": _spread(tps), "matched": e.matched}
+                   "decode_tokens_per_s": _spread(tps), "matched": e.matched, "triad_gbps": _spread(triads)}
+            if "decode_bytes_per_step" in runs[0]:  # our engines: GB/s on the step's bytes, against the triad
+                gbps = statistics.median(s["decode_bytes_per_step"] for s in runs) * statistics.median(tps) / 1e9
+                row["decode_gbps"] = gbps
+                row["decode_pct_of_triad"] = 100 * gbps / statistics.median(triads)
             base = samples.get((e.matched, n))
             if base and e.spec["engine"] != "workbench":
                 ours = [1e3 / statistics.median(s["decode_ms"]) for s in base]
@@ -251,11 +259,16 @@ def format_peers(rows: list[dict]) -> str:
         table.append({"engine": r["engine"], "prompt": r["prompt_len"],
                       "prefill ms": spread(r["prefill_ms"], "{:.1f}"),
                       "decode tok/s": spread(r["decode_tokens_per_s"], "{:.1f}"),
+                      "GB/s (% triad)": (f"{r['decode_gbps']:.1f} ({r['decode_pct_of_triad']:.0f}%)"
+                                         if "decode_gbps" in r else "-"),
                       "ours/peer decode": (f"{spread(ratio, '{:.2f}')} vs {r['matched']}" if ratio else "-"),
                       "same tokens": r.get("same_tokens_as_workbench_fp32", "-")})
-    cols = ["engine", "prompt", "prefill ms", "decode tok/s", "ours/peer decode", "same tokens"]
+    cols = ["engine", "prompt", "prefill ms", "decode tok/s", "GB/s (% triad)", "ours/peer decode", "same tokens"]
+    triad = next((r["triad_gbps"] for r in rows if "triad_gbps" in r), None)
     text = format_table(table, cols, title="decode tok/s and prefill ms: median (min-max) over rounds; ours/peer > 1 "
-                                           "means ours is faster; same tokens: leading greedy tokens equal to "
-                                           "workbench fp32's")
+                                           "means ours is faster; GB/s: a decode step's bytes (weights, LM head, "
+                                           "KV) x tokens/s, against the triad measured after each round"
+                                           + (f" ({spread(triad, '{:.1f}')} GB/s)" if triad else "")
+                                           + "; same tokens: leading greedy tokens equal to workbench fp32's")
     absent = [f"  {r['engine']}: {r['status']}" for r in rows if r["status"] != "ok"]
     return text + ("\nnot run:\n" + "\n".join(absent) if absent else "")

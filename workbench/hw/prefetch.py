@@ -1,10 +1,16 @@
 """The software-prefetch distance and hint the streaming kernels use, measured per host.
 
-Decode attention itself (the tiled int8 kernel, Llama-2-7B head shapes) is timed with each
-candidate over a cache twice the last-level cache (at least 256 MiB) on huge pages, and the
-fastest is kept, cached per CPU and thread count like the peaks. Measured on host C (Xeon, 2 threads): no prefetch 25.4 GB/s, prefetchnta 4 KB
-ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; on the AMD hosts the
-kernels were tuned with prefetchnta 4 KB ahead. No constant is right on both.
+Two choices, each timed with the kernel it is for over data twice the last-level cache (at
+least 256 MiB) on huge pages, the fastest kept, cached per CPU and thread count like the
+peaks:
+  - decode attention (the tiled int8 kernel, Llama-2-7B head shapes): bytes ahead and hint;
+  - the matrix-vector kernel at small K (SmolLM2's four layer shapes, fp32 and bf16, one row
+    of x): bytes ahead, hint, and up to which row-chunk length to prefetch at all.
+Measured on host C (Xeon, 2 threads) for the int8 widening kernel: no prefetch 25.4 GB/s,
+prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; with
+the tiled kernel and the matrix-vector kernel every candidate ties within 3% there. On the
+AMD hosts the kernels were tuned with prefetchnta 4 KB ahead (attention) and prefetcht0 8 KB
+ahead for short rows (matrix-vector). No constant is right on every host.
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ from workbench.cache import cache_dir, cpu_key
 
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
 CANDIDATES = ((0, 0), (512, 3), (1024, 3), (2048, 3), (4096, 2), (8192, 2), (4096, 0))  # (bytes ahead, hint)
+# The matrix-vector kernel's: (bytes ahead, hint, longest row chunk prefetched); the first is off.
+MATVEC_CANDIDATES = ((0, 0, 0), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072), (8192, 3, 1 << 20),
+                     (4096, 0, 3072))
+# Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
+# see kernels/prefetch.h; the matrix-vector choice), so a cached choice is measured again.
+VERSION = 2
+MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
 def _path():
@@ -66,17 +79,76 @@ def measure(ext, repeats: int = 3) -> dict:
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def measure_matvec(ext, repeats: int = 2) -> dict:
+    """Time every MATVEC_CANDIDATES entry on `ext`: one row of x against SmolLM2's layer
+    shapes in fp32 and bf16, the weights rotated over at least twice the last-level cache
+    (256 MiB or more) on huge pages; the choice with the best summed time of both dtypes."""
+    from workbench.hw import memory
+    from workbench.hw.machine import machine_info
+
+    per_set = sum(n * k for n, k in MATVEC_SHAPES)  # elements of one set of layer weights
+    total = max(256 << 20, 2 * (machine_info().cache_bytes(3) or 0))  # bytes of fp32 weights
+    sets = max(2, -(-total // (4 * per_set)))
+    buf = memory.empty((sets * per_set,), torch.float32).fill_(0.01)
+    before = ext.get_matvec_prefetch()
+    seconds: dict[str, float] = {}
+    gbps: dict[str, dict[str, float]] = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            flat = buf if dtype == torch.float32 else buf.view(torch.bfloat16)[: sets * per_set]
+            weights, off = [], 0
+            for _ in range(sets):
+                for n, k in MATVEC_SHAPES:
+                    weights.append(flat[off:off + n * k].view(n, k))
+                    off += n * k
+            xs = {k: torch.randn(1, k) for _, k in MATVEC_SHAPES}
+            nbytes = sets * per_set * flat.element_size()
+
+            def run():
+                for w in weights:
+                    ext.linear(xs[w.shape[1]], w, 10, None, None)
+
+            run()  # warm-up: page faults, thread pool
+            best: dict[str, float] = {}
+            for _ in range(repeats):
+                for cand in MATVEC_CANDIDATES:  # interleaved rounds, the best of each
+                    ext.set_matvec_prefetch(*cand)
+                    t0 = time.perf_counter()
+                    run()
+                    key = ":".join(map(str, cand))
+                    best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+            for key, s in best.items():
+                seconds[key] = seconds.get(key, 0.0) + s
+            gbps[str(dtype).removeprefix("torch.")] = {key: nbytes / s / 1e9 for key, s in best.items()}
+    finally:
+        ext.set_matvec_prefetch(*before)
+    choice = min(seconds, key=seconds.get)
+    b, h, c = (int(x) for x in choice.split(":"))
+    return {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h], "gbps": gbps}
+
+
+def _complete(found: dict) -> bool:
+    """A cached measurement of both choices over today's candidates (else measure again)."""
+    try:
+        return (found.get("version") == VERSION and set(found["gbps"]) == {f"{b}:{h}" for b, h in CANDIDATES}
+                and set(found["matvec"]["gbps"]["float32"]) == {":".join(map(str, c)) for c in MATVEC_CANDIDATES})
+    except (KeyError, TypeError):
+        return False
+
+
 def tuned(ext, refresh: bool = False) -> dict:
-    """The cached choice for this machine, measuring it (a few seconds) if needed."""
+    """The cached choices for this machine, measuring them (a few seconds) if needed."""
     path = _path()
     if not refresh and path.is_file():
         try:
             found = json.loads(path.read_text())
-            if {"bytes", "hint"} <= set(found):
+            if _complete(found):
                 return found
         except ValueError:
             pass
     found = measure(ext)
+    found["matvec"] = measure_matvec(ext)
+    found["version"] = VERSION
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found, indent=2))
     return found
@@ -86,8 +158,16 @@ def apply(ext, measure_if_missing: bool = True) -> dict | None:
     """Set the tuned prefetch in a freshly loaded kernel module (workbench.kernels does this
     for the native build; the avx2 and scalar test builds take the native build's choice if
     there is one, and keep the default otherwise, rather than being timed themselves)."""
-    if not measure_if_missing and not _path().is_file():
-        return None
-    found = tuned(ext)
+    if measure_if_missing:
+        found = tuned(ext)
+    else:
+        try:
+            found = json.loads(_path().read_text())
+        except (OSError, ValueError):
+            return None
+        if not _complete(found):
+            return None
     ext.set_prefetch(found["bytes"], found["hint"])
+    mv = found["matvec"]
+    ext.set_matvec_prefetch(mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
     return found
