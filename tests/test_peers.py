@@ -46,7 +46,7 @@ def test_q8_0_conversion_quantizes_matrices_within_its_rounding_bound():
         assert (err <= step * (0.5 + 127 * 2.0 ** -11) * 1.001 + 1e-7).all()
 
 
-def test_harness_runs_engines_in_their_own_processes_interleaved():
+def test_harness_runs_engines_in_their_own_processes_interleaved(tmp_path):
     pytest.importorskip("transformers")
     rows = run_peers(engines=["transformers fp32"], prompt_lens=(16,), new_tokens=6, rounds=2)
     ok = {r["engine"]: r for r in rows if r["status"] == "ok"}
@@ -69,7 +69,12 @@ def test_harness_runs_engines_in_their_own_processes_interleaved():
     assert "decode_gbps" not in hf
     assert {"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]} in rows  # its absence stated
     text = format_peers(rows)
-    assert "transformers fp32" in text and "IPEX" in text and "vs workbench fp32" in text
+    assert "transformers fp32" in text and "IPEX" in text and "vs workbench fp32" in text and "% triad" in text
+    from workbench import report  # as `workbench peers` does: the rows join a report that renders
+
+    paths = report.write(tmp_path / "peers.html", entries=[report.record(rows, None, command="test", kind="peers")])
+    assert "transformers fp32" in (tmp_path / "peers.html").read_text() and paths["json"]
+    report.clear()
     with pytest.raises(ValueError, match="unknown 'vllm'"):
         run_peers(engines=["vllm"])
 

@@ -25,7 +25,7 @@ def _roofline_spec(report: dict) -> dict | None:
             points.append((f"entry {i} decode", e["decode_flops_per_step"] / e["decode_bytes_per_step"],
                            e["decode_gflops"]))
         for r in e.get("rows", []):
-            if r.get("decode_gbps"):
+            if r.get("decode_gbps") and r.get("decode_gflops"):  # ablation rows (peers rows have no FLOPs)
                 points.append((f"entry {i} {r.get('attention')}/{r.get('kv_cache')} len {r.get('prompt_len')} "
                                f"b{r.get('batch')}", r["decode_gflops"] / r["decode_gbps"], r["decode_gflops"]))
     if not points:
