@@ -271,7 +271,10 @@ def main() -> None:
                      f"{q['decode_ms_per_token']:.0f} vs {q['bandwidth_bound_ms']:.0f}",
                      "ratio": f"{100 * q['fraction_of_bound']:.0f}%"})
     print_table(rows, ["benchmark", "value", "ratio"], title=f"Generation, {torch.get_num_threads()} threads")
-    write_results("generation", payload, args.out)
+    # A partial run (--only) gets its own file, so it does not replace a full run's results.
+    default_only = parser.get_default("only")
+    name = "generation" if args.only == default_only else "generation-" + args.only.replace(",", "-")
+    write_results(name, payload, args.out)
 
 
 if __name__ == "__main__":
