@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <memory>
 #include <type_traits>
-#include <vector>
 
 
 #include "gemm.h"
@@ -41,6 +40,9 @@ namespace {
 
 constexpr int W = VecF::W;
 constexpr int64_t kRowsPerTask = 16;
+// The calling thread's scratch for what a call prepares before its tasks run (the GEMM's x^T,
+// the bf16 matrix-vector kernel's permuted x), apart from the tasks' slots.
+constexpr int kCallerSlot = Scratch::kSlots - 1;
 // Software prefetch in the matrix-vector kernel: the rows about g_matvec_prefetch.bytes
 // further on, only for row chunks of at most g_matvec_prefetch.max_chunk_bytes (short chunks
 // are where the hardware prefetcher falls behind), with its hint as a template argument (the
@@ -167,8 +169,11 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
                  const MatvecPrefetch pf) {
   constexpr bool kBf16 = std::is_same_v<T, BFloat16>;
   static_assert(kChunk % (2 * W) == 0, "chunks start on whole pair blocks");
-  std::vector<float> xp(kBf16 ? M * K : 0);
-  if constexpr (kBf16) permute_pairs(x, xp.data(), M, K);
+  float* xp = nullptr;  // the buffer outlives the Scratch handle (parallel.h)
+  if constexpr (kBf16) {
+    xp = Scratch(kCallerSlot, M * K).data();
+    permute_pairs(x, xp, M, K);
+  }
   const int64_t groups = (K + kGroup - 1) / kGroup;  // grouped int8: scales per row
   // One contiguous range of 16-row tasks per thread (they cost the same), so a thread knows
   // which rows it reads next: each 4-row group prefetches the same K-chunk of the rows
@@ -205,9 +210,9 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
           int64_t m = 0;
           if constexpr (kBf16) {
             for (; m + 4 <= M; m += 4)
-              block_dot_bf16<4>(x + m * K + k0, xp.data() + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
+              block_dot_bf16<4>(x + m * K + k0, xp + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
             for (; m < M; ++m)
-              block_dot_bf16<1>(x + m * K + k0, xp.data() + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
+              block_dot_bf16<1>(x + m * K + k0, xp + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
           } else {
             for (; m + 4 <= M; m += 4) block_dot<T, 4>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
             for (; m < M; ++m) block_dot<T, 1>(x + m * K + k0, K, rows, kc, y + m * N + n, N, nr, g);
@@ -236,7 +241,6 @@ constexpr int kNarrowMR = 2 * kGemmMR;  // ... and when it is one vector wide
 constexpr int64_t kTaskRows = 2 * kNarrowMR;  // rows of W per task: whole tiles of either shape
 constexpr int64_t kKC = 128;                  // most K elements per packed slice of W
 constexpr int64_t kTokensPerBlock = 256;      // MC: tokens per block of x^T (a multiple of 2 W)
-constexpr int kXtSlot = Scratch::kSlots - 1;  // x^T lives in the caller's scratch, apart from the tasks' slots
 constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
@@ -333,7 +337,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
   std::unique_ptr<float[]> xt_owned;
   float* xt;
   if (xt_size <= kXtScratchFloats) {
-    xt = Scratch(kXtSlot, xt_size).data();  // the buffer outlives the handle
+    xt = Scratch(kCallerSlot, xt_size).data();  // the buffer outlives the handle
   } else {
     xt_owned.reset(new float[static_cast<size_t>(xt_size)]);
     xt = xt_owned.get();

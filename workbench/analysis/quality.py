@@ -23,7 +23,6 @@ Formats marked kernel=False run on the labelled torch reference path
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from workbench.analysis.forcing import forced_logits, new_cache_for
 from workbench.analysis.text import license_corpus
 from workbench.model.kv_formats import KV_FORMATS, kv_format
+from workbench.model.kv_quant import reference_attention
 from workbench.model.switches import Switches
 
 REFERENCE = "fp32"
@@ -114,10 +114,7 @@ class AttentionErrorProbe:
         errs = []
         for b in range(q.shape[0]):
             k, v = (t.double() for t in self.cache.dequantized(layer, b, int(lengths[b])))
-            group = q.shape[1] // k.shape[0]
-            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-            s = torch.einsum("hd,hnd->hn", q[b].double(), k) / math.sqrt(q.shape[-1])
-            ref = torch.einsum("hn,hnd->hd", s.softmax(-1), v)
+            ref = reference_attention(q[b].double(), k, v)
             errs.append(((out[b].double() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).mean().item())
         return sum(errs) / len(errs)
 

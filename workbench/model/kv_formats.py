@@ -13,7 +13,7 @@ its kernels:
     dequantize    stored values (+ scales) -> fp32, for the reference attention paths
     decode        the decode-attention kernel over this format
     tiled         K and V in the tiled int8 layout (kernels/decode_tiled.cpp), not token rows
-    int8_query    its kernel quantizes the query to int8 (read by the fused decode step)
+    int8_query    its kernel quantizes the query to int8 (integer dot products for the scores)
 
 A layer's cache holds K and V as [B, Hkv, max_len, D] of `storage`, plus [B, Hkv, max_len]
 fp32 scales each when `scaled`; Hkv is the model's local KV-head count, so a tensor-parallel
@@ -49,14 +49,6 @@ def _decode(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
     return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, **options)
 
 
-def _decode_int8_query(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
-    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, int8_query=True, **options)
-
-
-def _decode_tiled(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
-    return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, tiled=True, **options)
-
-
 @dataclass(frozen=True)
 class KVFormat:
     name: str
@@ -71,6 +63,11 @@ class KVFormat:
     quant: QuantSpec | None = None
     tiled: bool = False
     int8_query: bool = False  # its kernel quantizes the query to int8 (integer dot products for the scores)
+
+    @property
+    def kernel_options(self) -> dict:
+        """The decode kernel's switches this format sets (kernels.decode_attention's keywords)."""
+        return {name: True for name in ("int8_query", "tiled") if getattr(self, name)}
 
     @property
     def bits(self) -> int:
@@ -111,9 +108,9 @@ def _reference(name: str, k: str, v: str | None = None, bits: int = 8, descripti
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int8", torch.int8, scaled=True,
              description="int8, one fp32 scale per head per token (the paper's format and kernel: K widened)"),
-    KVFormat("int8dot", torch.int8, scaled=True, decode=_decode_int8_query, int8_query=True,
+    KVFormat("int8dot", torch.int8, scaled=True, int8_query=True,
              description="the int8 cache, scores by integer dot products with an int8 query (VNNI / pmaddubsw)"),
-    KVFormat("int8tile", torch.int8, scaled=True, decode=_decode_tiled, tiled=True,
+    KVFormat("int8tile", torch.int8, scaled=True, tiled=True,
              description="int8 in a tiled layout: integer scores and integer P.V (probabilities at 7 bits per "
                          "32 tokens)"),
     KVFormat("fp16", torch.float16, scaled=False, description="IEEE half precision"),
@@ -194,7 +191,7 @@ class KVCache:
         """Decode attention of q [B, H, D] over this layer's cache with this format's kernel
         (options: the kernel's, such as num_splits)."""
         return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths,
-                                  **options)
+                                  **self.format.kernel_options, **options)
 
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K, V [Hkv, length, D] of sequence b (for the reference attention paths)."""

@@ -273,10 +273,8 @@ class LlamaModel:
     def _fused_stack(self, cache: KVCache):
         stack = self._stacks.get(cache)
         if stack is None:
-            fmt = cache.format
             stack = kernels.decode_stack(self.layers, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                         heads=self.n_heads, eps=self.cfg.norm_eps,
-                                         int8_query=fmt.int8_query, tiled=fmt.tiled)
+                                         heads=self.n_heads, eps=self.cfg.norm_eps, **cache.format.kernel_options)
             self._stacks[cache] = stack
         return stack
 
@@ -295,23 +293,6 @@ class LlamaModel:
         lengths = positions + 1
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
 
-        if self.fused_decode_blocker(switches, cache) is None:
-            x = self._embed(tokens)  # [B, dim]
-            timers = torch.zeros(len(self.layers), 3, dtype=torch.float64) if record else None
-            t_layers = clock.t()
-            self._fused_stack(cache).step(x, cos, sin, positions, timers)
-            layers_s = clock.t() - t_layers
-            if record:
-                for i, (attn_s, mlp_s, other_s) in enumerate(timers.tolist()):
-                    clock.add("attention", i, attn_s)
-                    clock.add("mlp", i, mlp_s)
-                    clock.add("other", i, other_s)
-            logits = self._head(x)
-            cache.lengths = lengths
-            return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
-                                        cache.bytes_read(lengths) if record else 0, int(lengths.sum()),
-                                        logits.shape[0])
-
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
             q, k, v = layer.qkv(h, cos, sin)
             cache.append(i, k.reshape(-1, Hkv, 1, D), v.reshape(-1, Hkv, 1, D), positions)  # [B, Hkv, 1, D]
@@ -320,7 +301,16 @@ class LlamaModel:
 
         x = self._embed(tokens)  # [B, dim]
         t_layers = clock.t()
-        x = self._layers(x, attend, clock)
+        if self.fused_decode_blocker(switches, cache) is None:
+            timers = torch.zeros(len(self.layers), 3, dtype=torch.float64) if record else None
+            self._fused_stack(cache).step(x, cos, sin, positions, timers)  # x updated in place
+            if record:
+                for i, (attn_s, mlp_s, other_s) in enumerate(timers.tolist()):
+                    clock.add("attention", i, attn_s)
+                    clock.add("mlp", i, mlp_s)
+                    clock.add("other", i, other_s)
+        else:
+            x = self._layers(x, attend, clock)
         layers_s = clock.t() - t_layers
         logits = self._head(x)
         cache.lengths = lengths
