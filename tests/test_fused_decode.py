@@ -141,3 +141,34 @@ def test_the_stack_checks_what_it_is_given(model):
     with pytest.raises(ValueError, match="every per-layer list needs 30 entries"):
         ks.decode_stack(llama.layers, cache.k[:2], cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
                         eps=1e-5)
+
+
+def test_the_weights_are_one_stream_in_the_order_decode_reads_them(model):
+    """LlamaModel packs every matrix (and int8 scales) into one arena (workbench.hw.memory):
+    layer by layer qkv, o, gate/up, down, then the LM head, each right after the last at a
+    4 KiB boundary; the tied LM head is still the embedding the tokens are looked up in."""
+    llama = model.llama
+    tensors = []
+    for layer in llama.layers:
+        for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+            tensors += [t for t in (lin.weight, lin.scale) if t is not None]
+    tensors += [t for t in (llama.lm_head.weight, llama.lm_head.scale) if t is not None]
+    base = tensors[0].untyped_storage().data_ptr()
+    for prev, t in zip(tensors, tensors[1:]):
+        assert t.untyped_storage().data_ptr() == base  # one buffer
+        end = prev.data_ptr() + prev.numel() * prev.element_size()
+        assert t.data_ptr() == -(-end // 4096) * 4096  # next, at the following 4 KiB boundary
+    assert tensors[0].data_ptr() % (2 << 20) == 0  # the stream starts on a huge-page boundary
+    if llama.weight_dtype != "int8-g32":  # SmolLM2 ties the LM head to the embedding
+        assert llama.lm_head.weight is llama.embedding
+
+
+def test_an_arena_refuses_what_does_not_fit():
+    from workbench.hw import memory
+
+    arena = memory.Arena(8192)
+    arena.take(torch.ones(1024))  # 4 KiB
+    kept = arena.take(torch.arange(1000, dtype=torch.int32))
+    assert kept.tolist() == list(range(1000)) and kept.dtype == torch.int32
+    with pytest.raises(ValueError, match=r"holds 8192 bytes; 8192 are used .*\(10,\) torch.float32"):
+        arena.take(torch.ones(10))

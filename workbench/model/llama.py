@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench import kernels
+from workbench.hw import memory
 from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
 from workbench.model.kv_formats import KVCache, new_kv_cache
@@ -156,9 +157,25 @@ class LlamaModel:
         self.lm_head = Linear(head.pop("lm_head"), int8=weight_dtype_name in INT8_GROUPS,
                               group=INT8_GROUPS.get(weight_dtype_name))
         self.extras = head
+        self._pack_weights()
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
         self._stacks = weakref.WeakKeyDictionary()  # cache -> its fused decode step (kernels.decode_stack)
+
+    def _pack_weights(self) -> None:
+        """Move every matrix (and int8 scales) into one huge-page arena in the order a decode
+        step reads them: layer by layer qkv, o, gate/up, down, then the LM head. A batch-1
+        decode step then streams one long run of memory on 2 MiB pages (workbench.hw.memory.Arena).
+        Each old tensor is freed as its view replaces it; a tied LM head stays the embedding."""
+        linears = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        linears.append(self.lm_head)
+        slots = [(lin, name) for lin in linears for name in ("weight", "scale") if getattr(lin, name) is not None]
+        tied = self.lm_head.weight is self.embedding
+        arena = memory.Arena(sum(memory.Arena.size(getattr(lin, name)) for lin, name in slots))
+        for lin, name in slots:
+            setattr(lin, name, arena.take(getattr(lin, name)))
+        if tied:
+            self.embedding = self.lm_head.weight
 
     @property
     def weight_bytes(self) -> int:
