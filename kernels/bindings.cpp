@@ -470,6 +470,15 @@ double read_sum(const Tensor& x) {
   return wbk::read_sum(x.data_ptr<float>(), x.numel());
 }
 
+// The matrix-vector kernel's weight types, each with its own prefetch setting (prefetch.h);
+// int8 covers both scale granularities (per row and per group).
+int matvec_weights(const std::string& name) {
+  if (name == "float32") return wbk::kMatvecF32;
+  if (name == "bfloat16") return wbk::kMatvecBF16;
+  if (name == "int8") return wbk::kMatvecInt8;
+  TORCH_CHECK_VALUE(false, "matvec prefetch: weights must be 'float32', 'bfloat16' or 'int8', got '", name, "'");
+}
+
 }  // namespace
 
 // The fused decode step's Python face: built once per (model, cache) with every layer's
@@ -635,16 +644,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     wbk::g_prefetch = wbk::PrefetchConfig{bytes, hint};
   }, py::arg("bytes"), py::arg("hint"));
   m.def("get_prefetch", [] { return std::make_pair(wbk::g_prefetch.bytes, wbk::g_prefetch.hint); });
-  m.def("set_matvec_prefetch", [](int64_t bytes, int hint, int64_t max_chunk_bytes) {
+  m.def("set_matvec_prefetch", [](const std::string& weights, int64_t bytes, int hint, int64_t max_chunk_bytes) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3 && max_chunk_bytes >= 0,
                       "set_matvec_prefetch: bytes >= 0, hint in 0..3, max_chunk_bytes >= 0, got ", bytes, ", ", hint,
                       ", ", max_chunk_bytes);
-    wbk::g_matvec_prefetch = {bytes, hint, max_chunk_bytes};
-  }, py::arg("bytes"), py::arg("hint"), py::arg("max_chunk_bytes"));
-  m.def("get_matvec_prefetch", [] {
-    const auto& p = wbk::g_matvec_prefetch;
+    wbk::g_matvec_prefetch[matvec_weights(weights)] = {bytes, hint, max_chunk_bytes};
+  }, py::arg("weights"), py::arg("bytes"), py::arg("hint"), py::arg("max_chunk_bytes"));
+  m.def("get_matvec_prefetch", [](const std::string& weights) {
+    const auto& p = wbk::g_matvec_prefetch[matvec_weights(weights)];
     return std::make_tuple(p.bytes, p.hint, p.max_chunk_bytes);
-  });
+  }, py::arg("weights"));
   m.def("decode_default_splits", [](int64_t B, int64_t Hkv, int64_t max_length) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
   });

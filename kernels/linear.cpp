@@ -43,11 +43,11 @@ constexpr int64_t kRowsPerTask = 16;
 // The calling thread's scratch for what a call prepares before its tasks run (the GEMM's x^T,
 // the bf16 matrix-vector kernel's permuted x), apart from the tasks' slots.
 constexpr int kCallerSlot = Scratch::kSlots - 1;
-// Software prefetch in the matrix-vector kernel: the rows about g_matvec_prefetch.bytes
-// further on, only for row chunks of at most g_matvec_prefetch.max_chunk_bytes (short chunks
-// are where the hardware prefetcher falls behind), with its hint as a template argument (the
-// prefetch instruction takes it as a constant). Distance, hint and cut-off are measured per
-// host (prefetch.h, workbench/hw/prefetch.py), not constants from one machine.
+// Software prefetch in the matrix-vector kernel: the rows about g_matvec_prefetch[T].bytes
+// further on, only for row chunks of at most its max_chunk_bytes (short chunks are where the
+// hardware prefetcher falls behind), with its hint as a template argument (the prefetch
+// instruction takes it as a constant). Distance, hint and cut-off are measured per host and
+// weight type (prefetch.h, workbench/hw/prefetch.py), not constants from one machine.
 constexpr int64_t kChunk = 1024;  // K elements per chunk (a multiple of the int8 weight group)
 
 // y[m][j] += x_m . w_j over one K-chunk, for MB rows of x and four rows of W: MB x 4
@@ -225,7 +225,8 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
 
 template <typename T>
 void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
-  const MatvecPrefetch pf = g_matvec_prefetch;
+  constexpr int kKind = std::is_same_v<T, float> ? kMatvecF32 : std::is_same_v<T, BFloat16> ? kMatvecBF16 : kMatvecInt8;
+  const MatvecPrefetch pf = g_matvec_prefetch[kKind];
   switch (pf.hint) {  // prefetch.h's hints: 0 nta, 1 t2, 2 t1, 3 t0 = __builtin_prefetch's locality
     case 3: return matvec_with<T, 3>(x, w, y, M, N, K, gscale, pf);
     case 2: return matvec_with<T, 2>(x, w, y, M, N, K, gscale, pf);

@@ -16,16 +16,20 @@ struct PrefetchConfig {
 
 inline PrefetchConfig g_prefetch;  // set by set_prefetch (bindings), read by the attention kernels
 
-// The matrix-vector kernel's own (linear.cpp), measured per host with that kernel at small K
-// (workbench/hw/prefetch.py): W rows about `bytes` ahead, for row chunks of at most
-// `max_chunk_bytes` (longer chunks are one long stream each, which the hardware prefetcher
-// follows by itself on the hosts measured so far). The defaults are the Zen host's.
+// The matrix-vector kernel's own (linear.cpp), one per weight element type, each measured
+// per host with that kernel at small K (workbench/hw/prefetch.py): W rows about `bytes`
+// ahead, for row chunks of at most `max_chunk_bytes` (longer chunks are one long stream each,
+// which the hardware prefetcher follows by itself on the hosts measured so far). Per type
+// because the best choice differs with the arithmetic per byte: on host C (Xeon) fp32 rows
+// stream fastest with no software prefetch, bf16 and int8 rows gain 13-50% from prefetcht0.
+// The defaults are the Zen host's.
 struct MatvecPrefetch {
   int64_t bytes = 8192;
   int hint = 3;
   int64_t max_chunk_bytes = 3072;
 };
-inline MatvecPrefetch g_matvec_prefetch;
+enum MatvecWeights { kMatvecF32, kMatvecBF16, kMatvecInt8, kMatvecKinds };
+inline MatvecPrefetch g_matvec_prefetch[kMatvecKinds];
 
 // One cache line's prefetch with the hint as a constant. On x86 as inline asm: GCC 12 drops
 // every __builtin_prefetch of a switch over the hint like the one below (measured: the

@@ -45,34 +45,42 @@ def test_bad_prefetch_settings_are_refused():
         kernels.native.ext.set_prefetch(4096, 7)
 
 
-def test_the_matrix_vector_kernel_runs_with_its_measured_choice():
+def test_the_matrix_vector_kernel_runs_with_its_measured_choice_per_weight_type():
     ext = kernels.native.ext
     found = json.loads(prefetch._path().read_text())["matvec"]
-    assert ext.get_matvec_prefetch() == (found["bytes"], found["hint"], found["max_chunk_bytes"])
     keys = {":".join(map(str, c)) for c in prefetch.MATVEC_CANDIDATES}
-    assert set(found["gbps"]) == {"float32", "bfloat16"} and all(set(g) == keys for g in found["gbps"].values())
-    assert kernels.build_info()["matvec_prefetch"]["bytes"] == found["bytes"]
+    assert set(found) == {"float32", "bfloat16", "int8"}
+    for name, mv in found.items():
+        setting = (mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
+        assert ext.get_matvec_prefetch(name) == setting
+        assert set(mv["gbps"]) == keys and mv["gbps"][":".join(map(str, setting))] == max(mv["gbps"].values())
+        assert kernels.build_info()["matvec_prefetch"][name]["bytes"] == mv["bytes"]
 
 
 @pytest.mark.parametrize("setting", prefetch.MATVEC_CANDIDATES)
 def test_linear_results_do_not_depend_on_the_prefetch(setting):
     ks = KernelSet("native")
-    before = ks.ext.get_matvec_prefetch()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 576, generator=gen)
-    for w in (torch.randn(96, 576, generator=gen), torch.randn(40, 1536, generator=gen).bfloat16()):
-        xi = x if w.shape[1] == 576 else torch.randn(3, 1536, generator=gen)
-        ref = ks.linear(xi, w)
+    w8, s8 = kernels.quantize_weight_int8(torch.randn(72, 1536, generator=gen), 32)
+    cases = {"float32": (x, torch.randn(96, 576, generator=gen), None),
+             "bfloat16": (torch.randn(3, 1536, generator=gen), torch.randn(40, 1536, generator=gen).bfloat16(), None),
+             "int8": (torch.randn(2, 1536, generator=gen), w8, s8)}
+    for name, (xi, w, scale) in cases.items():
+        before = ks.ext.get_matvec_prefetch(name)
+        ref = ks.linear(xi, w, scale=scale)
         try:
-            ks.ext.set_matvec_prefetch(*setting)
-            out = ks.linear(xi, w)
+            ks.ext.set_matvec_prefetch(name, *setting)
+            out = ks.linear(xi, w, scale=scale)
         finally:
-            ks.ext.set_matvec_prefetch(*before)
-        assert torch.equal(out, ref)
+            ks.ext.set_matvec_prefetch(name, *before)
+        assert torch.equal(out, ref), name
 
 
 def test_bad_matvec_prefetch_settings_are_refused():
     with pytest.raises(ValueError, match="hint in 0..3"):
-        kernels.native.ext.set_matvec_prefetch(4096, 9, 3072)
+        kernels.native.ext.set_matvec_prefetch("float32", 4096, 9, 3072)
     with pytest.raises(ValueError, match="max_chunk_bytes >= 0"):
-        kernels.native.ext.set_matvec_prefetch(4096, 3, -1)
+        kernels.native.ext.set_matvec_prefetch("bfloat16", 4096, 3, -1)
+    with pytest.raises(ValueError, match="weights must be 'float32', 'bfloat16' or 'int8', got 'fp16'"):
+        kernels.native.ext.set_matvec_prefetch("fp16", 4096, 3, 3072)

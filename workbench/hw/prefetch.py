@@ -4,11 +4,14 @@ Two choices, each timed with the kernel it is for over data twice the last-level
 least 256 MiB) on huge pages, the fastest kept, cached per CPU and thread count like the
 peaks:
   - decode attention (the tiled int8 kernel, Llama-2-7B head shapes): bytes ahead and hint;
-  - the matrix-vector kernel at small K (SmolLM2's four layer shapes, fp32 and bf16, one row
-    of x): bytes ahead, hint, and up to which row-chunk length to prefetch at all.
+  - the matrix-vector kernel at small K (SmolLM2's four layer shapes, one row of x), for each
+    weight type (fp32, bf16, int8): bytes ahead, hint, and up to which row-chunk length to
+    prefetch at all.
 Measured on host C (Xeon, 2 threads) for the int8 widening kernel: no prefetch 25.4 GB/s,
 prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; with
-the tiled kernel and the matrix-vector kernel every candidate ties within 3% there. On the
+the tiled kernel every candidate ties within 3% there. The matrix-vector kernel in the bundled
+model at batch 1 there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with
+prefetcht0 8 KB ahead, bf16 77.4 and 87.5, int8-g32 84.6 and 128.8 (4 KB ahead). On the
 AMD hosts the kernels were tuned with prefetchnta 4 KB ahead (attention) and prefetcht0 8 KB
 ahead for short rows (matrix-vector). No constant is right on every host.
 """
@@ -16,6 +19,7 @@ ahead for short rows (matrix-vector). No constant is right on every host.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -25,11 +29,15 @@ from workbench.cache import cache_dir, cpu_key
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
 CANDIDATES = ((0, 0), (512, 3), (1024, 3), (2048, 3), (4096, 2), (8192, 2), (4096, 0))  # (bytes ahead, hint)
 # The matrix-vector kernel's: (bytes ahead, hint, longest row chunk prefetched); the first is off.
-MATVEC_CANDIDATES = ((0, 0, 0), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072), (8192, 3, 1 << 20),
-                     (4096, 0, 3072))
+MATVEC_CANDIDATES = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072),
+                     (8192, 3, 1 << 20), (8192, 2, 3072), (4096, 0, 3072))
+# ... chosen for each weight type the kernel streams (kernels/prefetch.h: MatvecWeights).
+MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+GROUP = 32  # int8 measured with a scale per 32 weights (the int8-g32 weights)
 # Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
-# see kernels/prefetch.h; the matrix-vector choice), so a cached choice is measured again.
-VERSION = 2
+# see kernels/prefetch.h; the matrix-vector choice; 3: one matrix-vector choice per weight
+# type), so a cached choice is measured again.
+VERSION = 3
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
@@ -79,59 +87,71 @@ def measure(ext, repeats: int = 3) -> dict:
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def measure_matvec(ext, repeats: int = 2) -> dict:
-    """Time every MATVEC_CANDIDATES entry on `ext`: one row of x against SmolLM2's layer
-    shapes in fp32 and bf16, the weights rotated over at least twice the last-level cache
-    (256 MiB or more) on huge pages; the choice with the best summed time of both dtypes."""
+def measure_matvec(ext, repeats: int = 3) -> dict:
+    """Time every MATVEC_CANDIDATES entry on `ext` for each weight type of MATVEC_WEIGHTS:
+    one row of x against SmolLM2's layer shapes, the weights rotated over at least twice the
+    last-level cache (256 MiB or more, int8 with its scale per 32 weights) on huge pages.
+    Returns, per weight type, the fastest candidate and every candidate's GB/s: the best
+    choice differs with the type (on host C no prefetch for fp32, prefetcht0 for bf16 and int8)."""
     from workbench.hw import memory
     from workbench.hw.machine import machine_info
 
-    per_set = sum(n * k for n, k in MATVEC_SHAPES)  # elements of one set of layer weights
-    total = max(256 << 20, 2 * (machine_info().cache_bytes(3) or 0))  # bytes of fp32 weights
-    sets = max(2, -(-total // (4 * per_set)))
-    buf = memory.empty((sets * per_set,), torch.float32).fill_(0.01)
-    before = ext.get_matvec_prefetch()
-    seconds: dict[str, float] = {}
-    gbps: dict[str, dict[str, float]] = {}
+    total = max(256 << 20, 2 * (machine_info().cache_bytes(3) or 0))  # bytes of weights per type
+    buf = memory.empty((total + (32 << 20),), torch.uint8)  # room for the last set
+    xs = {k: torch.randn(1, k) for _, k in MATVEC_SHAPES}
+    before = {name: ext.get_matvec_prefetch(name) for name in MATVEC_WEIGHTS}
+    found = {}
+
+    def take(offset: int, shape, dtype, fill) -> tuple[torch.Tensor, int]:
+        """A tensor of `buf` at `offset`, filled (no denormals), and the next 4 KiB boundary."""
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        t = buf[offset:offset + nbytes].view(dtype).view(shape).fill_(fill)
+        return t, -(-(offset + nbytes) // 4096) * 4096
+
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            flat = buf if dtype == torch.float32 else buf.view(torch.bfloat16)[: sets * per_set]
+        for name, dtype in MATVEC_WEIGHTS.items():
+            # Laid out as the model's arena is (workbench.hw.memory.Arena): matrix after matrix,
+            # each int8 matrix followed by its scales, at 4 KiB boundaries.
             weights, off = [], 0
-            for _ in range(sets):
+            while off < total:
                 for n, k in MATVEC_SHAPES:
-                    weights.append(flat[off:off + n * k].view(n, k))
-                    off += n * k
-            xs = {k: torch.randn(1, k) for _, k in MATVEC_SHAPES}
-            nbytes = sets * per_set * flat.element_size()
+                    w, off = take(off, (n, k), dtype, 1 if dtype == torch.int8 else 0.01)
+                    scale = None
+                    if dtype == torch.int8:
+                        scale, off = take(off, (n, k // GROUP), torch.float32, 0.01)
+                    weights.append((w, scale))
+            nbytes = sum(t.numel() * t.element_size() for pair in weights for t in pair if t is not None)
 
             def run():
-                for w in weights:
-                    ext.linear(xs[w.shape[1]], w, 10, None, None)
+                for w, scale in weights:
+                    ext.linear(xs[w.shape[1]], w, 10, None, scale)
 
             run()  # warm-up: page faults, thread pool
             best: dict[str, float] = {}
             for _ in range(repeats):
                 for cand in MATVEC_CANDIDATES:  # interleaved rounds, the best of each
-                    ext.set_matvec_prefetch(*cand)
+                    ext.set_matvec_prefetch(name, *cand)
                     t0 = time.perf_counter()
                     run()
                     key = ":".join(map(str, cand))
                     best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
-            for key, s in best.items():
-                seconds[key] = seconds.get(key, 0.0) + s
-            gbps[str(dtype).removeprefix("torch.")] = {key: nbytes / s / 1e9 for key, s in best.items()}
+            choice = min(best, key=best.get)
+            b, h, c = (int(x) for x in choice.split(":"))
+            found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h],
+                           "gbps": {key: nbytes / sec / 1e9 for key, sec in best.items()}}
     finally:
-        ext.set_matvec_prefetch(*before)
-    choice = min(seconds, key=seconds.get)
-    b, h, c = (int(x) for x in choice.split(":"))
-    return {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h], "gbps": gbps}
+        for name, setting in before.items():
+            ext.set_matvec_prefetch(name, *setting)
+    return found
 
 
 def _complete(found: dict) -> bool:
     """A cached measurement of both choices over today's candidates (else measure again)."""
     try:
+        keys = {":".join(map(str, c)) for c in MATVEC_CANDIDATES}
         return (found.get("version") == VERSION and set(found["gbps"]) == {f"{b}:{h}" for b, h in CANDIDATES}
-                and set(found["matvec"]["gbps"]["float32"]) == {":".join(map(str, c)) for c in MATVEC_CANDIDATES})
+                and set(found["matvec"]) == set(MATVEC_WEIGHTS)
+                and all(set(mv["gbps"]) == keys for mv in found["matvec"].values()))
     except (KeyError, TypeError):
         return False
 
@@ -168,6 +188,6 @@ def apply(ext, measure_if_missing: bool = True) -> dict | None:
         if not _complete(found):
             return None
     ext.set_prefetch(found["bytes"], found["hint"])
-    mv = found["matvec"]
-    ext.set_matvec_prefetch(mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
+    for name, mv in found["matvec"].items():
+        ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
     return found
