@@ -638,12 +638,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
         py::arg("int8_query") = false, py::arg("tiled") = false, py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
-  m.def("set_prefetch", [](int64_t bytes, int hint) {
+  m.def("set_prefetch", [](int64_t bytes, int hint, bool pipeline) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
                       bytes, ", ", hint);
-    wbk::g_prefetch = wbk::PrefetchConfig{bytes, hint};
-  }, py::arg("bytes"), py::arg("hint"));
-  m.def("get_prefetch", [] { return std::make_pair(wbk::g_prefetch.bytes, wbk::g_prefetch.hint); });
+    wbk::g_prefetch = wbk::PrefetchConfig{bytes, hint, pipeline};
+  }, py::arg("bytes"), py::arg("hint"), py::arg("pipeline") = false);
+  m.def("get_prefetch", [] {
+    return std::make_tuple(wbk::g_prefetch.bytes, wbk::g_prefetch.hint, wbk::g_prefetch.pipeline);
+  });
   m.def("set_matvec_prefetch", [](const std::string& weights, int64_t bytes, int hint, int64_t max_chunk_bytes) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3 && max_chunk_bytes >= 0,
                       "set_matvec_prefetch: bytes >= 0, hint in 0..3, max_chunk_bytes >= 0, got ", bytes, ", ", hint,

@@ -58,4 +58,23 @@ void run_tasks(int64_t num_tasks, MakeWorker&& make_worker) {
   });
 }
 
+// run_tasks for workers that look one task ahead: worker(task, next) also gets the task this
+// thread runs after it (-1: none left), claimed before `task` starts, so the worker can
+// prefetch the next task's data while it finishes this one (decode_tiled.cpp).
+template <typename MakeWorker>
+void run_tasks_ahead(int64_t num_tasks, MakeWorker&& make_worker) {
+  if (num_tasks <= 0) return;
+  std::atomic<int64_t> next{0};
+  int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto worker = make_worker();
+    int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+    while (t < num_tasks) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      worker(t, after < num_tasks ? after : int64_t{-1});
+      t = after;
+    }
+  });
+}
+
 }  // namespace wbk

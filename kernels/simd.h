@@ -351,6 +351,7 @@ struct VecI {
   __m512i v;
   static inline VecI zero() { return {_mm512_setzero_si512()}; }
 };
+inline VecI operator+(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline VecF to_float(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 #if defined(__AVX512VNNI__)
 inline constexpr int kDotBias = 128;
@@ -398,6 +399,7 @@ struct VecI {
   __m256i v;
   static inline VecI zero() { return {_mm256_setzero_si256()}; }
 };
+inline VecI operator+(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline VecF to_float(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 #if defined(__AVXVNNI__)
 inline constexpr int kDotBias = 128;
@@ -441,6 +443,7 @@ struct VecI {
   int32_t v;
   static inline VecI zero() { return {0}; }
 };
+inline VecI operator+(VecI a, VecI b) { return {a.v + b.v}; }
 inline VecF to_float(VecI a) { return {static_cast<float>(a.v)}; }
 struct DotK {
   VecB k;

@@ -16,28 +16,39 @@ from workbench.kernels import KernelSet
 def test_the_native_build_runs_with_the_measured_choice():
     ext = kernels.native.ext
     found = json.loads(prefetch._path().read_text())  # measured when the build was loaded
-    assert ext.get_prefetch() == (found["bytes"], found["hint"])
-    assert set(found["gbps"]) == {f"{b}:{h}" for b, h in prefetch.CANDIDATES}
-    assert found["gbps"][f"{found['bytes']}:{found['hint']}"] == max(found["gbps"].values())
+    assert ext.get_prefetch() == (found["bytes"], found["hint"], found["pipeline"])
+    assert set(found["gbps"]) == {":".join(map(str, c)) for c in prefetch.CANDIDATES}
+    assert found["gbps"][f"{found['bytes']}:{found['hint']}:{int(found['pipeline'])}"] == max(found["gbps"].values())
     assert kernels.native.ext is ext and "prefetch" in kernels.build_info()
 
 
-@pytest.mark.parametrize("bytes_ahead, hint", prefetch.CANDIDATES)
-def test_results_do_not_depend_on_the_prefetch(bytes_ahead, hint):
+@pytest.mark.parametrize("bytes_ahead, hint, pipeline", prefetch.CANDIDATES)
+def test_results_do_not_depend_on_the_prefetch(bytes_ahead, hint, pipeline):
+    """Both decode kernels, the tiled one with the pipelined streams on and off, ragged
+    lengths and splits (so tasks of different spans follow each other on a thread)."""
+    from test_decode_attention import build_tiled
+
     ks = KernelSet("native")
     before = ks.ext.get_prefetch()
-    torch.manual_seed(0)
-    q = torch.randn(2, 8, 64)
-    k8, kscale = ks.quantize_kv_int8(torch.randn(2, 2, 300, 64))
-    v8, vscale = ks.quantize_kv_int8(torch.randn(2, 2, 300, 64))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 64, generator=gen)
+    rows, scales, tiles, tiled_scales = build_tiled(ks, 2, 2, 300, 64, gen)
     lengths = torch.tensor([300, 123])
-    ref = ks.decode_attention(q, k8, v8, lengths, k_scale=kscale, v_scale=vscale)
+
+    def run():
+        plain = ks.decode_attention(q, rows["k"], rows["v"], lengths, **scales)
+        tiled = [ks.decode_attention(q, tiles["k"], tiles["v"], lengths, **tiled_scales, int8_query=True,
+                                     tiled=True, num_splits=s) for s in (1, 3)]
+        return plain, *tiled
+
+    ref = run()
     try:
-        ks.ext.set_prefetch(bytes_ahead, hint)
-        out = ks.decode_attention(q, k8, v8, lengths, k_scale=kscale, v_scale=vscale)
+        ks.ext.set_prefetch(bytes_ahead, hint, bool(pipeline))
+        out = run()
     finally:
         ks.ext.set_prefetch(*before)
-    assert torch.equal(out, ref)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
 
 
 def test_bad_prefetch_settings_are_refused():

@@ -27,7 +27,10 @@ import torch
 from workbench.cache import cache_dir, cpu_key
 
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
-CANDIDATES = ((0, 0), (512, 3), (1024, 3), (2048, 3), (4096, 2), (8192, 2), (4096, 0))  # (bytes ahead, hint)
+# Decode attention's: (bytes ahead, hint, pipelined: the tiled kernel prefetching V into L2 as
+# it scores K and the next task's K as it reads V).
+CANDIDATES = ((0, 0, 0), (512, 3, 0), (1024, 3, 0), (2048, 3, 0), (4096, 2, 0), (8192, 2, 0), (4096, 0, 0),
+              (0, 0, 1), (2048, 3, 1), (8192, 2, 1))
 # The matrix-vector kernel's: (bytes ahead, hint, longest row chunk prefetched); the first is off.
 MATVEC_CANDIDATES = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072),
                      (8192, 3, 1 << 20), (8192, 2, 3072), (4096, 0, 3072))
@@ -36,8 +39,8 @@ MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 
 GROUP = 32  # int8 measured with a scale per 32 weights (the int8-g32 weights)
 # Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
 # see kernels/prefetch.h; the matrix-vector choice; 3: one matrix-vector choice per weight
-# type), so a cached choice is measured again.
-VERSION = 3
+# type; 4: decode attention's pipelined streams), so a cached choice is measured again.
+VERSION = 4
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
@@ -72,18 +75,18 @@ def measure(ext, repeats: int = 3) -> dict:
     try:
         run()  # warm-up: page faults, thread pool
         for _ in range(repeats):
-            for bytes_ahead, hint in CANDIDATES:  # interleaved rounds, the best of each
-                ext.set_prefetch(bytes_ahead, hint)
+            for bytes_ahead, hint, pipeline in CANDIDATES:  # interleaved rounds, the best of each
+                ext.set_prefetch(bytes_ahead, hint, bool(pipeline))
                 t0 = time.perf_counter()
                 run()
                 rate = B * per_seq / (time.perf_counter() - t0) / 1e9
-                key = f"{bytes_ahead}:{hint}"
+                key = f"{bytes_ahead}:{hint}:{pipeline}"
                 gbps[key] = max(gbps.get(key, 0.0), rate)
     finally:
         ext.set_prefetch(*before)
     best = max(gbps, key=gbps.get)
-    b, h = (int(x) for x in best.split(":"))
-    return {"bytes": b, "hint": h, "hint_name": HINTS[h], "gbps": gbps, "cache_bytes": B * per_seq,
+    b, h, p = (int(x) for x in best.split(":"))
+    return {"bytes": b, "hint": h, "pipeline": bool(p), "hint_name": HINTS[h], "gbps": gbps, "cache_bytes": B * per_seq,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
@@ -149,7 +152,7 @@ def _complete(found: dict) -> bool:
     """A cached measurement of both choices over today's candidates (else measure again)."""
     try:
         keys = {":".join(map(str, c)) for c in MATVEC_CANDIDATES}
-        return (found.get("version") == VERSION and set(found["gbps"]) == {f"{b}:{h}" for b, h in CANDIDATES}
+        return (found.get("version") == VERSION and set(found["gbps"]) == {":".join(map(str, c)) for c in CANDIDATES}
                 and set(found["matvec"]) == set(MATVEC_WEIGHTS)
                 and all(set(mv["gbps"]) == keys for mv in found["matvec"].values()))
     except (KeyError, TypeError):
@@ -187,7 +190,7 @@ def apply(ext, measure_if_missing: bool = True) -> dict | None:
             return None
         if not _complete(found):
             return None
-    ext.set_prefetch(found["bytes"], found["hint"])
+    ext.set_prefetch(found["bytes"], found["hint"], found["pipeline"])
     for name, mv in found["matvec"].items():
         ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
     return found

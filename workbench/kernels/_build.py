@@ -157,7 +157,7 @@ def build_info(variant: str = "native") -> dict:
         "flags": [*BASE_FLAGS, *VARIANT_FLAGS[variant]],
         "gemm_tile": f"{module.gemm_mr()} x {module.gemm_nr()}",
         "int8_dot": module.decode_dot_isa(),
-        "prefetch": dict(zip(("bytes", "hint"), module.get_prefetch())),
+        "prefetch": dict(zip(("bytes", "hint", "pipeline"), module.get_prefetch())),
         "matvec_prefetch": {name: dict(zip(("bytes", "hint", "max_chunk_bytes"), module.get_matvec_prefetch(name)))
                             for name in ("float32", "bfloat16", "int8")},
         "build_dir": str(_build_dir(variant)),
