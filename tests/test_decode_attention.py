@@ -190,12 +190,19 @@ def test_decode_attends_only_within_length(kernels):
 
 
 def test_default_splits_leave_no_thread_idle():
+    """The fewest splits whose equal tasks fill whole rounds of the threads to within 10%."""
     from workbench.kernels import native
 
     threads = torch.get_num_threads()
     assert native.default_num_splits(1, 1, 4096) >= min(threads, 16)
     assert native.default_num_splits(64, 32, 4096) == 1
     assert native.default_num_splits(1, 1, 100) == 1  # too short to be worth splitting
+    for B, Hkv in ((1, 3), (1, 8), (2, 3), (1, 32), (4, 5)):
+        splits = native.default_num_splits(B, Hkv, 1 << 16)
+        tasks = B * Hkv * splits
+        assert -(-tasks // threads) * threads <= 1.1 * tasks, (B, Hkv, splits)
+        fewer = B * Hkv * (splits - 1)
+        assert splits == 1 or -(-fewer // threads) * threads > 1.1 * fewer, (B, Hkv, splits)
 
 
 # -- the tiled int8 layout: integer scores and integer P.V (kernels/decode_tiled.cpp) ---------
