@@ -349,10 +349,10 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
               const std::optional<Tensor>& scale) {
   const char* fn = "linear";
   check_tensor(x, fn, "x", 2, "[M, K]");
-  check_tensor(w, fn, "w", 2, "[N, K]");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
   const wbk::WeightRef wr = checked_weight(w, scale, fn, "w", K);
+  const int64_t N = wr.N;
   const wbk::WeightDtype kind = wr.dtype;
   const float* row_scale = wr.scale;
   Tensor y;

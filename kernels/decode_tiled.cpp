@@ -212,21 +212,21 @@ void decode_attention_tiled(const DecodeArgs& a) {
   }
   const int64_t ldq = (D + 3) / 4 * 4;
 
-  // A task's tokens: plane bk = (batch, KV head), tokens [t0, t0 + n) of it.
-  auto span_of = [&](int64_t task, int64_t& bk, int64_t& t0, int64_t& n) {
-    const int64_t s = task % S;
-    bk = task / S;
+  // A task's tokens: split s of plane bk = (batch, KV head), tokens [t0, t0 + n) of it.
+  struct Span {
+    int64_t s, bk, t0, n;
+  };
+  auto span_of = [&](int64_t task) {
+    const int64_t s = task % S, bk = task / S;
     const int64_t len = a.lengths[bk / a.Hkv], chunk = chunk_of(len);
-    t0 = std::min(len, s * chunk);
-    n = std::min(len, t0 + chunk) - t0;
+    const int64_t t0 = std::min(len, s * chunk);
+    return Span{s, bk, t0, std::min(len, t0 + chunk) - t0};
   };
   run_tasks_ahead(a.B * a.Hkv * S, [&] {
     return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D), stats = Scratch(2, 4 * G + G * nblk),
             qint = Scratch(3, G * ldq / 4 + 1),
             pint = Scratch(4, G * lds / 4 + 1)](int64_t task, int64_t next_task) mutable {
-      const int64_t s = task % S;
-      int64_t bk, t0, n;
-      span_of(task, bk, t0, n);
+      const auto [s, bk, t0, n] = span_of(task);
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
       const int8_t* kbase = k_cache + bk * a.Lmax * D;
       const int8_t* vbase = v_cache + bk * a.Lmax * D;
@@ -237,10 +237,9 @@ void decode_attention_tiled(const DecodeArgs& a) {
       const int8_t* knext = nullptr;
       int64_t next_bytes = 0;
       if (pipelined && next_task >= 0) {
-        int64_t nbk, nt0, nn;
-        span_of(next_task, nbk, nt0, nn);
-        knext = k_cache + nbk * a.Lmax * D + nt0 * D;
-        next_bytes = nn * D;
+        const Span next = span_of(next_task);
+        knext = k_cache + next.bk * a.Lmax * D + next.t0 * D;
+        next_bytes = next.n * D;
       }
       const float* qbase = a.q + (b * a.H + kvh * G) * D;
 

@@ -191,8 +191,8 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
         const int64_t kc = std::min(kChunk, K - k0);
         const int64_t chunk_bytes = kc * static_cast<int64_t>(sizeof(T));
         const int64_t ahead_rows = 4 * std::max<int64_t>(1, pf.bytes / (4 * chunk_bytes));
+        const bool prefetch = pf.bytes > 0 && chunk_bytes <= pf.max_chunk_bytes;
         for (int64_t n = n0; n < n1; n += 4) {
-          const bool prefetch = pf.bytes > 0 && chunk_bytes <= pf.max_chunk_bytes;
           const int64_t pf_end = prefetch ? std::min(last_row, n + ahead_rows + 4) : 0;
           for (int64_t r = n + ahead_rows; r < pf_end; ++r) {
             const char* row = reinterpret_cast<const char*>(w + r * K + k0);

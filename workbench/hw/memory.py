@@ -12,6 +12,7 @@ the kernel says no, the buffer is an ordinary one: same values, same layout.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 
 import torch
@@ -69,17 +70,29 @@ class Arena:
         self.nbytes, self.used = nbytes, 0
 
     @classmethod
+    def padded(cls, nbytes: int) -> int:
+        """The bytes `nbytes` take in an arena: rounded up to the next 4 KiB."""
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    @classmethod
     def size(cls, t: torch.Tensor) -> int:
         """The bytes `t` takes in an arena, padding included."""
-        return -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+        return cls.padded(t.numel() * t.element_size())
+
+    @property
+    def free(self) -> int:
+        return self.nbytes - self.used
+
+    def alloc(self, shape, dtype=torch.float32) -> torch.Tensor:
+        """The next `shape` tensor of the arena, uninitialised."""
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if self.padded(n) > self.free:
+            raise ValueError(f"the arena holds {self.nbytes} bytes; {self.used} are used and a "
+                             f"{tuple(shape)} {dtype} tensor needs {self.padded(n)} more")
+        at = self.start + self.used
+        self.used += self.padded(n)
+        return self.buffer[at:at + n].view(dtype).view(shape)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        if self.used + self.size(t) > self.nbytes:
-            raise ValueError(f"the arena holds {self.nbytes} bytes; {self.used} are used and a "
-                             f"{tuple(t.shape)} {t.dtype} tensor needs {self.size(t)} more")
-        at = self.start + self.used
-        view = self.buffer[at:at + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        self.used += self.size(t)
-        return view
+        """t copied into the arena: the view that replaces it."""
+        return self.alloc(tuple(t.shape), t.dtype).copy_(t)

@@ -19,7 +19,6 @@ ahead for short rows (matrix-vector). No constant is right on every host.
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import torch
@@ -42,6 +41,11 @@ GROUP = 32  # int8 measured with a scale per 32 weights (the int8-g32 weights)
 # type; 4: decode attention's pipelined streams), so a cached choice is measured again.
 VERSION = 4
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
+
+
+def _key(candidate: tuple[int, ...]) -> str:
+    """A candidate's key in the measured tables: its numbers joined by ":"."""
+    return ":".join(map(str, candidate))
 
 
 def _path():
@@ -80,7 +84,7 @@ def measure(ext, repeats: int = 3) -> dict:
                 t0 = time.perf_counter()
                 run()
                 rate = B * per_seq / (time.perf_counter() - t0) / 1e9
-                key = f"{bytes_ahead}:{hint}:{pipeline}"
+                key = _key((bytes_ahead, hint, pipeline))
                 gbps[key] = max(gbps.get(key, 0.0), rate)
     finally:
         ext.set_prefetch(*before)
@@ -100,28 +104,24 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
     from workbench.hw.machine import machine_info
 
     total = max(256 << 20, 2 * (machine_info().cache_bytes(3) or 0))  # bytes of weights per type
-    buf = memory.empty((total + (32 << 20),), torch.uint8)  # room for the last set
     xs = {k: torch.randn(1, k) for _, k in MATVEC_SHAPES}
     before = {name: ext.get_matvec_prefetch(name) for name in MATVEC_WEIGHTS}
     found = {}
-
-    def take(offset: int, shape, dtype, fill) -> tuple[torch.Tensor, int]:
-        """A tensor of `buf` at `offset`, filled (no denormals), and the next 4 KiB boundary."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        t = buf[offset:offset + nbytes].view(dtype).view(shape).fill_(fill)
-        return t, -(-(offset + nbytes) // 4096) * 4096
-
     try:
         for name, dtype in MATVEC_WEIGHTS.items():
-            # Laid out as the model's arena is (workbench.hw.memory.Arena): matrix after matrix,
-            # each int8 matrix followed by its scales, at 4 KiB boundaries.
-            weights, off = [], 0
-            while off < total:
+            # Laid out as the model's weights are (workbench.hw.memory.Arena): matrix after
+            # matrix, each int8 matrix followed by its scales; filled with normal numbers
+            # (uninitialised memory may hold denormals, which are slow).
+            int8 = dtype == torch.int8
+            elsize = torch.empty(0, dtype=dtype).element_size()
+            set_bytes = sum(memory.Arena.padded(n * k * elsize) + (memory.Arena.padded(4 * n * k // GROUP) if int8 else 0)
+                            for n, k in MATVEC_SHAPES)
+            arena = memory.Arena(max(2, -(-total // set_bytes)) * set_bytes)
+            weights = []
+            while arena.free >= set_bytes:
                 for n, k in MATVEC_SHAPES:
-                    w, off = take(off, (n, k), dtype, 1 if dtype == torch.int8 else 0.01)
-                    scale = None
-                    if dtype == torch.int8:
-                        scale, off = take(off, (n, k // GROUP), torch.float32, 0.01)
+                    w = arena.alloc((n, k), dtype).fill_(1 if int8 else 0.01)
+                    scale = arena.alloc((n, k // GROUP)).fill_(0.01) if int8 else None
                     weights.append((w, scale))
             nbytes = sum(t.numel() * t.element_size() for pair in weights for t in pair if t is not None)
 
@@ -136,12 +136,13 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
                     ext.set_matvec_prefetch(name, *cand)
                     t0 = time.perf_counter()
                     run()
-                    key = ":".join(map(str, cand))
+                    key = _key(cand)
                     best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
             choice = min(best, key=best.get)
             b, h, c = (int(x) for x in choice.split(":"))
             found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h],
                            "gbps": {key: nbytes / sec / 1e9 for key, sec in best.items()}}
+            del run, weights, arena  # freed before the next type's arena is filled
     finally:
         for name, setting in before.items():
             ext.set_matvec_prefetch(name, *setting)
@@ -151,8 +152,8 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
 def _complete(found: dict) -> bool:
     """A cached measurement of both choices over today's candidates (else measure again)."""
     try:
-        keys = {":".join(map(str, c)) for c in MATVEC_CANDIDATES}
-        return (found.get("version") == VERSION and set(found["gbps"]) == {":".join(map(str, c)) for c in CANDIDATES}
+        keys = {_key(c) for c in MATVEC_CANDIDATES}
+        return (found.get("version") == VERSION and set(found["gbps"]) == {_key(c) for c in CANDIDATES}
                 and set(found["matvec"]) == set(MATVEC_WEIGHTS)
                 and all(set(mv["gbps"]) == keys for mv in found["matvec"].values()))
     except (KeyError, TypeError):

@@ -224,6 +224,11 @@ TILED_ALIGN = 32  # the tiled layout's Lmax multiple (kernels.h: kTiledAlign)
 TILED_LAYOUTS = ("rows", "k_tiles", "v_groups")
 
 
+def tiled_length(tokens: int) -> int:
+    """`tokens` rounded up to whole blocks of the tiled layout (a multiple of TILED_ALIGN)."""
+    return -(-tokens // TILED_ALIGN) * TILED_ALIGN
+
+
 def untile_kv(values: torch.Tensor, layout: str) -> torch.Tensor:
     """A plane [..., Lmax, D] of the tiled int8 layout back in token rows (same shape).
 

@@ -158,7 +158,7 @@ class KVCache:
             if head_dim % 4:
                 raise ValueError(f"kv_cache {fmt!r} (tiled layout) needs a head_dim that is a multiple of 4, "
                                  f"got {head_dim}; use int8 or int8dot")
-            stored = -(-max_len // kernels.TILED_ALIGN) * kernels.TILED_ALIGN
+            stored = kernels.tiled_length(max_len)
         shape = (batch, kv_heads, stored, head_dim)  # per layer
         zeros = memory.zeros  # on huge pages where the OS allows: decode streams these from DRAM
         self.k = [zeros(shape, self.format.storage) for _ in range(n_layers)]
@@ -198,7 +198,7 @@ class KVCache:
         def one(values, scales, layout):
             plane = values[b]
             if layout != "rows":  # whole blocks of the tiled layout, back in token rows
-                plane = kernels.untile_kv(plane[:, :-(-length // kernels.TILED_ALIGN) * kernels.TILED_ALIGN], layout)
+                plane = kernels.untile_kv(plane[:, :kernels.tiled_length(length)], layout)
             return self.format.dequantize(plane[:, :length], None if scales is None else scales[b, :, :length])
 
         k_layout, v_layout = self.layouts
