@@ -68,10 +68,12 @@ constexpr int kHeadsPerPass = 8;
 // independent accumulator chains per head taking every R-th line (summed at the end: int32,
 // exact), which hides the dot product's latency while K stays one sequential stream (R tiles
 // side by side, line by line, streamed 6% slower at Llama-2-7B shapes on host C).
-template <int GC, int R>
+// Software prefetch: the line `ahead` bytes on (0: none) with hint Hint, and, given vpf, the
+// line of V at the same offset into L2.
+template <int GC, int R, int Hint>
 inline void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t ldq,
                            const float* qmul, const float* qbias, const float* kscale, float* out, int64_t ldo,
-                           const int8_t* vpf) {
+                           int64_t ahead, const int8_t* vpf) {
   VecI acc[R][GC][KV];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < GC; ++g)
@@ -80,9 +82,9 @@ inline void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t 
     VecB qb[GC];
     for (int g = 0; g < GC; ++g) qb[g] = VecB::bcast4(q8 + g * ldq + 4 * dg);
     const int64_t at = dg * 64;
-    // The line g_prefetch.bytes ahead of each line of K read: spread out, never a burst; and,
-    // pipelined, this task's V line for line into L2.
-    if (g_prefetch.bytes > 0) prefetch_bytes(tile + at + g_prefetch.bytes, 64, g_prefetch.hint);
+    // The line `ahead` bytes on from each line of K read: spread out, never a burst (bursts
+    // of a whole tile measured slower); and, pipelined, this task's V line for line into L2.
+    if (ahead > 0) prefetch_line<Hint>(reinterpret_cast<const char*>(tile + at + ahead));
     if (vpf) prefetch_line<2>(reinterpret_cast<const char*>(vpf + at));
     for (int u = 0; u < KV; ++u) {
       const DotK k = dot_operand(VecB::load(tile + at + u * I8B));
@@ -108,31 +110,32 @@ inline void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t 
 // All n_tiles tiles from `tiles`, one after another. Half the register budget goes to the
 // R accumulator chains per head, the rest to the query broadcasts and the K operand.
 // vpf: the chunk's V (prefetched line for line as K is read), or nullptr.
-template <int GC>
+template <int GC, int Hint>
 void score_all_tiles(const int8_t* tiles, int64_t n_tiles, int64_t D, const int8_t* q8,
                      int64_t ldq, const float* qmul, const float* qbias, const float* kscale, float* out,
-                     int64_t ldo, const int8_t* vpf) {
+                     int64_t ldo, int64_t ahead, const int8_t* vpf) {
   constexpr int R = std::clamp(kAccRegs / (2 * GC * KV), 1, 4);
   const int64_t tile_bytes = kTileTokens * D;
   for (int64_t t = 0; t < n_tiles; ++t)
-    score_tile<GC, R>(tiles + t * tile_bytes, D, q8, ldq, qmul, qbias, kscale + t * kTileTokens,
-                      out + t * kTileTokens, ldo, vpf ? vpf + t * tile_bytes : nullptr);
+    score_tile<GC, R, Hint>(tiles + t * tile_bytes, D, q8, ldq, qmul, qbias, kscale + t * kTileTokens,
+                            out + t * kTileTokens, ldo, ahead, vpf ? vpf + t * tile_bytes : nullptr);
 }
 
 // acc[g][d0 : d0 + C W] += ps[g] * sum over `groups` groups of 4 tokens of p8[g] . v, with the
 // int32 sums kept per call (one block); `part` > 0: a single partial vector of `part` values.
-template <int GC, int C>
+// Prefetch as in score_tile: V `ahead` bytes on with hint Hint, and the next task's K (kpf).
+template <int GC, int C, int Hint>
 inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups, int64_t D,
-                     int64_t d0, float* acc, const int8_t* kpf, int part = 0) {
+                     int64_t d0, float* acc, int64_t ahead, const int8_t* kpf, int part = 0) {
   VecI ai[GC][C];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) ai[g][c] = VecI::zero();
   for (int64_t j = 0; j < groups; ++j) {
     const int8_t* grp = v + j * 4 * D + d0 * 4;
-    // The group g_prefetch.bytes further on (first pass over the block only), spread over the
+    // The group `ahead` bytes further on (first pass over the block only), spread over the
     // loads rather than one burst per block.
-    if (d0 == 0 && g_prefetch.bytes > 0) prefetch_bytes(v + j * 4 * D + g_prefetch.bytes, 4 * D, g_prefetch.hint);
-    if (d0 == 0 && kpf) prefetch_bytes(kpf + j * 4 * D, 4 * D, 2);  // the next task's K, as much as this V
+    if (d0 == 0 && ahead > 0) prefetch_span<Hint>(v + j * 4 * D + ahead, 4 * D);
+    if (d0 == 0 && kpf) prefetch_span<2>(kpf + j * 4 * D, 4 * D);  // the next task's K, as much as this V
     VecB vv[C];
     for (int c = 0; c < C; ++c) vv[c] = part ? VecB::load(grp, 4 * part) : VecB::load(grp + c * I8B);
     for (int g = 0; g < GC; ++g) {
@@ -156,14 +159,14 @@ inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_
 // One block: acc[g][0 : D] += ps[g] * sum_j p8[g][4j : 4j + 4] . V group j, in chunks of C
 // vectors (the largest power of two with C * GC <= kAccRegs), halving for what is left of D.
 // kpf: the next task's K at this block's offset (prefetched as much as this V is read), or nullptr.
-template <int GC, int C = floor_pow2(std::max(1, kAccRegs / GC))>
+template <int GC, int Hint, int C = floor_pow2(std::max(1, kAccRegs / GC))>
 void pv_block(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups, int64_t D, float* acc,
-              const int8_t* kpf, int64_t d = 0) {
-  for (; d + C * W <= D; d += C * W) pv_chunk<GC, C>(p8, ldp, ps, v, groups, D, d, acc, kpf);
+              int64_t ahead, const int8_t* kpf, int64_t d = 0) {
+  for (; d + C * W <= D; d += C * W) pv_chunk<GC, C, Hint>(p8, ldp, ps, v, groups, D, d, acc, ahead, kpf);
   if constexpr (C > 1) {
-    pv_block<GC, C / 2>(p8, ldp, ps, v, groups, D, acc, kpf, d);
+    pv_block<GC, Hint, C / 2>(p8, ldp, ps, v, groups, D, acc, ahead, kpf, d);
   } else if (d < D) {
-    pv_chunk<GC, 1>(p8, ldp, ps, v, groups, D, d, acc, kpf, static_cast<int>(D - d));
+    pv_chunk<GC, 1, Hint>(p8, ldp, ps, v, groups, D, d, acc, ahead, kpf, static_cast<int>(D - d));
   }
 }
 
@@ -270,10 +273,12 @@ void decode_attention_tiled(const DecodeArgs& a) {
         const int64_t n_tiles = (n + kTileTokens - 1) / kTileTokens;
         const float* kscale = a.k_scale + bk * a.Lmax + t0;
         for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-          with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
-            score_all_tiles<decltype(gc)::value>(kbase + t0 * D, n_tiles, D, q8 + g0 * ldq, ldq, qmul + g0,
-                                                 qbias + g0, kscale, scores.data() + g0 * lds, lds,
-                                                 pipelined && g0 == 0 ? vbase + t0 * D : nullptr);
+          with_hint(g_prefetch.hint, [&](auto hint) {
+            with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
+              score_all_tiles<decltype(gc)::value, decltype(hint)::value>(
+                  kbase + t0 * D, n_tiles, D, q8 + g0 * ldq, ldq, qmul + g0, qbias + g0, kscale,
+                  scores.data() + g0 * lds, lds, g_prefetch.bytes, pipelined && g0 == 0 ? vbase + t0 * D : nullptr);
+            });
           });
         }
         // 2. softmax, V scales folded in, probabilities quantized per block.
@@ -290,12 +295,14 @@ void decode_attention_tiled(const DecodeArgs& a) {
           const int8_t* vblock = vbase + (t0 + tb) * D;
           const int8_t* kpf = tb * D < next_bytes ? knext + tb * D : nullptr;
           for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-            with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
-              constexpr int GC = decltype(gc)::value;
-              float psb[GC];
-              for (int g = 0; g < GC; ++g) psb[g] = ps[(g0 + g) * nblk + blk];
-              pv_block<GC>(p8 + g0 * lds + tb, lds, psb, vblock, groups, D, acc.data() + g0 * D,
-                           g0 == 0 ? kpf : nullptr);
+            with_hint(g_prefetch.hint, [&](auto hint) {
+              with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
+                constexpr int GC = decltype(gc)::value;
+                float psb[GC];
+                for (int g = 0; g < GC; ++g) psb[g] = ps[(g0 + g) * nblk + blk];
+                pv_block<GC, decltype(hint)::value>(p8 + g0 * lds + tb, lds, psb, vblock, groups, D,
+                                                    acc.data() + g0 * D, g_prefetch.bytes, g0 == 0 ? kpf : nullptr);
+              });
             });
           }
         }
