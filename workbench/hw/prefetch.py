@@ -8,8 +8,9 @@ peaks:
     weight type (fp32, bf16, int8): bytes ahead, hint, and up to which row-chunk length to
     prefetch at all.
 Measured on host C (Xeon, 2 threads) for the int8 widening kernel: no prefetch 25.4 GB/s,
-prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; with
-the tiled kernel every candidate ties within 3% there. The matrix-vector kernel in the bundled
+prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; for
+the tiled kernel (since its loops are compiled per hint) no prefetch 26.4, prefetcht0 2 KB
+ahead 28.1, and 28.7 with the pipelined streams, prefetchnta 4 KB ahead 11.3. The matrix-vector kernel in the bundled
 model at batch 1 there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with
 prefetcht0 8 KB ahead, bf16 77.4 and 87.5, int8-g32 84.6 and 128.8 (4 KB ahead). On the
 AMD hosts the kernels were tuned with prefetchnta 4 KB ahead (attention) and prefetcht0 8 KB
