@@ -227,12 +227,7 @@ template <typename T>
 void matvec(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
   constexpr int kKind = std::is_same_v<T, float> ? kMatvecF32 : std::is_same_v<T, BFloat16> ? kMatvecBF16 : kMatvecInt8;
   const MatvecPrefetch pf = g_matvec_prefetch[kKind];
-  switch (pf.hint) {  // prefetch.h's hints: 0 nta, 1 t2, 2 t1, 3 t0 = __builtin_prefetch's locality
-    case 3: return matvec_with<T, 3>(x, w, y, M, N, K, gscale, pf);
-    case 2: return matvec_with<T, 2>(x, w, y, M, N, K, gscale, pf);
-    case 1: return matvec_with<T, 1>(x, w, y, M, N, K, gscale, pf);
-    default: return matvec_with<T, 0>(x, w, y, M, N, K, gscale, pf);
-  }
+  with_hint(pf.hint, [&](auto hint) { matvec_with<T, decltype(hint)::value>(x, w, y, M, N, K, gscale, pf); });
 }
 
 // -- linear_gemm -------------------------------------------------------------------------

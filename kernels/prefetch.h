@@ -35,10 +35,10 @@ struct MatvecPrefetch {
 enum MatvecWeights { kMatvecF32, kMatvecBF16, kMatvecInt8, kMatvecKinds };
 inline MatvecPrefetch g_matvec_prefetch[kMatvecKinds];
 
-// One cache line's prefetch with the hint as a constant. On x86 as inline asm: GCC 12 drops
-// every __builtin_prefetch of a switch over the hint like the one below (measured: the
-// decode kernels' object code had no prefetch instruction at all, so the per-host choice
-// changed nothing), and an asm statement can be neither merged nor removed.
+// One cache line's prefetch with the hint as a constant. On x86 as inline asm: GCC 12 dropped
+// every __builtin_prefetch inside a switch over the hint (measured: the decode kernels'
+// object code had no prefetch instruction at all, so the per-host choice changed nothing),
+// and an asm statement can be neither merged nor removed.
 template <int Hint>
 inline void prefetch_line(const char* p) {
 #if defined(__x86_64__)

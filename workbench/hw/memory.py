@@ -77,7 +77,7 @@ class Arena:
     @classmethod
     def size(cls, t: torch.Tensor) -> int:
         """The bytes `t` takes in an arena, padding included."""
-        return cls.padded(t.numel() * t.element_size())
+        return cls.padded(t.nbytes)
 
     @property
     def free(self) -> int:
@@ -85,7 +85,7 @@ class Arena:
 
     def alloc(self, shape, dtype=torch.float32) -> torch.Tensor:
         """The next `shape` tensor of the arena, uninitialised."""
-        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         if self.padded(n) > self.free:
             raise ValueError(f"the arena holds {self.nbytes} bytes; {self.used} are used and a "
                              f"{tuple(shape)} {dtype} tensor needs {self.padded(n)} more")

@@ -10,8 +10,8 @@ peaks:
 Measured on host C (Xeon, 2 threads) for the int8 widening kernel: no prefetch 25.4 GB/s,
 prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; for
 the tiled kernel (since its loops are compiled per hint) no prefetch 26.4, prefetcht0 2 KB
-ahead 28.1, and 28.7 with the pipelined streams, prefetchnta 4 KB ahead 11.3. The matrix-vector kernel in the bundled
-model at batch 1 there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with
+ahead 28.1, and 28.7 with the pipelined streams, prefetchnta 4 KB ahead 11.3. The
+matrix-vector kernel in the bundled model at batch 1 there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with
 prefetcht0 8 KB ahead, bf16 77.4 and 87.5, int8-g32 84.6 and 128.8 (4 KB ahead). On the
 AMD hosts the kernels were tuned with prefetchnta 4 KB ahead (attention) and prefetcht0 8 KB
 ahead for short rows (matrix-vector). No constant is right on every host.
@@ -50,6 +50,21 @@ def _key(candidate: tuple[int, ...]) -> str:
     return ":".join(map(str, candidate))
 
 
+def _fastest_seconds(candidates, apply, run, repeats: int) -> dict[str, float]:
+    """Each candidate's best time for run(), after apply(*candidate): one warm-up (page
+    faults, thread pool), then `repeats` interleaved rounds over all candidates."""
+    run()
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        for cand in candidates:
+            apply(*cand)
+            t0 = time.perf_counter()
+            run()
+            key = _key(cand)
+            best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+    return best
+
+
 def _path():
     return cache_dir() / f"prefetch-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
@@ -77,19 +92,11 @@ def measure(ext, repeats: int = 3) -> dict:
         ext.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, scale=None, num_splits=None, int8_query=True,
                              tiled=True)
 
-    gbps = {}
     try:
-        run()  # warm-up: page faults, thread pool
-        for _ in range(repeats):
-            for bytes_ahead, hint, pipeline in CANDIDATES:  # interleaved rounds, the best of each
-                ext.set_prefetch(bytes_ahead, hint, bool(pipeline))
-                t0 = time.perf_counter()
-                run()
-                rate = B * per_seq / (time.perf_counter() - t0) / 1e9
-                key = _key((bytes_ahead, hint, pipeline))
-                gbps[key] = max(gbps.get(key, 0.0), rate)
+        seconds = _fastest_seconds(CANDIDATES, lambda b, h, p: ext.set_prefetch(b, h, bool(p)), run, repeats)
     finally:
         ext.set_prefetch(*before)
+    gbps = {key: B * per_seq / sec / 1e9 for key, sec in seconds.items()}
     best = max(gbps, key=gbps.get)
     b, h, p = (int(x) for x in best.split(":"))
     return {"bytes": b, "hint": h, "pipeline": bool(p), "hint_name": HINTS[h], "gbps": gbps, "cache_bytes": B * per_seq,
@@ -115,9 +122,8 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
             # matrix, each int8 matrix followed by its scales; filled with normal numbers
             # (uninitialised memory may hold denormals, which are slow).
             int8 = dtype == torch.int8
-            elsize = torch.empty(0, dtype=dtype).element_size()
-            set_bytes = sum(memory.Arena.padded(n * k * elsize) + (memory.Arena.padded(4 * n * k // GROUP) if int8 else 0)
-                            for n, k in MATVEC_SHAPES)
+            set_bytes = sum(memory.Arena.padded(n * k * dtype.itemsize)
+                            + (memory.Arena.padded(4 * n * k // GROUP) if int8 else 0) for n, k in MATVEC_SHAPES)
             arena = memory.Arena(max(2, -(-total // set_bytes)) * set_bytes)
             weights = []
             while arena.free >= set_bytes:
@@ -125,21 +131,13 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
                     w = arena.alloc((n, k), dtype).fill_(1 if int8 else 0.01)
                     scale = arena.alloc((n, k // GROUP)).fill_(0.01) if int8 else None
                     weights.append((w, scale))
-            nbytes = sum(t.numel() * t.element_size() for pair in weights for t in pair if t is not None)
+            nbytes = sum(t.nbytes for pair in weights for t in pair if t is not None)
 
-            def run():
+            def run(weights=weights):  # bound now: `weights` is deleted below
                 for w, scale in weights:
                     ext.linear(xs[w.shape[1]], w, 10, None, scale)
 
-            run()  # warm-up: page faults, thread pool
-            best: dict[str, float] = {}
-            for _ in range(repeats):
-                for cand in MATVEC_CANDIDATES:  # interleaved rounds, the best of each
-                    ext.set_matvec_prefetch(name, *cand)
-                    t0 = time.perf_counter()
-                    run()
-                    key = _key(cand)
-                    best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+            best = _fastest_seconds(MATVEC_CANDIDATES, lambda *cand: ext.set_matvec_prefetch(name, *cand), run, repeats)
             choice = min(best, key=best.get)
             b, h, c = (int(x) for x in choice.split(":"))
             found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h],
