@@ -11,31 +11,33 @@
 //      so the 4 bytes of one lane are 4 tokens of one output element.
 //   Scales stay [Lmax] fp32 per plane (one per head per token, as in the row layout).
 //
-// Per (batch, KV head, split) task, as in decode_attention.cpp:
-//   1. scores: the query heads quantized to int8 (one scale per head); for each d / 4, one
-//      64-byte load of K is dotted with the broadcast 4 query bytes of each head sharing the
-//      KV head (VNNI vpdpbusd, or pmaddubsw + pmaddwd: simd.h), 16 tokens' dot products
-//      accumulating in the lanes. One float multiply per 16 tokens applies both scales.
-//   2. exact softmax over the chunk, the V scales folded into the probabilities; then each
-//      32-token block of probabilities is quantized to [0, 127] with one scale per block
-//      and head (p8 = round(127 p / max p of the block)).
+// Per (batch, KV head, split) task, one 32-token block at a time (online softmax, as in
+// FlashAttention), so the task reads its K and V as two streams side by side:
+//   1. scores of the block: the query heads quantized to int8 (one scale per head); for each
+//      d / 4, one 64-byte load of K is dotted with the broadcast 4 query bytes of each head
+//      sharing the KV head (VNNI vpdpbusd, or pmaddubsw + pmaddwd: simd.h), 16 tokens' dot
+//      products accumulating in the lanes. One float multiply per 16 tokens applies both scales.
+//   2. softmax, online: a new running maximum rescales the output and the sum so far; the
+//      block's probabilities exp(s - m), with the V scales folded in, are quantized to
+//      [0, 127] with one scale per block and head (p8 = round(127 p / max p of the block)).
 //   3. O += P.V: for each group of 4 tokens, one load of 4 tokens x (I8B / 4) values is
 //      dotted with the 4 broadcast probability bytes of each head (unsigned x signed, no
-//      bias); int32 sums per block, then one multiply-add by the block's scale into fp32.
+//      bias); int32 sums over the block, then one multiply-add by the block's scale into fp32.
 // Tokens past a sequence's length inside its last tile or group get probability 0, so
 // whatever those cache bytes hold contributes exactly 0 (integer arithmetic: no NaN).
+// Measured at Llama-2-7B shapes on host C against the earlier order (all of a task's K, an
+// exact softmax over the whole chunk, then all of its V), alternating processes: 29.5-30.5
+// GB/s against 28.3-29.2 (each with its fastest prefetch setting).
 //
-// Pipelined streams (g_prefetch.pipeline, chosen per host; only while a task's K and V fit in
-// half the L2): step 1 also prefetches the task's V into L2, line for line with K, and step 3
-// the next task this thread will run (run_tasks_ahead), as much K as it reads V. Memory then
-// keeps streaming through the softmax and each task's start, where it otherwise idles.
+// Software prefetch (g_prefetch, chosen per host): each stream `bytes` ahead of the line read
+// with the chosen hint. Pipelined (g_prefetch.pipeline): past the end of a task's K or V the
+// prefetches run on into the K or V of the next task this thread will run (run_tasks_ahead),
+// so the streams do not stop and start again at every task.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
-
-#include <unistd.h>
 
 #include "decode_common.h"
 #include "kernels.h"
@@ -49,8 +51,12 @@ namespace {
 
 constexpr int W = VecF::W;          // fp32 / int32 lanes = tokens per K vector
 constexpr int KV = 64 / I8B;        // vectors per 64-byte unit (16 tokens x 4 values)
-constexpr int kBlock = kTiledAlign;  // tokens per probability scale (a multiple of 16 and 4)
+// Tokens per online-softmax step and per probability scale. Steps of 64 and 128 tokens (one
+// softmax over more scores at a time, the scale still per 32) measured 3-9% slower on host C
+// at both the bundled model's and Llama-2-7B's shapes.
+constexpr int kBlock = kTiledAlign;
 static_assert(W * KV == kTileTokens, "one 64-byte unit holds a tile's 16 tokens");
+static_assert(kBlock % kTileTokens == 0 && kBlock % kVGroupTokens == 0, "a block is whole tiles and groups");
 
 #if defined(WBK_ISA_AVX512)
 constexpr int kAccRegs = 24;   // of 32 zmm
@@ -63,17 +69,45 @@ constexpr int kAccRegs = 8;
 constexpr int kHeadsPerPass = 8;
 #endif
 
+// One stream's software prefetch: `bytes` ahead of the line being read, which past the end of
+// this task's chunk [base, base + len) continues into the next task's chunk of the same
+// stream ([next, next + next_len), or nowhere when next is null). Offsets are compared, so
+// no pointer is formed outside the cache.
+struct Ahead {
+  const int8_t* base;
+  int64_t len;
+  const int8_t* next;
+  int64_t next_len;
+  int64_t bytes;
+  const int8_t* at(const int8_t* line) const {
+    const int64_t off = (line - base) + bytes;
+    if (off < len) return base + off;
+    return next && off - len < next_len ? next + (off - len) : nullptr;
+  }
+};
+
+// Prefetch the line `ahead` points to from `line` (Hint < 0: no software prefetch).
+template <int Hint>
+inline void prefetch_ahead(const Ahead& ahead, const int8_t* line) {
+  if constexpr (Hint >= 0) {
+    if (const int8_t* p = ahead.at(line)) prefetch_line<Hint>(reinterpret_cast<const char*>(p));
+  }
+}
+
 // scores[g][i] = qmul[g] * kscale[i] * (q8_g . k_i - qbias[g]) for the 16 tokens i of one
 // tile and GC heads. The tile's D / 4 lines (KV vectors each) are read in address order, R
 // independent accumulator chains per head taking every R-th line (summed at the end: int32,
 // exact), which hides the dot product's latency while K stays one sequential stream (R tiles
 // side by side, line by line, streamed 6% slower at Llama-2-7B shapes on host C).
-// Software prefetch: the line `ahead` bytes on (0: none) with hint Hint, and, given vpf, the
-// line of V at the same offset into L2.
+// score_tile and pv_block are functions of their own ([[gnu::noinline]]), pv_chunk is
+// inlined into pv_block: the code GCC 12 chose by itself in the fastest build, fixed so that
+// it no longer depends on its inlining heuristics. With pv_block inlined into the task loop
+// the kernel ran 29.2 GB/s at Llama-2-7B shapes, against 31.3-31.7 (host C, alternating
+// processes).
 template <int GC, int R, int Hint>
-inline void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t ldq,
-                           const float* qmul, const float* qbias, const float* kscale, float* out, int64_t ldo,
-                           int64_t ahead, const int8_t* vpf) {
+[[gnu::noinline]] void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t ldq, const float* qmul,
+                                  const float* qbias, const float* kscale, float* out, int64_t ldo,
+                                  const Ahead& ahead) {
   VecI acc[R][GC][KV];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < GC; ++g)
@@ -81,13 +115,12 @@ inline void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t 
   auto line = [&](int r, int64_t dg) {
     VecB qb[GC];
     for (int g = 0; g < GC; ++g) qb[g] = VecB::bcast4(q8 + g * ldq + 4 * dg);
-    const int64_t at = dg * 64;
-    // The line `ahead` bytes on from each line of K read: spread out, never a burst (bursts
-    // of a whole tile measured slower); and, pipelined, this task's V line for line into L2.
-    if (ahead > 0) prefetch_line<Hint>(reinterpret_cast<const char*>(tile + at + ahead));
-    if (vpf) prefetch_line<2>(reinterpret_cast<const char*>(vpf + at));
+    const int8_t* at = tile + dg * 64;
+    // One line ahead per line read: spread out, never a burst (bursts of a whole tile
+    // measured slower).
+    prefetch_ahead<Hint>(ahead, at);
     for (int u = 0; u < KV; ++u) {
-      const DotK k = dot_operand(VecB::load(tile + at + u * I8B));
+      const DotK k = dot_operand(VecB::load(at + u * I8B));
       for (int g = 0; g < GC; ++g) acc[r][g][u] = dot_i8(acc[r][g][u], k, qb[g]);
     }
   };
@@ -107,35 +140,32 @@ inline void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t 
   }
 }
 
-// All n_tiles tiles from `tiles`, one after another. Half the register budget goes to the
-// R accumulator chains per head, the rest to the query broadcasts and the K operand.
-// vpf: the chunk's V (prefetched line for line as K is read), or nullptr.
+// The n_tiles tiles of one block from `tiles`, one after another. Half the register budget
+// goes to the R accumulator chains per head, the rest to the query broadcasts and the K operand.
 template <int GC, int Hint>
-void score_all_tiles(const int8_t* tiles, int64_t n_tiles, int64_t D, const int8_t* q8,
-                     int64_t ldq, const float* qmul, const float* qbias, const float* kscale, float* out,
-                     int64_t ldo, int64_t ahead, const int8_t* vpf) {
+void score_block(const int8_t* tiles, int64_t n_tiles, int64_t D, const int8_t* q8, int64_t ldq, const float* qmul,
+                 const float* qbias, const float* kscale, float* out, int64_t ldo, const Ahead& ahead) {
   constexpr int R = std::clamp(kAccRegs / (2 * GC * KV), 1, 4);
   const int64_t tile_bytes = kTileTokens * D;
   for (int64_t t = 0; t < n_tiles; ++t)
     score_tile<GC, R, Hint>(tiles + t * tile_bytes, D, q8, ldq, qmul, qbias, kscale + t * kTileTokens,
-                            out + t * kTileTokens, ldo, ahead, vpf ? vpf + t * tile_bytes : nullptr);
+                            out + t * kTileTokens, ldo, ahead);
 }
 
 // acc[g][d0 : d0 + C W] += ps[g] * sum over `groups` groups of 4 tokens of p8[g] . v, with the
 // int32 sums kept per call (one block); `part` > 0: a single partial vector of `part` values.
-// Prefetch as in score_tile: V `ahead` bytes on with hint Hint, and the next task's K (kpf).
+// Prefetch as in score_tile, on the first pass over the block only (d0 = 0).
 template <int GC, int C, int Hint>
-inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups, int64_t D,
-                     int64_t d0, float* acc, int64_t ahead, const int8_t* kpf, int part = 0) {
+[[gnu::always_inline]] inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v,
+                                            int64_t groups, int64_t D, int64_t d0, float* acc, const Ahead& ahead,
+                                            int part = 0) {
   VecI ai[GC][C];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) ai[g][c] = VecI::zero();
   for (int64_t j = 0; j < groups; ++j) {
     const int8_t* grp = v + j * 4 * D + d0 * 4;
-    // The group `ahead` bytes further on (first pass over the block only), spread over the
-    // loads rather than one burst per block.
-    if (d0 == 0 && ahead > 0) prefetch_span<Hint>(v + j * 4 * D + ahead, 4 * D);
-    if (d0 == 0 && kpf) prefetch_span<2>(kpf + j * 4 * D, 4 * D);  // the next task's K, as much as this V
+    if (d0 == 0)
+      for (int64_t off = 0; off < 4 * D; off += 64) prefetch_ahead<Hint>(ahead, v + j * 4 * D + off);
     VecB vv[C];
     for (int c = 0; c < C; ++c) vv[c] = part ? VecB::load(grp, 4 * part) : VecB::load(grp + c * I8B);
     for (int g = 0; g < GC; ++g) {
@@ -158,41 +188,36 @@ inline void pv_chunk(const int8_t* p8, int64_t ldp, const float* ps, const int8_
 
 // One block: acc[g][0 : D] += ps[g] * sum_j p8[g][4j : 4j + 4] . V group j, in chunks of C
 // vectors (the largest power of two with C * GC <= kAccRegs), halving for what is left of D.
-// kpf: the next task's K at this block's offset (prefetched as much as this V is read), or nullptr.
 template <int GC, int Hint, int C = floor_pow2(std::max(1, kAccRegs / GC))>
-void pv_block(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups, int64_t D, float* acc,
-              int64_t ahead, const int8_t* kpf, int64_t d = 0) {
-  for (; d + C * W <= D; d += C * W) pv_chunk<GC, C, Hint>(p8, ldp, ps, v, groups, D, d, acc, ahead, kpf);
+[[gnu::noinline]] void pv_block(const int8_t* p8, int64_t ldp, const float* ps, const int8_t* v, int64_t groups,
+                                int64_t D, float* acc, const Ahead& ahead, int64_t d = 0) {
+  for (; d + C * W <= D; d += C * W) pv_chunk<GC, C, Hint>(p8, ldp, ps, v, groups, D, d, acc, ahead);
   if constexpr (C > 1) {
-    pv_block<GC, Hint, C / 2>(p8, ldp, ps, v, groups, D, acc, ahead, kpf, d);
+    pv_block<GC, Hint, C / 2>(p8, ldp, ps, v, groups, D, acc, ahead, d);
   } else if (d < D) {
-    pv_chunk<GC, 1, Hint>(p8, ldp, ps, v, groups, D, d, acc, ahead, kpf, static_cast<int>(D - d));
+    pv_chunk<GC, 1, Hint>(p8, ldp, ps, v, groups, D, d, acc, ahead, static_cast<int>(D - d));
   }
 }
 
-// Half the L2 (sysconf's, 256 KiB if it does not say): the most bytes of K and V one task
-// prefetches into it ahead of use.
-int64_t pipeline_budget() {
-  static const int64_t budget = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return static_cast<int64_t>(l2 > 0 ? l2 : 256 << 10) / 2;
-  }();
-  return budget;
-}
-
-// p [n] fp32 >= 0 -> p8 [round up to kBlock] in [0, 127] (zero past n), one scale per block.
+// p [n] fp32 >= 0 (n <= kBlock) -> p8 [kBlock] in [0, 127] (zero past n) with the one scale
+// *ps such that p ~ *ps * p8.
 void quantize_probabilities(const float* p, int64_t n, int8_t* p8, float* ps) {
-  for (int64_t b0 = 0, blk = 0; b0 < n; b0 += kBlock, ++blk) {
-    const int64_t nb = std::min<int64_t>(kBlock, n - b0);
-    const float pmax = row_max(p + b0, nb);
-    const float inv = pmax > 0.0f ? 127.0f / pmax : 0.0f;
-    ps[blk] = pmax / 127.0f;
-    const VecF vinv = VecF::set1(inv);
-    int64_t i = 0;
-    for (; i + W <= nb; i += W) store_i8(p8 + b0 + i, round_nearest(VecF::load(p + b0 + i) * vinv), W);
-    for (; i < nb; ++i) p8[b0 + i] = static_cast<int8_t>(std::nearbyint(p[b0 + i] * inv));
-    std::fill(p8 + b0 + nb, p8 + b0 + kBlock, int8_t{0});
-  }
+  const float pmax = row_max(p, n);
+  const float inv = pmax > 0.0f ? 127.0f / pmax : 0.0f;
+  *ps = pmax / 127.0f;
+  const VecF vinv = VecF::set1(inv);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store_i8(p8 + i, round_nearest(VecF::load(p + i) * vinv), W);
+  for (; i < n; ++i) p8[i] = static_cast<int8_t>(std::nearbyint(p[i] * inv));
+  std::fill(p8 + n, p8 + kBlock, int8_t{0});
+}
+
+// f(std::integral_constant<int, hint>{}) for the host's prefetch setting, hint -1 when
+// software prefetch is off: every hot loop is compiled once per case.
+template <typename F>
+void with_prefetch(F&& f) {
+  if (g_prefetch.bytes <= 0) return f(std::integral_constant<int, -1>{});
+  with_hint(g_prefetch.hint, f);
 }
 
 }  // namespace
@@ -206,7 +231,6 @@ void decode_attention_tiled(const DecodeArgs& a) {
     const int64_t c = (len + S - 1) / S;
     return (c + kBlock - 1) / kBlock * kBlock;
   };
-  const int64_t lds = chunk_of(a.Lmax), nblk = lds / kBlock;
 
   std::vector<float> part_o, part_ml;
   if (S > 1) {
@@ -215,35 +239,40 @@ void decode_attention_tiled(const DecodeArgs& a) {
   }
   const int64_t ldq = (D + 3) / 4 * 4;
 
-  // A task's tokens: split s of plane bk = (batch, KV head), tokens [t0, t0 + n) of it.
+  // A task's tokens: split s of plane bk = (batch, KV head), tokens [t0, t0 + n) of it; its K
+  // and V are the bytes [t0 D, t0 D + bytes) of the plane (whole blocks: bytes covers n).
   struct Span {
-    int64_t s, bk, t0, n;
+    int64_t s, bk, t0, n, bytes;
   };
   auto span_of = [&](int64_t task) {
     const int64_t s = task % S, bk = task / S;
     const int64_t len = a.lengths[bk / a.Hkv], chunk = chunk_of(len);
-    const int64_t t0 = std::min(len, s * chunk);
-    return Span{s, bk, t0, std::min(len, t0 + chunk) - t0};
+    const int64_t t0 = std::min(len, s * chunk), n = std::min(len, t0 + chunk) - t0;
+    return Span{s, bk, t0, n, (n + kBlock - 1) / kBlock * kBlock * D};
   };
   run_tasks_ahead(a.B * a.Hkv * S, [&] {
-    return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D), stats = Scratch(2, 4 * G + G * nblk),
-            qint = Scratch(3, G * ldq / 4 + 1),
-            pint = Scratch(4, G * lds / 4 + 1)](int64_t task, int64_t next_task) mutable {
-      const auto [s, bk, t0, n] = span_of(task);
+    return [&, scores = Scratch(0, G * kBlock), acc = Scratch(1, G * D), stats = Scratch(2, 5 * G),
+            qint = Scratch(3, G * ldq / 4 + 1), pint = Scratch(4, G * kBlock / 4 + 1),
+            streamed = false](int64_t task, int64_t next_task) mutable {
+      const auto [s, bk, t0, n, bytes] = span_of(task);
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
-      const int8_t* kbase = k_cache + bk * a.Lmax * D;
-      const int8_t* vbase = v_cache + bk * a.Lmax * D;
-      // Pipelined streams (g_prefetch.pipeline, while both chunks fit in half the L2): V is
-      // prefetched into L2 as K is scored, and the next task's K as V is read, so memory keeps
-      // streaming through the softmax and each task's start instead of idling there.
-      const bool pipelined = g_prefetch.pipeline && 2 * n * D <= pipeline_budget();
-      const int8_t* knext = nullptr;
+      const int8_t* kchunk = k_cache + bk * a.Lmax * D + t0 * D;
+      const int8_t* vchunk = v_cache + bk * a.Lmax * D + t0 * D;
+      const float* kscale = a.k_scale + bk * a.Lmax + t0;
+      const float* vscale = a.v_scale + bk * a.Lmax + t0;
+      // Pipelined: where the prefetches go on to past this task's end.
+      const int8_t *knext = nullptr, *vnext = nullptr;
       int64_t next_bytes = 0;
-      if (pipelined && next_task >= 0) {
-        const Span next = span_of(next_task);
-        knext = k_cache + next.bk * a.Lmax * D + next.t0 * D;
-        next_bytes = next.n * D;
+      if (g_prefetch.pipeline && next_task >= 0) {
+        const Span nx = span_of(next_task);
+        if (nx.n > 0) {
+          knext = k_cache + nx.bk * a.Lmax * D + nx.t0 * D;
+          vnext = v_cache + nx.bk * a.Lmax * D + nx.t0 * D;
+          next_bytes = nx.bytes;
+        }
       }
+      const Ahead kahead{kchunk, bytes, knext, next_bytes, g_prefetch.bytes};
+      const Ahead vahead{vchunk, bytes, vnext, next_bytes, g_prefetch.bytes};
       const float* qbase = a.q + (b * a.H + kvh * G) * D;
 
       std::fill(acc.data(), acc.data() + G * D, 0.0f);
@@ -251,62 +280,62 @@ void decode_attention_tiled(const DecodeArgs& a) {
       float* l_g = m_g + G;
       float* qmul = l_g + G;
       float* qbias = qmul + G;
-      float* ps = qbias + G;  // [G, nblk]
+      float* ps = qbias + G;  // [G]: the block's probability scale per head
       int8_t* q8 = reinterpret_cast<int8_t*>(qint.data());
-      int8_t* p8 = reinterpret_cast<int8_t*>(pint.data());  // [G, lds]
+      int8_t* p8 = reinterpret_cast<int8_t*>(pint.data());  // [G, kBlock]
       for (int64_t g = 0; g < G; ++g) {
         m_g[g] = -std::numeric_limits<float>::infinity();
         l_g[g] = 0.0f;
       }
 
       if (n > 0) {
-        // The first rows of both streams, which the in-loop prefetches (always some distance
-        // ahead) never cover: without this each task's K and V start with a latency-bound ramp.
-        if (g_prefetch.bytes > 0) {
-          const int64_t head = std::min<int64_t>(g_prefetch.bytes, n * D);
-          prefetch_bytes(kbase + t0 * D, head, g_prefetch.hint);
-          prefetch_bytes(vbase + t0 * D, head, g_prefetch.hint);
+        // The first lines of both streams, which the prefetches (always some distance ahead)
+        // never cover, unless the previous task's prefetches already ran on into them.
+        if (g_prefetch.bytes > 0 && !streamed) {
+          const int64_t head = std::min(g_prefetch.bytes, bytes);
+          prefetch_bytes(kchunk, head, g_prefetch.hint);
+          prefetch_bytes(vchunk, head, g_prefetch.hint);
         }
         quantize_query(qbase, G, D, ldq, q8, qmul, qbias);
         for (int64_t g = 0; g < G; ++g) qmul[g] *= a.scale;
-        // 1. scores of every tile of the chunk (the last one may run past t1: ignored).
-        const int64_t n_tiles = (n + kTileTokens - 1) / kTileTokens;
-        const float* kscale = a.k_scale + bk * a.Lmax + t0;
-        for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-          with_hint(g_prefetch.hint, [&](auto hint) {
-            with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
-              score_all_tiles<decltype(gc)::value, decltype(hint)::value>(
-                  kbase + t0 * D, n_tiles, D, q8 + g0 * ldq, ldq, qmul + g0, qbias + g0, kscale,
-                  scores.data() + g0 * lds, lds, g_prefetch.bytes, pipelined && g0 == 0 ? vbase + t0 * D : nullptr);
-            });
-          });
-        }
-        // 2. softmax, V scales folded in, probabilities quantized per block.
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * lds;
-          m_g[g] = row_max(sg, n);
-          l_g[g] = exp_and_sum(sg, n, 1.0f, m_g[g]);
-          mul_rows(sg, a.v_scale + bk * a.Lmax + t0, n);
-          quantize_probabilities(sg, n, p8 + g * lds, ps + g * nblk);
-        }
-        // 3. O += P.V one block at a time (int32 within the block, fp32 across blocks).
-        for (int64_t tb = 0, blk = 0; tb < n; tb += kBlock, ++blk) {
-          const int64_t groups = (std::min<int64_t>(kBlock, n - tb) + kVGroupTokens - 1) / kVGroupTokens;
-          const int8_t* vblock = vbase + (t0 + tb) * D;
-          const int8_t* kpf = tb * D < next_bytes ? knext + tb * D : nullptr;
-          for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-            with_hint(g_prefetch.hint, [&](auto hint) {
+        with_prefetch([&](auto hint) {
+          constexpr int Hint = decltype(hint)::value;
+          for (int64_t tb = 0; tb < n; tb += kBlock) {
+            const int64_t nb = std::min<int64_t>(kBlock, n - tb);
+            // 1. scores of the block's tiles (the last one may run past n: ignored).
+            for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
               with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
-                constexpr int GC = decltype(gc)::value;
-                float psb[GC];
-                for (int g = 0; g < GC; ++g) psb[g] = ps[(g0 + g) * nblk + blk];
-                pv_block<GC, decltype(hint)::value>(p8 + g0 * lds + tb, lds, psb, vblock, groups, D,
-                                                    acc.data() + g0 * D, g_prefetch.bytes, g0 == 0 ? kpf : nullptr);
+                score_block<decltype(gc)::value, Hint>(kchunk + tb * D, (nb + kTileTokens - 1) / kTileTokens, D,
+                                                       q8 + g0 * ldq, ldq, qmul + g0, qbias + g0, kscale + tb,
+                                                       scores.data() + g0 * kBlock, kBlock, kahead);
               });
-            });
+            }
+            // 2. online softmax; the block's probabilities, V scales folded in, quantized.
+            for (int64_t g = 0; g < G; ++g) {
+              float* sg = scores.data() + g * kBlock;
+              const float bm = row_max(sg, nb);
+              if (bm > m_g[g]) {  // a new maximum: rescale what was summed so far (nothing at first)
+                const float f = std::exp(m_g[g] - bm);
+                scale_row(acc.data() + g * D, D, f);
+                l_g[g] *= f;
+                m_g[g] = bm;
+              }
+              l_g[g] += exp_and_sum(sg, nb, 1.0f, m_g[g]);
+              mul_rows(sg, vscale + tb, nb);
+              quantize_probabilities(sg, nb, p8 + g * kBlock, ps + g);
+            }
+            // 3. O += P.V over the block (int32 within it, fp32 across blocks).
+            const int64_t groups = (nb + kVGroupTokens - 1) / kVGroupTokens;
+            for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
+              with_group(std::min<int64_t>(kHeadsPerPass, G - g0), [&](auto gc) {
+                pv_block<decltype(gc)::value, Hint>(p8 + g0 * kBlock, kBlock, ps + g0, vchunk + tb * D, groups, D,
+                                                    acc.data() + g0 * D, vahead);
+              });
+            }
           }
-        }
+        });
       }
+      streamed = n > 0 && knext != nullptr && g_prefetch.bytes > 0;  // the next task's first lines are on their way
       for (int64_t g = 0; g < G; ++g)
         write_result(a, b, kvh * G + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
     };

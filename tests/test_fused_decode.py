@@ -50,11 +50,23 @@ def test_fused_step_matches_the_python_path(model, kv):
 
 
 def test_greedy_tokens_are_the_python_paths(model):
+    """The same greedy tokens, except where the Python path's two best tokens are so close
+    that the paths' last-bit differences may order them either way: at the first token that
+    differs, the Python path's logits must put the fused path's token within `tie` of its
+    own (an fp32 cache: 1e-3; int8tile, whose roundings the step logits test bounds: 0.1).
+    Measured: one such step in 24 tokens with int8-g32 weights, the two best 0.011 apart."""
     prompt = "The licence grants every recipient the same rights, provided that"
-    for kv in ("fp32", "int8tile"):
+    for kv, tie in (("fp32", 1e-3), ("int8tile", 0.1)):
         fused = model.generate(prompt, max_new_tokens=24, kv_cache=kv, decode="fused", stop_at_eos=False)
         python = model.generate(prompt, max_new_tokens=24, kv_cache=kv, decode="python", stop_at_eos=False)
-        assert fused.token_ids == python.token_ids, kv
+        first = next((i for i, (a, b) in enumerate(zip(fused.token_ids, python.token_ids)) if a != b), None)
+        if first is None:
+            continue
+        ids = python.prompt_token_ids[0]
+        follow = torch.tensor([python.token_ids[:first + 1]])
+        *_, (_, logits, _) = forced_steps(model.llama, [ids], follow, Switches("slim", kv, "python"))
+        gap = (logits[0, python.token_ids[first]] - logits[0, fused.token_ids[first]]).item()
+        assert 0 <= gap < tie, (kv, first, gap)
 
 
 def test_fused_records_each_layers_parts(model):

@@ -27,10 +27,10 @@ import torch
 from workbench.cache import cache_dir, cpu_key
 
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
-# Decode attention's: (bytes ahead, hint, pipelined: the tiled kernel prefetching V into L2 as
-# it scores K and the next task's K as it reads V).
-CANDIDATES = ((0, 0, 0), (512, 3, 0), (1024, 3, 0), (2048, 3, 0), (4096, 2, 0), (8192, 2, 0), (4096, 0, 0),
-              (0, 0, 1), (1024, 3, 1), (2048, 3, 1), (8192, 2, 1))
+# Decode attention's: (bytes ahead, hint, pipelined: the tiled kernel's prefetches running on
+# past the end of a task's K and V into the next task's; kernels/decode_tiled.cpp).
+CANDIDATES = ((0, 0, 0), (512, 3, 0), (1024, 3, 0), (2048, 3, 0), (3072, 3, 0), (4096, 2, 0), (8192, 2, 0),
+              (4096, 0, 0), (1024, 3, 1), (2048, 3, 1), (3072, 2, 1), (8192, 2, 1))
 # The matrix-vector kernel's: (bytes ahead, hint, longest row chunk prefetched); the first is off.
 MATVEC_CANDIDATES = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072),
                      (8192, 3, 1 << 20), (8192, 2, 3072), (4096, 0, 3072))
@@ -40,8 +40,9 @@ GROUP = 32  # int8 measured with a scale per 32 weights (the int8-g32 weights)
 # Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
 # see kernels/prefetch.h; the matrix-vector choice; 3: one matrix-vector choice per weight
 # type; 4: decode attention's pipelined streams; 5: the tiled kernel's loops compiled per
-# hint, which made its prefetches cheaper), so a cached choice is measured again.
-VERSION = 5
+# hint, which made its prefetches cheaper; 6: the tiled kernel reads K and V block by block,
+# its pipelined prefetches run on into the next task), so a cached choice is measured again.
+VERSION = 6
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
