@@ -5,45 +5,48 @@ Streaming a KV cache or a weight matrix from DRAM touches a new 4 KiB page every
 boundaries less often. Measured on host C (Xeon, 2 threads): a read of 512 MiB at 35.1 GB/s
 on huge pages against 30.6 on 4 KiB pages. Linux gives anonymous memory huge pages only
 when asked (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the usual default),
-so `empty()` asks with madvise(MADV_HUGEPAGE) before the first touch. Elsewhere, or when
-the kernel says no, the buffer is an ordinary one: same values, same layout.
+and only for memory not yet touched, so `empty()` maps a fresh anonymous region for each
+large buffer (unmapped when the tensor is freed) and asks with madvise(MADV_HUGEPAGE)
+before the first touch. torch.empty would take it from malloc, which after a burst of
+freed buffers hands back heap memory already on 4 KiB pages: in bench/decode_attention.py,
+after the bundled model's shapes, 1 GiB of the Llama-2-7B caches came back that way and the
+tiled int8 kernel read them at 29.1-29.5 GB/s instead of 31.6-32.2 (host C). Elsewhere, or
+when the kernel says no, the buffer is an ordinary one: same values, same layout.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 2 * HUGE_PAGE  # smaller buffers would not hold a whole aligned huge page
-_MADV_HUGEPAGE = 14
-_libc = None
 
 
-def _advise(t: torch.Tensor) -> bool:
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return False
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    lo = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return False
-    return _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+def _fresh(nbytes: int) -> torch.Tensor:
+    """nbytes starting on a huge-page boundary in a new anonymous mapping, asked for huge
+    pages before anything touches it; the tensor keeps the mapping alive and unmaps it
+    when freed (torch.frombuffer holds a reference to the mmap object)."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:
+        pass  # no transparent huge pages here: 4 KiB pages, the same buffer otherwise
+    return whole[start:start + nbytes]
 
 
 def empty(shape, dtype=torch.float32) -> torch.Tensor:
-    """torch.empty, asking for huge pages when it is at least 4 MiB (not yet touched)."""
-    t = torch.empty(shape, dtype=dtype)
-    if t.numel() * t.element_size() >= MIN_BYTES:
-        _advise(t)
-    return t
+    """torch.empty, on huge pages when it is at least 4 MiB (see the module docstring)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    return _fresh(nbytes).view(dtype).view(shape)
 
 
 def zeros(shape, dtype=torch.float32) -> torch.Tensor:
