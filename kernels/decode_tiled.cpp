@@ -26,8 +26,8 @@
 // Tokens past a sequence's length inside its last tile or group get probability 0, so
 // whatever those cache bytes hold contributes exactly 0 (integer arithmetic: no NaN).
 // Measured at Llama-2-7B shapes on host C against the earlier order (all of a task's K, an
-// exact softmax over the whole chunk, then all of its V), alternating processes: 29.5-30.5
-// GB/s against 28.3-29.2 (each with its fastest prefetch setting).
+// exact softmax over the whole chunk, then all of its V), 8 layers of batch 16 in alternating
+// processes, each with its fastest prefetch setting: 31.3-31.7 GB/s against 28.3-29.2.
 //
 // Software prefetch (g_prefetch, chosen per host): each stream `bytes` ahead of the line read
 // with the chosen hint. Pipelined (g_prefetch.pipeline): past the end of a task's K or V the
