@@ -163,9 +163,10 @@ template <int GC, int C, int Hint>
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) ai[g][c] = VecI::zero();
   for (int64_t j = 0; j < groups; ++j) {
-    const int8_t* grp = v + j * 4 * D + d0 * 4;
+    const int8_t* group = v + j * 4 * D;
+    const int8_t* grp = group + d0 * 4;
     if (d0 == 0)
-      for (int64_t off = 0; off < 4 * D; off += 64) prefetch_ahead<Hint>(ahead, v + j * 4 * D + off);
+      for (int64_t off = 0; off < 4 * D; off += 64) prefetch_ahead<Hint>(ahead, group + off);
     VecB vv[C];
     for (int c = 0; c < C; ++c) vv[c] = part ? VecB::load(grp, 4 * part) : VecB::load(grp + c * I8B);
     for (int g = 0; g < GC; ++g) {
@@ -250,14 +251,17 @@ void decode_attention_tiled(const DecodeArgs& a) {
     const int64_t t0 = std::min(len, s * chunk), n = std::min(len, t0 + chunk) - t0;
     return Span{s, bk, t0, n, (n + kBlock - 1) / kBlock * kBlock * D};
   };
+  // Where a task's chunk of the K or V cache starts.
+  auto chunk_in = [&](const int8_t* cache, const Span& sp) { return cache + (sp.bk * a.Lmax + sp.t0) * D; };
   run_tasks_ahead(a.B * a.Hkv * S, [&] {
     return [&, scores = Scratch(0, G * kBlock), acc = Scratch(1, G * D), stats = Scratch(2, 5 * G),
             qint = Scratch(3, G * ldq / 4 + 1), pint = Scratch(4, G * kBlock / 4 + 1),
             streamed = false](int64_t task, int64_t next_task) mutable {
-      const auto [s, bk, t0, n, bytes] = span_of(task);
+      const Span span = span_of(task);
+      const auto [s, bk, t0, n, bytes] = span;
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
-      const int8_t* kchunk = k_cache + bk * a.Lmax * D + t0 * D;
-      const int8_t* vchunk = v_cache + bk * a.Lmax * D + t0 * D;
+      const int8_t* kchunk = chunk_in(k_cache, span);
+      const int8_t* vchunk = chunk_in(v_cache, span);
       const float* kscale = a.k_scale + bk * a.Lmax + t0;
       const float* vscale = a.v_scale + bk * a.Lmax + t0;
       // Pipelined: where the prefetches go on to past this task's end.
@@ -266,8 +270,8 @@ void decode_attention_tiled(const DecodeArgs& a) {
       if (g_prefetch.pipeline && next_task >= 0) {
         const Span nx = span_of(next_task);
         if (nx.n > 0) {
-          knext = k_cache + nx.bk * a.Lmax * D + nx.t0 * D;
-          vnext = v_cache + nx.bk * a.Lmax * D + nx.t0 * D;
+          knext = chunk_in(k_cache, nx);
+          vnext = chunk_in(v_cache, nx);
           next_bytes = nx.bytes;
         }
       }

@@ -11,9 +11,9 @@ Measured on host C (Xeon, 2 threads) for the int8 widening kernel: no prefetch 2
 prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; for
 the tiled kernel (reading K and V block by block) no prefetch 26.7, prefetcht0 2 KB ahead
 30.4 and 3 KB ahead 32.0, 31.1 and 31.5 (prefetcht1 3 KB) with the pipelined streams,
-prefetchnta 4 KB ahead 12.3. The
-matrix-vector kernel in the bundled model at batch 1 there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with
-prefetcht0 8 KB ahead, bf16 77.4 and 87.5, int8-g32 84.6 and 128.8 (4 KB ahead). On the
+prefetchnta 4 KB ahead 12.3. The matrix-vector kernel in the bundled model at batch 1
+there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with prefetcht0 8 KB
+ahead, bf16 77.4 and 87.5, int8-g32 84.6 and 128.8 (4 KB ahead). On the
 AMD hosts the kernels were tuned with prefetchnta 4 KB ahead (attention) and prefetcht0 8 KB
 ahead for short rows (matrix-vector). No constant is right on every host.
 """
