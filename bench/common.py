@@ -42,7 +42,7 @@ def print_table(rows: list[dict], columns: list[str], title: str | None = None) 
 def environment() -> dict:
     from workbench.kernels import build_info
     from workbench.hw.machine import machine_info
-    from workbench.hw.peaks import measured_peaks
+    from workbench.kernels.peaks import measured_peaks
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

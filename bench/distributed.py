@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import print_table, write_results  # noqa: E402
 
-from workbench.distributed.ablation import allreduce_latency, tp_ablation  # noqa: E402
+from workbench.analysis.tp_ablation import tp_ablation  # noqa: E402
+from workbench.distributed.allreduce import allreduce_latency  # noqa: E402
 
 MODELS = {
     "smollm2-135m": ("smollm2-135m", {}),

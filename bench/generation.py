@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import workbench as wb  # noqa: E402
 from workbench.analysis.text import sample_text  # noqa: E402
 from workbench.model.loaders import bundled_gguf_path  # noqa: E402
-from workbench.hw.peaks import measure_fma_gflops, measure_triad_gbps  # noqa: E402
+from workbench.kernels.peaks import measure_fma_gflops, measure_triad_gbps  # noqa: E402
 
 
 def med(xs):

@@ -1,13 +1,15 @@
-"""Linear layers at Llama-2-7B shapes: our fp32 / bf16 kernel vs torch, interleaved.
+"""Linear layers at Llama-2-7B shapes: our fp32 / bf16 kernels vs torch, interleaved.
 
 Decode at batch 1 (M = 1): memory-bound, so GB/s counts the weight bytes read and is set
 against the triad measured in the same run. Batched decode (M = 16, 32) and prefill
-(M = 512): GFLOP/s against the FMA peak; at M = 16 and 32 our matrix-vector kernel forced
-on (`matvec only`) shows what the packed GEMM gains. Peers: torch's F.linear on fp32
-weights, and on bf16 weights with bf16 activations (oneDNN; on AVX512-BF16 hosts it uses
-bf16 dot products, i.e. rounds x to bf16, which ours does not).
+(M = 512, 1024): GFLOP/s against the peak of the unit the case ran on: the fp32 FMA peak,
+or the AMX bf16 peak for our GEMM on the matrix engine (`ours bf16 amx`, x rounded to bf16
+as torch's oneDNN bf16 path does) and for torch bf16 where the CPU has AMX. `ours bf16 fma`
+is the same GEMM on fp32 FMAs (x kept in fp32); at M = 16 and 32 the matrix-vector kernel
+forced on (`matvec only`) shows what the GEMM gains. Peers: torch's F.linear on fp32
+weights, and on bf16 weights with bf16 activations.
 
-    python bench/linear.py [--repeats 7]
+    python bench/linear.py [--repeats 7] [--m 16,512]
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workbench import kernels  # noqa: E402
-from workbench.hw.peaks import measured_peaks  # noqa: E402
+from workbench.kernels.peaks import measured_peaks  # noqa: E402
 
-SHAPES = {"gate/up [11008, 4096]": (11008, 4096), "down [4096, 11008]": (4096, 11008)}
+SHAPES = {"q/k/v/o [4096, 4096]": (4096, 4096), "gate/up [11008, 4096]": (11008, 4096),
+          "down [4096, 11008]": (4096, 11008)}
 TRIAD_FLOATS = 1 << 25
 
 
@@ -33,17 +36,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--m", default="1,16,32,512,1024", help="rows of x (tokens), comma-separated")
     args = parser.parse_args()
     peak = measured_peaks()
+    amx = kernels.gemm_engines()["amx_bf16"][0]
+
+    def engine(name):  # run our bf16 GEMM on one engine (restored to auto at the end)
+        def run(x, w, **kw):
+            kernels.set_gemm_engine(name)
+            return kernels.linear(x, w, **kw)
+        return run
+
     a, b, c = torch.empty(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS)
     rows, results = [], []
     for label, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k) * 0.02
         w16 = w32.bfloat16()
-        for m in (1, 16, 32, 512):
+        for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
-            cases = {"ours fp32": lambda: kernels.linear(x, w32), "ours bf16": lambda: kernels.linear(x, w16),
-                     "torch fp32": lambda: F.linear(x, w32)}
+            cases = {"ours fp32": lambda: kernels.linear(x, w32), "torch fp32": lambda: F.linear(x, w32)}
+            if m > 10 and amx:
+                cases["ours bf16 amx"] = lambda: engine("amx_bf16")(x, w16)
+                cases["ours bf16 fma"] = lambda: engine("fma")(x, w16)
+            else:
+                cases["ours bf16"] = lambda: kernels.linear(x, w16)
             if 1 < m <= 32:
                 cases["ours bf16, matvec only"] = lambda: kernels.linear(x, w16, matvec_max_rows=m)
             if m > 1:  # torch's bf16 path: far too slow at M=1 to repeat (0.3 GFLOP/s, see issue 3)
@@ -58,15 +74,25 @@ def main() -> None:
                 wbytes = n * k * (2 if "bf16" in name else 4)
                 st["gbps"] = wbytes / secs / 1e9
                 st["gflops"] = 2 * m * n * k / secs / 1e9
+                unit = "amx_bf16" if amx and ("amx" in name or name == "torch bf16") else "fma"
+                st["peak_unit"], st["peak_gflops"] = unit, peak.compute_peak_gflops(unit)
+                label_unit = "AMX" if unit == "amx_bf16" else "FMA"
                 metric = (f"{st['gbps']:.1f} GB/s ({100 * st['gbps'] / triad:.0f}% triad)" if m == 1
-                          else f"{st['gflops']:.0f} GFLOP/s ({100 * st['gflops'] / peak.fma_gflops:.0f}% FMA)")
+                          else f"{st['gflops']:.0f} GFLOP/s ({100 * st['gflops'] / st['peak_gflops']:.0f}% {label_unit})")
                 rows.append({"weights": label, "M": m, "case": name, "ms median (min-max)": fmt_ms(st),
                              "throughput": metric})
-            results.append({"shape": [n, k], "M": m, "triad_gbps": triad, "stats": stats})
-            print(f"{label} M={m}: " + ", ".join(f"{nm} {s['median_ms']:.2f} ms" for nm, s in stats.items()),
-                  flush=True)
+            kernels.set_gemm_engine("auto")
+            ratios = {}
+            for ours, theirs in (("ours bf16 amx", "torch bf16"), ("ours bf16 amx", "ours bf16 fma"),
+                                 ("ours fp32", "torch fp32")):
+                if ours in stats and theirs in stats:
+                    ratios[f"{ours} / {theirs}"] = stats[theirs]["median_ms"] / stats[ours]["median_ms"]
+            results.append({"shape": [n, k], "M": m, "triad_gbps": triad, "stats": stats, "speedups": ratios})
+            print(f"{label} M={m}: " + ", ".join(f"{nm} {s['median_ms']:.2f} ms" for nm, s in stats.items())
+                  + "".join(f"; {r}: {v:.2f}x" for r, v in ratios.items()), flush=True)
     print_table(rows, ["weights", "M", "case", "ms median (min-max)", "throughput"],
-                title=f"Linear layers, {torch.get_num_threads()} threads")
+                title=f"Linear layers, {torch.get_num_threads()} threads; peaks: FMA {peak.fma_gflops:.0f}, "
+                      f"AMX bf16 {peak.amx_bf16_gflops:.0f} GFLOP/s")
     write_results("linear", {"repeats": args.repeats, "results": results}, args.out)
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_results  # noqa: E402
 import torch  # noqa: E402
 
-from workbench.hw.peaks import measured_peaks  # noqa: E402
+from workbench.kernels.peaks import measured_peaks  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workbench import kernels  # noqa: E402
-from workbench.hw.peaks import measured_peaks  # noqa: E402
+from workbench.kernels.peaks import measured_peaks  # noqa: E402
 
 B, H, D = 1, 32, 128
 

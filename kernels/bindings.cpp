@@ -327,7 +327,7 @@ wbk::WeightRef checked_weight(const Tensor& w, const std::optional<Tensor>& scal
     TORCH_CHECK_VALUE(scale.has_value(), fn, ": int8 weights need scale: one float32 per output row [N], or per "
                       "32 weights of a row [N, ceil(K / 32)]");
     TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, fn, ": scale must be float32, got ", scale->scalar_type());
-    const int64_t groups = (K + 31) / 32;
+    const int64_t groups = (K + wbk::kWeightGroup - 1) / wbk::kWeightGroup;
     if (scale->dim() == 2) {
       check_tensor(*scale, fn, "scale", 2, "[N, ceil(K / 32)]");
       TORCH_CHECK_VALUE(scale->size(0) == N && scale->size(1) == groups, fn, ": grouped scale must be [N, ceil(K / 32)] = [",
@@ -565,7 +565,7 @@ class DecodeStack {
     }
   }
 
-  // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, 3]
+  // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, kTimerParts]
   // float64 (attention, mlp, other seconds added) or None.
   void step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
             const std::optional<Tensor>& timers) {
@@ -586,10 +586,10 @@ class DecodeStack {
     Tensor len = pos + 1;
     double* tm = nullptr;
     if (timers) {
-      check_tensor(*timers, fn, "timers", 2, "[layers, 3]");
+      check_tensor(*timers, fn, "timers", 2, "[layers, parts]");
       TORCH_CHECK_TYPE(timers->scalar_type() == at::kDouble, fn, ": timers must be float64");
-      TORCH_CHECK_VALUE(timers->size(0) == static_cast<int64_t>(layers_.size()) && timers->size(1) == 3, fn,
-                        ": timers must be [", layers_.size(), ", 3], got ", timers->sizes());
+      TORCH_CHECK_VALUE(timers->size(0) == static_cast<int64_t>(layers_.size()) && timers->size(1) == wbk::kTimerParts, fn,
+                        ": timers must be [", layers_.size(), ", ", wbk::kTimerParts, "], got ", timers->sizes());
       tm = timers->data_ptr<double>();
     }
     const int64_t* lp = len.data_ptr<int64_t>();
@@ -677,6 +677,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &wbk::isa);
+  // The GEMM's micro-kernel for bf16 weights: "fma" or "amx_bf16" (chosen at run time).
+  m.def("gemm_engine", [] { return wbk::gemm_engine() == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : "fma"; });
+  m.def("set_gemm_engine", [](const std::string& name) {
+    wbk::GemmEngine e = name == "auto" ? wbk::GemmEngine::kAuto
+                        : name == "fma" ? wbk::GemmEngine::kFma
+                        : name == "amx_bf16" ? wbk::GemmEngine::kAmxBf16
+                                             : static_cast<wbk::GemmEngine>(-1);
+    TORCH_CHECK_VALUE(static_cast<int>(e) >= 0, "set_gemm_engine: engine must be 'auto', 'fma' or 'amx_bf16', got '",
+                      name, "'");
+    std::string why;
+    TORCH_CHECK(wbk::set_gemm_engine(e, &why), "set_gemm_engine: amx_bf16 cannot run here: ", why);
+  });
+  m.def("gemm_engines", [] {
+    py::dict d;
+    std::string why;
+    const bool amx = wbk::amx_bf16_available(&why);
+    d["fma"] = py::make_tuple(true, "fp32 FMA micro-kernel (every build)");
+    d["amx_bf16"] = py::make_tuple(amx, why);
+    return d;
+  });
+  m.def("amx_bf16_loop", &wbk::amx_bf16_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
+  // The constants Python needs from this side, so none is copied there by hand.
+  m.def("constants", [] {
+    py::dict d, weights, parts;
+    d["weight_group"] = wbk::kWeightGroup;
+    d["tiled_align"] = wbk::kTiledAlign;
+    d["tile_tokens"] = wbk::kTileTokens;
+    d["v_group_tokens"] = wbk::kVGroupTokens;
+    d["matvec_max_rows"] = wbk::kMatvecMaxRows;
+    d["shm_header_bytes"] = wbk::kShmHeaderBytes;
+    weights["float32"] = static_cast<int>(wbk::WeightDtype::kFloat32);
+    weights["bfloat16"] = static_cast<int>(wbk::WeightDtype::kBFloat16);
+    weights["int8"] = static_cast<int>(wbk::WeightDtype::kInt8);
+    weights["int8_group"] = static_cast<int>(wbk::WeightDtype::kInt8Group);
+    d["weight_kernels"] = weights;
+    py::list names;
+    for (const char* n : wbk::kTimerPartNames) names.append(n);
+    d["timer_parts"] = names;
+    return d;
+  });
   m.def("gemm_mr", &wbk::gemm_mr);
   m.def("gemm_nr", &wbk::gemm_nr);
 }

@@ -129,7 +129,7 @@ void decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layers,
     for (int64_t b = 0; b < B; ++b) add_row(a.x + b * dim, out + b * dim, dim);
     if (a.timers) {
       const auto t5 = Clock::now();
-      double* t = a.timers + 3 * l;
+      double* t = a.timers + kTimerParts * l;
       t[0] += seconds(t1, t2);
       t[1] += seconds(t3, t4);
       t[2] += seconds(t0, t1) + seconds(t2, t3) + seconds(t4, t5);

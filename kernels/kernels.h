@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace wbk {
@@ -100,12 +101,28 @@ void kv_cache_append(const AppendArgs& a);
 // (scales [N][ceil(K / 32)], applied in registers as each vector is widened). `row_scale`
 // points at whichever scales the dtype has.
 enum class WeightDtype { kFloat32, kBFloat16, kInt8, kInt8Group };
+// Weights per scale of grouped int8 weights (kInt8Group; llama.cpp's Q8_0 granularity).
+inline constexpr int64_t kWeightGroup = 32;
 void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                    int64_t N, int64_t K);
 // The same product for more rows (batched decode, prefill): a packed, register-blocked GEMM
 // computing y^T = w x^T, widening w slice by slice (compute-bound).
 void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                  int64_t N, int64_t K);
+
+// Which micro-kernel the GEMM runs for bf16 weights (gemm_amx.cpp): chosen at run time from
+// the CPU's flags and the kernel's permission, never fixed at compile time. kAuto picks the
+// matrix engine where it may run. kAmxBf16 rounds x to bf16 (fp32 accumulation); kFma is
+// linear.cpp's fp32 FMA GEMM, x kept in fp32.
+enum class GemmEngine { kAuto, kFma, kAmxBf16 };
+GemmEngine gemm_engine();  // the engine in force (kAuto resolved)
+// Set the engine; false (with the reason) when the CPU, the OS or the kernel refuses it.
+bool set_gemm_engine(GemmEngine engine, std::string* why_not);
+bool amx_bf16_available(std::string* reason);
+void linear_gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K);
+// tdpbf16ps on tiles already loaded, `iterations` x 4 per thread; returns the FLOPs executed
+// (0 where AMX may not run). The matrix engine's peak, timed by the caller (bench/peaks.py).
+double amx_bf16_loop(int64_t iterations_per_thread);
 
 // RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
 // T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).
@@ -147,8 +164,12 @@ struct StepArgs {
   const int64_t* positions;  // [B] where each sequence's new token goes
   const int64_t* lengths;    // [B] positions + 1
   int64_t num_splits;
-  double* timers;  // [layers, 3] seconds added per part (attention, mlp, other), or null
+  double* timers;  // [layers, kTimerParts] seconds added per part (kTimerPartNames), or null
 };
+// The parts the fused step's timers split a layer into, in their column order (exported to
+// Python by constants(); the names are workbench.model.timing's PARTS).
+inline constexpr int kTimerParts = 3;
+inline constexpr const char* kTimerPartNames[kTimerParts] = {"attention", "mlp", "other"};
 struct StepBuffers {  // scratch reused from step to step
   std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
 };

@@ -55,7 +55,7 @@ constexpr int64_t kChunk = 1024;  // K elements per chunk (a multiple of the int
 // Grouped int8 weights (kGroup values per scale): gs[j] points at row j's scales for this
 // chunk (the chunk starts on a group boundary, and W divides kGroup, so no vector straddles
 // two groups); nullptr: plain weights.
-constexpr int64_t kGroup = 32;
+constexpr int64_t kGroup = kWeightGroup;
 
 template <typename T>
 inline VecF load_w(const T* p, const float* gs, int64_t k) {
@@ -427,6 +427,8 @@ void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float
 
 void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                  int64_t N, int64_t K) {
+  if (dtype == WeightDtype::kBFloat16 && gemm_engine() == GemmEngine::kAmxBf16)
+    return linear_gemm_bf16_amx(x, static_cast<const uint16_t*>(w), y, M, N, K);
   with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { gemm(x, tw, y, M, N, K, gs); });
 }
 

@@ -270,7 +270,7 @@ class WorkbenchMagics(Magics):
         display(ablation_figure(rows))
 
     def _tp_ablate(self, args):
-        from workbench.distributed.ablation import tp_ablation
+        from workbench.analysis.tp_ablation import tp_ablation
         from workbench.distributed.cluster import DistributedError, running
 
         if running() is not None:

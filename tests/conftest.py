@@ -54,3 +54,16 @@ def require_browser() -> None:
         import playwright  # noqa: F401
     except ImportError:
         need(False, "playwright is not installed")
+
+
+# The modules that start processes, clusters, kernels of Jupyter, a browser or a fresh
+# environment: `pytest tests -m "not slow"` is the quick loop while working (README's test
+# command and CI run everything).
+SLOW_MODULES = {"test_distributed", "test_distributed_lifecycle", "test_notebooks", "test_browser", "test_install",
+                "test_peers", "test_profile"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -165,7 +165,7 @@ def test_quickstart_in_jupyterlab(lab):
         (peak,) = early["shapes"]
         assert peak["y0"] == peak["y1"] > 0 and peak["x0"] == 0 and peak["x1"] == 1  # across the whole plot
         assert len(early["data"][-1]["y"]) == 3  # 4 new tokens: 3 decode steps, all drawn
-        triad = float(_kernel(page, "from workbench.hw.peaks import measured_peaks; print(measured_peaks().triad_gbps)"))
+        triad = float(_kernel(page, "from workbench.kernels.peaks import measured_peaks; print(measured_peaks().triad_gbps)"))
         assert abs(peak["y0"] - triad) < 1e-6 * triad
 
         # %kvcache typed after the panel moves its toggle; Run uses it.

@@ -10,7 +10,9 @@ import pytest
 
 import workbench as wb
 from workbench.analysis.costmodel import Hardware, predict, predict_run, table2_projection
+from workbench.model.config import PRESETS
 from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.weights import WEIGHT_FORMATS
 
 HW = Hardware("test", bandwidth_gbps=20.0, fma_gflops=200.0, comm_alpha_us=5.0, comm_beta_gbps=8.0,
               cache_bytes=0)
@@ -18,10 +20,10 @@ HW = Hardware("test", bandwidth_gbps=20.0, fma_gflops=200.0, comm_alpha_us=5.0, 
 
 @pytest.fixture(scope="module")
 def models():
-    return {d: wb.load_model("smollm2-135m", dtype=d) for d in ("fp32", "bf16")}
+    return {d: wb.load_model("smollm2-135m", dtype=d) for d in WEIGHT_FORMATS}
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", list(WEIGHT_FORMATS))
 @pytest.mark.parametrize("kv", list(KV_FORMATS))
 def test_bytes_and_flops_equal_the_step_records(models, dtype, kv):
     model = models[dtype]
@@ -36,6 +38,30 @@ def test_bytes_and_flops_equal_the_step_records(models, dtype, kv):
     assert p.step_bytes("decode") == pytest.approx(sum(s.bytes_read for s in decode) / len(decode),
                                                    abs=model.config.n_layers)
     assert p.step_flops("decode") == pytest.approx(sum(s.total_flops for s in decode) / len(decode), rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype", list(WEIGHT_FORMATS))
+def test_the_loaders_estimate_counts_what_the_model_holds(models, dtype):
+    """ModelConfig.weight_bytes (the loaders' memory check) from the format record equals the
+    bytes the loaded model holds: int8 scales included, the embedding kept apart when the
+    quantized LM head no longer is it."""
+    model = models[dtype]
+    assert model.config.weight_bytes(WEIGHT_FORMATS[dtype]) == model.llama.weight_bytes
+
+
+def test_a_distributed_prediction_starts_no_process(tmp_path, monkeypatch):
+    """With no all-reduce fit cached, predicting for 2 ranks says how to measure one and
+    starts nothing (it used to start ipyparallel engines to measure one)."""
+    import multiprocessing
+    import subprocess
+
+    started = []
+    monkeypatch.setattr(subprocess.Popen, "__init__", lambda self, *a, **k: started.append(a) or 1 / 0)
+    monkeypatch.setattr(multiprocessing.Process, "start", lambda self: started.append(self) or 1 / 0)
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"no all-reduce fit of shm on 2 ranks.*wb\.measure_allreduce\('shm', ranks=2\)"):
+        wb.predict("smollm2-135m", ranks=2, backend="shm")
+    assert started == []
 
 
 def test_roofline_names_the_bound_and_adds_communication():
@@ -100,7 +126,7 @@ def test_bad_input_is_a_clear_error(kwargs, message):
 
 
 def test_this_machine_uses_the_measured_peaks():
-    from workbench.hw.peaks import measured_peaks
+    from workbench.kernels.peaks import measured_peaks
 
     hw = Hardware.this_machine(2, comm=(4.0, 8.0))
     peaks = measured_peaks()

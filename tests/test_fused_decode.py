@@ -14,12 +14,13 @@ from workbench.analysis.forcing import forced_steps
 from workbench.kernels import KernelSet
 from workbench.model.kv_formats import KERNEL_FORMATS
 from workbench.model.switches import Switches
-from workbench.runtime.timing import Clock
+from workbench.model.timing import Clock
+from workbench.model.weights import WEIGHT_FORMATS
 
 PROMPTS = [[1, 504, 3458, 1024, 29, 10, 77, 99, 314], [5, 6, 7, 8, 9, 10, 11]]  # ragged batch
 
 
-@pytest.fixture(scope="module", params=["fp32", "bf16", "int8-g32"])
+@pytest.fixture(scope="module", params=list(WEIGHT_FORMATS))
 def model(request):
     return wb.load_model("smollm2-135m", dtype=request.param, max_batch=2)
 
@@ -171,7 +172,7 @@ def test_the_weights_are_one_stream_in_the_order_decode_reads_them(model):
         end = prev.data_ptr() + prev.numel() * prev.element_size()
         assert t.data_ptr() == -(-end // 4096) * 4096  # next, at the following 4 KiB boundary
     assert tensors[0].data_ptr() % (2 << 20) == 0  # the stream starts on a huge-page boundary
-    if llama.weight_dtype != "int8-g32":  # SmolLM2 ties the LM head to the embedding
+    if not WEIGHT_FORMATS[llama.weight_dtype].quantized:  # SmolLM2 ties the LM head to the embedding
         assert llama.lm_head.weight is llama.embedding
 
 

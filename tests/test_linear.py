@@ -6,7 +6,9 @@ length, one- and two-vector token tiles, and several 256-token blocks (M > 256).
 
 Tolerance: the weights are exactly representable in both dtypes (bf16 weights are
 compared against their own fp32 value), so only fp32 accumulation over K terms differs:
-1e-4 relative to sqrt(K) * max|x| * max|w|, well above K * 2^-24 of that scale.
+1e-4 relative to sqrt(K) * max|x| * max|w|, well above K * 2^-24 of that scale. Where the
+GEMM runs bf16 weights on the AMX tiles (kernels.gemm_engine(), tests/test_gemm_engines.py)
+it rounds x to bf16 first, and the reference does the same.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen).to(dtype)
     y = kernels.linear(x, w, matvec_max_rows=matvec_max_rows)
-    ref = x.double() @ w.double().t()
+    on_tiles = dtype == torch.bfloat16 and M > matvec_max_rows and kernels.gemm_engine() == "amx_bf16"
+    ref = (x.bfloat16() if on_tiles else x).double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (M, N)
     scale = K**0.5 * x.abs().max().item() * w.float().abs().max().item()
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
@@ -118,7 +121,12 @@ def test_linear_long_prefill(kernels):
     allocated for the call rather than kept in the thread's scratch."""
     x = torch.randn(2100, 2048)
     w = torch.randn(50, 2048).bfloat16()
-    y = kernels.linear(x, w)
-    ref = x.double() @ w.double().t()
     scale = 2048**0.5 * x.abs().max().item() * w.float().abs().max().item()
-    torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
+    try:
+        for engine in [name for name, (ok, _) in kernels.gemm_engines().items() if ok]:
+            kernels.set_gemm_engine(engine)  # the FMA GEMM's x^T, the AMX GEMM's packed x
+            y = kernels.linear(x, w)
+            ref = (x.bfloat16() if engine == "amx_bf16" else x).double() @ w.double().t()
+            torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{engine}: {m}")
+    finally:
+        kernels.set_gemm_engine("auto")

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from workbench.hw import peaks
+from workbench.kernels import peaks
 
 
 def test_peaks_are_measured_cached_and_remeasured(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workbench import kernels
-from workbench.hw import prefetch
+from workbench.kernels import prefetch
 from workbench.kernels import KernelSet
 
 

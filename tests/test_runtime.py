@@ -23,8 +23,8 @@ from workbench.analysis.forcing import forced_logits
 from workbench.model.kv_formats import KV_FORMATS
 from workbench.model.loaders import ModelLoadError, bundled_gguf_path
 from workbench.model.switches import Switches
-from workbench.model.weights import WEIGHT_DTYPES
-from workbench.runtime.timing import PART_NAMES
+from workbench.model.weights import WEIGHT_FORMATS
+from workbench.model.timing import PART_NAMES
 
 PROMPTS = [
     "The capital of France is",
@@ -276,7 +276,7 @@ def test_hf_directory_and_gguf_path_load_the_same_model(model, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "tinyllama-1.1b"])  # tied and untied embeddings
-@pytest.mark.parametrize("dtype", list(WEIGHT_DTYPES))
+@pytest.mark.parametrize("dtype", list(WEIGHT_FORMATS))
 def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
     """Every byte a step must read, from the config by hand, for every KV format: each layer's
     weights (fp32 norms), the embedding rows of the step's tokens, the final norm and the

@@ -4,29 +4,49 @@
     model = wb.load_model("smollm2-135m")
     out = model.generate("The capital of France is", attention="slim", kv_cache="int8")
 
-Layers, bottom up (each imports only from those before it):
+Layers, bottom up: each imports only from those before it (tests/test_layers.py checks it,
+and README's Layout states the same order):
 
-    workbench.hw         the machine: CPU, caches, measured bandwidth and FMA peaks
-    workbench.kernels    the C++ kernels (sources in the repository's kernels/), built on first use
-    workbench.model      configs, weight dtypes, KV formats, attention backends, the Llama model, loaders
-    workbench.runtime    a loaded Model: generate, sampling, timing records, streaming, threads
-    workbench.analysis   experiments: teacher forcing, ablation grids, the demo, kernel comparisons
-    workbench.ui         the live plotly figures and the ipywidgets control panel
-    workbench.distributed  tensor parallel: collectives, sharding, ipyparallel engines
-    workbench.report     shareable reports: JSON (workbench/report/schema.json) and offline HTML
-    workbench.magics     the IPython magics (the repository's magics/), `%load_ext workbench`
-    workbench.cli        the `workbench` command
+    workbench.cache        the cache folder and the CPU key builds and measurements are filed under
+    workbench.hw           the machine: CPU, ISA flags, caches, huge-page memory
+    workbench.kernels      the C++ kernels (sources in the repository's kernels/), built on first
+                           use, tuned per host (prefetch), and the peaks they measure (triad, FMA)
+    workbench.model        configs, weight formats, KV formats, attention backends, the Llama model,
+                           its step records (timing), loaders
+    workbench.runtime      a loaded Model: generate, sampling, streaming, threads
+    workbench.distributed  tensor parallel: collectives and their measured cost, sharding, engines
+    workbench.analysis     experiments: teacher forcing, ablations, the demo, quality, cost model, peers
+    workbench.ui           the live plotly figures and the ipywidgets control panel
+    workbench.report       shareable reports: JSON (workbench/report/schema.json) and offline HTML
+    workbench.options, workbench.magics   options shared by the CLI and the magics; `%load_ext workbench`
+    workbench.cli          the `workbench` command
 """
 
 __version__ = "0.1.0"
 
-from workbench.model.loaders import ModelLoadError  # noqa: E402
-from workbench.runtime.generate import GenerationResult, Model, load_model  # noqa: E402
-from workbench.runtime.status import status_report  # noqa: E402
-from workbench import report  # noqa: E402  (wb.report.record / wb.report.write)
+import importlib
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "kv_quality", "load_model", "panel", "predict",
-           "report", "status_report"]
+# What `wb.<name>` gives, imported on first use: `import workbench.hw` loads only the machine
+# layer, not the model, the kernels or the report layer.
+_LAZY = {"ModelLoadError": "workbench.model.loaders", "GenerationResult": "workbench.runtime.model",
+         "Model": "workbench.runtime.model", "load_model": "workbench.runtime.model",
+         "status_report": "workbench.runtime.status", "report": "workbench.report"}
+
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "kv_quality", "load_model", "measure_allreduce",
+           "panel", "predict", "report", "status_report"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if _LAZY[name] == f"workbench.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def kv_quality(model, formats=None, context=1024, steps: int = 64, text: str | None = None, **kwargs):
@@ -48,6 +68,15 @@ def predict(model="smollm2-135m", **kwargs):
     from workbench.analysis.costmodel import predict as run
 
     return run(model, **kwargs)
+
+
+def measure_allreduce(backend: str, ranks: int = 2, cluster=None):
+    """Measure this machine's all-reduce alpha-beta fit for `backend` on `ranks` processes (on
+    `cluster` if given, else on engines started and stopped here, about 10 s) and cache it for
+    wb.predict and the reports (see workbench.distributed.allreduce)."""
+    from workbench.distributed.allreduce import measure_allreduce as run
+
+    return run(backend, ranks, cluster=cluster)
 
 
 def cluster(n: int = 2, **kwargs):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.kv_formats import KV_FORMATS
 from workbench.model.switches import DECODE_PATHS
-from workbench.model.weights import WEIGHT_DTYPES
+from workbench.model.weights import WEIGHT_FORMATS
 
 Option = tuple[tuple[str, ...], dict]
 
@@ -20,7 +20,7 @@ Option = tuple[tuple[str, ...], dict]
 LOAD_OPTIONS: list[Option] = [
     (("--random",), dict(action="store_true", help="the preset's exact shapes with seeded random weights")),
     (("--layers",), dict(type=int, default=None, help="keep only the first N layers")),
-    (("--dtype",), dict(default="fp32", choices=list(WEIGHT_DTYPES), help="weight dtype")),
+    (("--dtype",), dict(default="fp32", choices=list(WEIGHT_FORMATS), help="weight dtype")),
 ]
 
 # One generation. --attention / --kv-cache default to the model's current switches.

@@ -32,7 +32,7 @@ from workbench.analysis.text import sample_prompts
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS
 from workbench.model.switches import Switches
-from workbench.runtime.timing import Timings
+from workbench.model.timing import Timings
 
 
 @dataclass
@@ -53,7 +53,7 @@ class AblationRow:
 
 def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches) -> dict:
     """Prefill the prompts, then decode `continuation` [B, steps] (teacher forcing); returns
-    timings (rates aggregated as in workbench.runtime.timing) and top-1 agreement."""
+    timings (rates aggregated as in workbench.model.timing) and top-1 agreement."""
     batch, steps = continuation.shape
     timings, hits = Timings(), 0
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_F
             raise ValueError(f"{name} must be positive integers, got {list(values)}")
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
         raise ValueError(f"new_tokens must be an integer >= 2, got {new_tokens!r}")
-    from workbench.hw.peaks import measured_peaks
+    from workbench.kernels.peaks import measured_peaks
 
     peaks = measured_peaks()
     rows: list[AblationRow] = []

@@ -10,7 +10,7 @@ every weight once, so its floor is bytes / bandwidth; prefill is FLOPs / FMA pea
     p.step_ms("decode")                 # one decode step, all layers and the head
     rows = p.compare(result.timings)    # predicted vs measured per part, ratio, and why if > 1.5x
 
-What it counts is exactly what StepRecord counts (workbench/runtime/timing.py), from the
+What it counts is exactly what StepRecord counts (workbench/model/timing.py), from the
 configuration alone (no weights needed, so Llama-2-70B works on a laptop):
     attention   q, k, v, o weights; in decode the KV cache at the step's length, scales
                 included; FLOPs 2 x tokens x those weights + 4 x heads x head_dim per
@@ -29,8 +29,9 @@ new_tokens / 2, which is what the measured steps average over.
 
 `Hardware` says what one rank has. `Hardware.this_machine(ranks)` takes the measured peaks
 (shared by the ranks: each gets 1 / ranks of the triad and FMA peak) and, for ranks > 1,
-the backend's all-reduce fit measured on this machine (workbench.distributed.ablation.
-comm_fit, cached like the peaks). `Hardware.from_socket(...)` builds one from a socket's
+the backend's all-reduce fit last measured on this machine (cached by
+workbench.distributed.allreduce.measure_allreduce, `wb.measure_allreduce`). Predicting never
+measures: with no fit cached it says how to measure one. `Hardware.from_socket(...)` builds one from a socket's
 stated parameters, for projections (notebooks/05-cost-model.ipynb: the paper's Table 2).
 """
 
@@ -57,33 +58,41 @@ class Hardware:
     comm_beta_gbps: float = math.inf
     cache_bytes: int = 0  # last-level cache a rank can reuse weights from (0: assume none)
     notes: str = ""
+    # The matrix engine's peak where the GEMM runs bf16 weights on it (AMX tiles), else 0: the
+    # linear layers' FLOPs of more rows than the matrix-vector kernel takes are set against it.
+    matrix_gflops: float = 0.0
 
     @classmethod
     def this_machine(cls, ranks: int = 1, backend: str | None = None, comm: tuple[float, float] | None = None):
         """The measured peaks of this machine split over `ranks` processes sharing it, and
-        for ranks > 1 the all-reduce fit of `backend` (measured here once and cached, ~10 s;
-        or comm=(alpha_us, beta_gbps) as given)."""
+        for ranks > 1 the all-reduce fit of `backend` cached by wb.measure_allreduce (or
+        comm=(alpha_us, beta_gbps) as given). Starts no process: with no fit cached it raises
+        a ValueError that says how to measure one."""
         from workbench.hw.machine import machine_info
-        from workbench.hw.peaks import measured_peaks
+        from workbench.kernels.peaks import measured_peaks
 
         _check_ranks(ranks)
-        peaks = measured_peaks()
         alpha, beta, how = 0.0, math.inf, ""
         if ranks > 1:
             if comm is None:
                 if backend is None:
                     raise ValueError("predict: ranks > 1 needs backend= (shm, gloo or ccl) or comm=(alpha_us, beta_gbps)")
-                from workbench.distributed.ablation import comm_fit
-
-                fit = comm_fit(backend)
+                fit = _cached_fit(backend, ranks)
                 alpha, beta = fit["alpha_us"], fit["beta_gbps"]
                 how = f"; all-reduce {backend}: {alpha:.1f} us + bytes / {beta:.2f} GB/s (fitted {fit['measured_at']})"
             else:
                 alpha, beta = comm
                 how = f"; all-reduce as given: {alpha:.1f} us + bytes / {beta:.2f} GB/s"
+        peaks = measured_peaks()
+        from workbench.kernels import gemm_engine
+
+        matrix = peaks.amx_bf16_gflops / ranks if gemm_engine() == "amx_bf16" else 0.0
+        if matrix:
+            how += f"; bf16 GEMMs on AMX tiles: {peaks.amx_bf16_gflops:.0f} GFLOP/s measured"
         l3 = machine_info().cache_bytes(3) or 0
         return cls(name=f"this machine / {ranks} rank(s)", bandwidth_gbps=peaks.triad_gbps / ranks,
                    fma_gflops=peaks.fma_gflops / ranks, comm_alpha_us=alpha, comm_beta_gbps=beta,
+                   matrix_gflops=matrix,
                    cache_bytes=int(l3) // ranks,
                    notes=f"measured peaks ({peaks.measured_at}): triad {peaks.triad_gbps:.1f} GB/s, fp32 FMA "
                          f"{peaks.fma_gflops:.0f} GFLOP/s on {peaks.threads} threads, shared by {ranks} rank(s){how}")
@@ -303,12 +312,12 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     switch are then the defaults); hardware: default this machine's measured peaks shared by
     `ranks` processes, with `backend`'s all-reduce fit (or comm=(alpha_us, beta_gbps))."""
     from workbench.model.kv_formats import kv_format
-    from workbench.model.weights import weight_dtype as dtype_of
+    from workbench.model.weights import weight_format
 
     cfg = _config(model)
     if weight_dtype is None:
         weight_dtype = getattr(model, "weight_dtype", "fp32")
-    wbytes = dtype_of(weight_dtype).itemsize
+    wfmt = weight_format(weight_dtype)
     fmt = kv_format(kv_cache)
     _check_ranks(ranks)
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
@@ -320,12 +329,26 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     heads, kv_heads = cfg.n_heads / ranks, cfg.n_kv_heads / ranks  # a rank's share (uneven splits: the mean)
     attn_params = d * hd * (2 * heads + 2 * kv_heads)
     mlp_params = 3 * d * f / ranks
+    # Bytes of a rank's matrices in the weight format, scales included (uneven head splits:
+    # the mean share, as above).
+    attn_bytes = (wfmt.nbytes(round(hd * (heads + 2 * kv_heads)), d) + wfmt.nbytes(d, round(hd * heads)))
+    mlp_bytes = wfmt.nbytes(round(2 * f / ranks), d) + wfmt.nbytes(d, round(f / ranks))
+    head_bytes = wfmt.nbytes(round(cfg.vocab_size / ranks), d)
+    embed_row = d * wfmt.embedding_dtype().itemsize
     norm_bytes = 2 * d * NORM_BYTES_PER_ELEM
     kv_len = prompt_len + new_tokens / 2  # the mean KV length the decode steps read
 
-    def cost(nbytes, flops, comm_s=0.0) -> PartCost:
-        return PartCost(int(nbytes), int(flops), nbytes / (hw.bandwidth_gbps * 1e9), flops / (hw.fma_gflops * 1e9),
-                        comm_s)
+    from workbench.kernels import constants
+
+    matvec_rows = constants()["matvec_max_rows"]
+
+    def cost(nbytes, flops, comm_s=0.0, linear_flops=0, rows=1) -> PartCost:
+        """linear_flops of `flops` are matrix products of `rows` rows: on the matrix engine's
+        roof where the GEMM runs them there (bf16 weights, more rows than the matrix-vector
+        kernel takes), else on the FMA roof like the rest."""
+        on_tiles = wfmt.name == "bf16" and hw.matrix_gflops > 0 and rows > matvec_rows
+        compute = ((flops - linear_flops) / hw.fma_gflops + linear_flops / (hw.matrix_gflops if on_tiles else hw.fma_gflops)) / 1e9
+        return PartCost(int(nbytes), int(flops), nbytes / (hw.bandwidth_gbps * 1e9), compute, comm_s)
 
     layers, head = {}, {}
     for phase in PHASES:
@@ -333,32 +356,43 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         pairs = batch * prompt_len * (prompt_len + 1) / 2 if phase == "prefill" else batch * kv_len
         kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd, max(1, round(kv_heads)))
         layers[phase] = {
-            "attention": cost(wbytes * attn_params + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs),
-            "mlp": cost(wbytes * mlp_params, 2 * tokens * mlp_params),
+            "attention": cost(attn_bytes + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs,
+                              linear_flops=2 * tokens * attn_params, rows=tokens),
+            "mlp": cost(mlp_bytes, 2 * tokens * mlp_params, linear_flops=2 * tokens * mlp_params, rows=tokens),
             "other": cost(norm_bytes, 0),
             "comm": PartCost(0, 0, 0.0, 0.0, 2 * _allreduce_s(4 * tokens * d, ranks, hw)),
         }
         vocab = cfg.vocab_size / ranks
         head_rows = batch  # the last position of each sequence (decode: its one token)
         head_comm = 2 * _allreduce_s(0, ranks, hw)  # token ids out, top-k pairs back: latency only
-        head[phase] = cost(tokens * d * wbytes + d * NORM_BYTES_PER_ELEM + vocab * d * wbytes,
-                           2 * head_rows * vocab * d, head_comm)
+        head[phase] = cost(tokens * embed_row + d * NORM_BYTES_PER_ELEM + head_bytes,
+                           2 * head_rows * vocab * d, head_comm, linear_flops=2 * head_rows * vocab * d, rows=head_rows)
     return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)
+
+
+def _cached_fit(backend: str, ranks: int) -> dict:
+    from workbench.distributed.allreduce import cached_fit
+
+    fit = cached_fit(backend, ranks)
+    if fit is None:
+        raise ValueError(f"no all-reduce fit of {backend} on {ranks} ranks is cached on this machine: measure one with "
+                         f"wb.measure_allreduce({backend!r}, ranks={ranks}) (starts {ranks} engines, about 10 s), "
+                         f"or pass comm=(alpha_us, beta_gbps)")
+    return fit
 
 
 def predict_run(model, result) -> Prediction:
     """The prediction for the settings a GenerationResult ran with: its batch, mean prompt
     length, new tokens, KV format, and the model's weights and ranks (a tensor-parallel
-    model's backend fit is measured on its own cluster if none is cached)."""
+    model's backend fit as cached by wb.measure_allreduce: a ValueError saying how to measure
+    one if there is none; nothing is measured here)."""
     lengths = [len(p) for p in result.prompt_token_ids]
     steps = result.timings.decode_steps
     cluster = getattr(model, "cluster", None)
     ranks = getattr(cluster, "n", 1)
     hardware = None
     if ranks > 1:
-        from workbench.distributed.ablation import comm_fit
-
-        fit = comm_fit(cluster.backend, ranks, cluster=cluster)
+        fit = _cached_fit(cluster.backend, ranks)
         hardware = Hardware.this_machine(ranks, comm=(fit["alpha_us"], fit["beta_gbps"]))
     return predict(model, batch=len(lengths), prompt_len=max(1, round(sum(lengths) / len(lengths))),
                    new_tokens=len(steps) + 1, kv_cache=result.switches.kv_cache, ranks=ranks, hardware=hardware)

@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from workbench.model.switches import Switches
-from workbench.runtime.timing import StepRecord
+from workbench.model.timing import StepRecord
 
 
 def forced_steps(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches,

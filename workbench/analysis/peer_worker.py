@@ -22,6 +22,10 @@ def _workbench(spec: dict):
     from workbench.runtime.threads import set_threads
 
     set_threads(spec["threads"])
+    if spec.get("gemm_engine"):  # the bf16 GEMM's micro-kernel: "fma" to measure it against the tiles
+        from workbench import kernels
+
+        kernels.set_gemm_engine(spec["gemm_engine"])
     model = wb.load_model(spec.get("model", "smollm2-135m"), dtype=spec.get("dtype", "fp32"))
     model.attention, model.kv_cache = spec.get("attention", "slim"), spec.get("kv_cache", "fp16")
 
@@ -52,7 +56,8 @@ def _transformers(spec: dict):
 
     torch.set_num_threads(spec["threads"])
     path = bundled_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.get("dtype", "fp32")]
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
                                               attn_implementation="sdpa").eval()
 
     import inspect
@@ -76,7 +81,7 @@ def _transformers(spec: dict):
             tokens.append(token)
         return {"prefill_ms": 1e3 * prefill, "decode_ms": [1e3 * s for s in decode], "tokens": tokens}
 
-    return run, f"transformers {__import__('transformers').__version__}, fp32, sdpa attention"
+    return run, f"transformers {__import__('transformers').__version__}, {spec.get('dtype', 'fp32')}, sdpa attention"
 
 
 def _llama_cpp(spec: dict):

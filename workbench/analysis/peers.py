@@ -50,12 +50,15 @@ class Engine:
 ENGINES: tuple[Engine, ...] = (
     Engine("workbench fp32", {"engine": "workbench", "dtype": "fp32", "kv_cache": "fp16"}, None, "workbench fp32"),
     Engine("workbench bf16", {"engine": "workbench", "dtype": "bf16", "kv_cache": "fp16"}, None, "workbench fp32"),
+    Engine("workbench bf16, fma GEMM", {"engine": "workbench", "dtype": "bf16", "kv_cache": "fp16",
+                                        "gemm_engine": "fma"}, None, "workbench bf16"),
     Engine("workbench fp32, int8 KV", {"engine": "workbench", "dtype": "fp32", "kv_cache": "int8"}, None,
            "workbench fp32"),
     Engine("workbench int8", {"engine": "workbench", "dtype": "int8", "kv_cache": "fp16"}, None, "workbench fp32"),
     Engine("workbench int8-g32", {"engine": "workbench", "dtype": "int8-g32", "kv_cache": "fp16"}, None,
            "workbench fp32"),
     Engine("transformers fp32", {"engine": "transformers"}, "transformers", "workbench fp32"),
+    Engine("transformers bf16", {"engine": "transformers", "dtype": "bf16"}, "transformers", "workbench bf16"),
     Engine("llama.cpp F32", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench fp32", "F32"),
     Engine("llama.cpp F32, q8_0 KV", {"engine": "llama.cpp", "kv": "q8_0"}, "llama_cpp", "workbench fp32, int8 KV",
            "F32"),
@@ -201,7 +204,7 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
         samples = {(name, n): [] for name in workers for n in prompt_lens}
         for name in workers:  # warm-up: caches, thread pools, first-touch pages
             workers[name].run(prompts[prompt_lens[0]], 4)
-        from workbench.hw.peaks import measure_triad_gbps
+        from workbench.kernels.peaks import measure_triad_gbps
 
         order = random.Random(seed)
         triads = []  # the STREAM triad after each round: the bandwidth our GB/s are set against

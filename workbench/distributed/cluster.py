@@ -35,7 +35,7 @@ from workbench.distributed import engine
 from workbench.distributed.comm import BACKENDS, create_shm_segment, shm_capacity_bytes
 from workbench.distributed.tp import TPOptions
 from workbench.model.switches import Switches
-from workbench.runtime.timing import Timings
+from workbench.model.timing import Timings
 
 LAUNCHERS = ("local", "mpi", "ssh", "slurm")
 _running: Cluster | None = None
@@ -222,6 +222,7 @@ class Cluster:
         global _running
         pids = [e["pid"] for e in self.engines]
         if self.client is not None:
+            self._close_communicators()
             try:
                 self.client.close()
             except Exception:
@@ -249,6 +250,21 @@ class Cluster:
         self.model = None
         if _running is self:
             _running = None
+
+    def _close_communicators(self, timeout_s: float = 5.0) -> None:
+        """Ask every live engine to close its communicator (gloo's process group, the shm
+        mapping, oneCCL's communicator) before the engines are stopped; an engine that is dead
+        or does not answer within timeout_s is stopped without it."""
+        try:
+            ars = [self.client[eid].apply_async(engine.teardown) for eid in self.engine_ids]
+        except Exception:
+            return
+        deadline = time.monotonic() + timeout_s
+        for ar in ars:
+            try:
+                ar.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
 
     @property
     def running(self) -> bool:
@@ -389,7 +405,7 @@ class DistributedModel:
                  kv_cache: str | None = None, decode: str | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
                  on_token=None, on_step=None, check_topk: bool | None = None):
-        """Model.generate on every rank at once (see workbench.runtime.generate); rank 0's
+        """Model.generate on every rank at once (see workbench.runtime.model); rank 0's
         result, with `topk_log` (check_topk: per step, whether the distributed top-1 is the
         true one and the top-k overlap)."""
         check_topk = self.options.check_topk if check_topk is None else check_topk

@@ -171,7 +171,9 @@ class ShmComm(Communicator):
         if not self.path.is_file() or self.path.stat().st_size != size:
             raise CommError(f"shm segment {self.path} is missing or has the wrong size (expected {size} bytes)")
         self.segment = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
-        header = 64 * 64  # kShmHeaderBytes
+        from workbench.kernels import constants
+
+        header = constants()["shm_header_bytes"]
         start = header + rank * capacity_bytes
         self.slot = self.segment[start:start + capacity_bytes].view(torch.float32)  # this rank's input slot
         self.seq = 1

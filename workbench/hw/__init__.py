@@ -1,8 +1,7 @@
-"""The machine: what it is (`machine`: CPU, ISA flags, caches from sysfs) and what it can do
-(`peaks`: measured memory bandwidth and FMA throughput, cached per CPU and thread count).
-Every "% of peak" in the workbench divides by `measured_peaks()`."""
+"""The machine: what it is (`machine`: CPU, ISA flags, caches from sysfs) and how memory is
+had from it (`memory`: huge-page buffers, the weight arena). What it can do, measured with
+our kernels, is one floor up: `workbench.kernels.peaks`."""
 
 from workbench.hw.machine import MachineInfo, machine_info
-from workbench.hw.peaks import Peaks, measured_peaks
 
-__all__ = ["MachineInfo", "Peaks", "machine_info", "measured_peaks"]
+__all__ = ["MachineInfo", "machine_info"]

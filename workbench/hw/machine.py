@@ -2,7 +2,7 @@
 
 One source of truth for hardware facts; the kernels' block-size heuristics and every
 report read them from here. Measured peaks (bandwidth, FMA throughput) live in
-`workbench.hw.peaks`, which caches them per machine.
+`workbench.kernels.peaks`, which caches them per machine.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class KernelSet:
 
     # -- linear layers -----------------------------------------------------------------
 
-    def linear(self, x, w, *, matvec_max_rows: int = 10, out: torch.Tensor | None = None,
+    def linear(self, x, w, *, matvec_max_rows: int | None = None, out: torch.Tensor | None = None,
                scale: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32, bf16 or int8 and fp32
         x [..., K] -> fp32 [..., N]. int8 weights need `scale` [N] fp32, one per output row
@@ -167,9 +167,30 @@ class KernelSet:
         if x.dim() < 1:
             raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
+        if matvec_max_rows is None:
+            matvec_max_rows = constants()["matvec_max_rows"]
         y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0),
                             out, scale)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
+
+    GEMM_ENGINES = ("auto", "fma", "amx_bf16")
+
+    def gemm_engines(self) -> dict[str, tuple[bool, str]]:
+        """Each micro-kernel the GEMM can run for bf16 weights: name -> (may it run here, why)."""
+        return {name: (bool(ok), why) for name, (ok, why) in self.ext.gemm_engines().items()}
+
+    def gemm_engine(self) -> str:
+        """The micro-kernel the GEMM runs for bf16 weights now: "amx_bf16" (x rounded to bf16,
+        fp32 accumulation, on the AMX tiles) or "fma" (fp32 FMAs, x kept in fp32). The
+        matrix-vector kernel of few rows is the same for both."""
+        return self.ext.gemm_engine()
+
+    def set_gemm_engine(self, engine: str) -> None:
+        """Choose the GEMM's micro-kernel for bf16 weights: "auto" (the matrix engine where it
+        may run), "fma" or "amx_bf16" (a RuntimeError with the reason where it may not)."""
+        if engine not in self.GEMM_ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(self.GEMM_ENGINES)}, got {engine!r}")
+        self.ext.set_gemm_engine(engine)
 
     def decode_stack(self, layers, k_cache, v_cache, k_scale, v_scale, *, heads: int, eps: float,
                      int8_query: bool = False, tiled: bool = False):
@@ -220,13 +241,34 @@ class KernelSet:
         self.ext.kv_cache_append(cache, values, positions, scales, layout)
 
 
-TILED_ALIGN = 32  # the tiled layout's Lmax multiple (kernels.h: kTiledAlign)
 TILED_LAYOUTS = ("rows", "k_tiles", "v_groups")
+
+
+def constants() -> dict:
+    """The constants the C++ side defines and Python needs (kernels.h, exported by the
+    extension's constants(); read, never copied): weight_group (grouped int8 weights per
+    scale), tiled_align / tile_tokens / v_group_tokens (the tiled int8 KV layout),
+    matvec_max_rows (the matrix-vector / GEMM crossover), shm_header_bytes, weight_kernels
+    (the WeightDtype enumerators), timer_parts (the fused step's timer columns)."""
+    global _CONSTANTS
+    if _CONSTANTS is None:
+        _CONSTANTS = dict(load_extension("native").constants())
+    return _CONSTANTS
+
+
+_CONSTANTS: dict | None = None
+
+
+def __getattr__(name: str):
+    if name == "TILED_ALIGN":  # the tiled layout's Lmax multiple (kernels.h: kTiledAlign)
+        return constants()["tiled_align"]
+    raise AttributeError(f"module 'workbench.kernels' has no attribute {name!r}")
 
 
 def tiled_length(tokens: int) -> int:
     """`tokens` rounded up to whole blocks of the tiled layout (a multiple of TILED_ALIGN)."""
-    return -(-tokens // TILED_ALIGN) * TILED_ALIGN
+    align = constants()["tiled_align"]
+    return -(-tokens // align) * align
 
 
 def untile_kv(values: torch.Tensor, layout: str) -> torch.Tensor:
@@ -251,19 +293,21 @@ def quantize_weight_int8(w: torch.Tensor, group: int | None = None) -> tuple[tor
     covers, q = round(w / scale), so |w - q scale| <= scale / 2; all-zero: scale 0, exact."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_weight_int8: w must be a 2-D float tensor [N, K], got {tuple(w.shape)} {w.dtype}")
-    if group not in (None, 32):
-        raise ValueError(f"quantize_weight_int8: group must be None (per row) or 32, got {group!r}")
+    g = constants()["weight_group"]
+    if group not in (None, g):
+        raise ValueError(f"quantize_weight_int8: group must be None (per row) or {g} (the kernels' weight group), "
+                         f"got {group!r}")
     N, K = w.shape
-    groups = -(-K // 32) if group else 1
+    groups = -(-K // g) if group else 1
     scales = torch.empty(N, groups) if group else torch.empty(N)
     q = torch.empty(w.shape, dtype=torch.int8)
     step = max(1, (64 << 20) // max(1, 4 * K))  # ~64 MiB of fp32 at a time: a 7B matrix never twice
     for r0 in range(0, N, step):
         block = w[r0:r0 + step].float()
         if group:
-            padded = torch.nn.functional.pad(block, (0, groups * 32 - K)).reshape(block.shape[0], groups, 32)
+            padded = torch.nn.functional.pad(block, (0, groups * g - K)).reshape(block.shape[0], groups, g)
             s = padded.abs().amax(-1) / 127  # [rows, groups]
-            per = s.repeat_interleave(32, dim=1)[:, :K]
+            per = s.repeat_interleave(g, dim=1)[:, :K]
         else:
             s = block.abs().amax(dim=1) / 127
             per = s[:, None]
@@ -303,5 +347,8 @@ decode_attention = native.decode_attention
 quantize_kv_int8 = native.quantize_kv_int8
 kv_cache_append = native.kv_cache_append
 linear = native.linear
+gemm_engine = native.gemm_engine
+set_gemm_engine = native.set_gemm_engine
+gemm_engines = native.gemm_engines
 rope_ = native.rope_
 decode_stack = native.decode_stack

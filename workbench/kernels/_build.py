@@ -15,6 +15,9 @@ per variant and CPU, so a home directory shared by different machines stays corr
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import platform
 import shutil
@@ -41,7 +44,7 @@ def _source_dir() -> Path:
 
 SOURCE_DIR = _source_dir()
 SOURCES = ("bindings.cpp", "prefill_attention.cpp", "decode_attention.cpp", "decode_tiled.cpp", "decode_step.cpp", "kv_cache.cpp", "linear.cpp",
-           "rope.cpp", "peaks.cpp", "shm_comm.cpp")
+           "rope.cpp", "peaks.cpp", "shm_comm.cpp", "gemm_amx.cpp")
 # GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
 # (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
@@ -87,9 +90,23 @@ def runnable_variants() -> list[str]:
     return variants
 
 
+def _sources_key(variant: str) -> str:
+    """A hash of every C++ source and header, the flags and torch's version: a build folder
+    holds one build of one set of sources, so a changed source never meets an old object or
+    an old module (torch's own check misses a source added to the list)."""
+    import torch
+
+    h = hashlib.sha1(f"{torch.__version__}|{BASE_FLAGS}|{VARIANT_FLAGS[variant]}|{SOURCES}".encode())
+    for path in sorted(SOURCE_DIR.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def _build_dir(variant: str) -> Path:
     # Keyed by the CPU as well: -march=native code from another machine may not run here.
-    return cache_dir() / "kernels" / f"{variant}-{cpu_key()}"
+    return cache_dir() / "kernels" / f"{variant}-{cpu_key()}-{_sources_key(variant)}"
 
 
 def _check_toolchain() -> None:
@@ -114,6 +131,21 @@ _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 
 
+@contextlib.contextmanager
+def _build_claim(build_dir: Path):
+    """Hold an flock on the build folder while torch compiles or loads into it. torch's own
+    lock is a plain file that a killed build leaves behind, and the next load then waits on it
+    forever; the flock is released by the kernel when its holder dies, so whoever holds it
+    knows that lock file is stale and removes it."""
+    with open(build_dir / "workbench.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits while another live process builds here
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType:
     """Compile (if needed) and import the extension for `variant`."""
     if variant not in VARIANT_FLAGS:
@@ -127,20 +159,21 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
         build_dir = _build_dir(variant)
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            module = load(
-                name=f"workbench_kernels_{variant}",
-                sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                extra_cflags=[*BASE_FLAGS, *VARIANT_FLAGS[variant]],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
+            with _build_claim(build_dir):
+                module = load(
+                    name=f"workbench_kernels_{variant}",
+                    sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                    extra_cflags=[*BASE_FLAGS, *VARIANT_FLAGS[variant]],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                )
         except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
             raise KernelBuildError(
                 f"building the {variant!r} kernels in {build_dir} failed: {e}. "
                 f"Run `python -m workbench.kernels --info --verbose` to see the compiler output."
             ) from e
-        from workbench.hw import prefetch
+        from workbench.kernels import prefetch
 
         prefetch.apply(module, measure_if_missing=variant == "native")  # measured for this host, once
         _modules[variant] = module
@@ -157,6 +190,10 @@ def build_info(variant: str = "native") -> dict:
         "flags": [*BASE_FLAGS, *VARIANT_FLAGS[variant]],
         "gemm_tile": f"{module.gemm_mr()} x {module.gemm_nr()}",
         "int8_dot": module.decode_dot_isa(),
+        # the GEMM (batched decode, prefill) per weight type: bf16 on the engine in force,
+        # fp32 and int8 on the FMA micro-kernel; and why the matrix engine may or may not run
+        "gemm_engine": {"float32": "fma", "bfloat16": module.gemm_engine(), "int8": "fma"},
+        "amx_bf16": module.gemm_engines()["amx_bf16"][1],
         "prefetch": dict(zip(("bytes", "hint", "pipeline"), module.get_prefetch())),
         "matvec_prefetch": {name: dict(zip(("bytes", "hint", "max_chunk_bytes"), module.get_matvec_prefetch(name)))
                             for name in ("float32", "bfloat16", "int8")},

@@ -49,8 +49,23 @@ class ModelConfig:
         head = 0 if self.tied_embeddings else self.vocab_size * d
         return self.n_layers * layer + self.vocab_size * d + head + d
 
-    def weight_bytes(self, bytes_per_param: int) -> int:
-        return self.parameter_count() * bytes_per_param
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """[out, in] of every matrix multiplied in a forward pass: each layer's q, k, v, o,
+        gate, up, down, then the LM head (the embedding itself when tied)."""
+        d, f, hd = self.dim, self.ffn_dim, self.head_dim
+        layer = [(self.n_heads * hd, d), (self.n_kv_heads * hd, d), (self.n_kv_heads * hd, d), (d, self.n_heads * hd),
+                 (f, d), (f, d), (d, f)]
+        return layer * self.n_layers + [(self.vocab_size, d)]
+
+    def weight_bytes(self, fmt) -> int:
+        """Bytes of every weight in weight format `fmt` (workbench.model.weights.WeightFormat):
+        the linear layers with their scales, the norms in fp32, and the embedding table in the
+        format's embedding dtype when it is not the LM head itself (untied, or quantized)."""
+        norms = (2 * self.n_layers + 1) * self.dim * 4
+        linear = sum(fmt.nbytes(n, k) for n, k in self.linear_shapes())
+        shares_head = self.tied_embeddings and not fmt.quantized
+        embedding = 0 if shares_head else self.vocab_size * self.dim * fmt.embedding_dtype().itemsize
+        return linear + norms + embedding
 
     def as_dict(self) -> dict:
         return asdict(self)

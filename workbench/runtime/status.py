@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def status_report(model=None) -> str:
     from workbench.hw.machine import machine_info
-    from workbench.hw.peaks import measured_peaks
+    from workbench.kernels.peaks import measured_peaks
     from workbench.kernels import build_info
     from workbench.runtime.threads import get_threads
 

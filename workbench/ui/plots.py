@@ -31,7 +31,7 @@ import time
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.runtime.timing import PARTS, Timings
+from workbench.model.timing import PARTS, Timings
 
 PHASES = ("prefill", "decode")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -169,14 +169,6 @@ def topk_spec(topk_log: list[dict]) -> dict:
     return {"data": data, "layout": layout}
 
 
-def comm_figure(timings: Timings) -> go.Figure:
-    return go.Figure(comm_spec(timings))
-
-
-def topk_figure(topk_log: list[dict]) -> go.Figure:
-    return go.Figure(topk_spec(topk_log))
-
-
 def latency_figure(timings: Timings, previous=(), predicted=None) -> go.Figure:
     return go.Figure(latency_spec(timings, previous, predicted=predicted))
 
@@ -207,7 +199,7 @@ class LivePlots:
     def __init__(self, widget: bool = True, peak_gbps: float | None = None, max_fps: float = 4.0,
                  live: bool = True, keep_previous: int = 3):
         if peak_gbps is None:
-            from workbench.hw.peaks import measured_peaks
+            from workbench.kernels.peaks import measured_peaks
 
             peak_gbps = measured_peaks().triad_gbps
         self.peak_gbps = peak_gbps

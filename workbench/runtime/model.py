@@ -20,7 +20,7 @@ from workbench.model.loaders import ModelLoadError, check_memory, resolve
 from workbench.model.switches import Switches
 from workbench.runtime.sampling import sample
 from workbench.runtime.threads import get_threads, set_threads
-from workbench.runtime.timing import StepRecord, Timings
+from workbench.model.timing import StepRecord, Timings
 
 
 @dataclass

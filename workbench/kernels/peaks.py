@@ -12,6 +12,11 @@ and cached per CPU and thread count under the workbench cache directory.
     read_gbps         a sum over one such array (4 bytes per element): the pattern of decode
     fma_gflops        independent FMA chains in registers, all threads
     fma_gflops_1t     the same on one thread
+    amx_bf16_gflops   the matrix engine: independent tdpbf16ps on tiles already loaded, all
+                      threads (0 where AMX may not run; amx_reason says why)
+
+A kernel's result is set against the peak of the unit it ran on: `compute_peak_gflops(engine)`
+for the GEMM engine in force ("fma" or "amx_bf16", workbench.kernels.gemm_engine()).
 """
 
 from __future__ import annotations
@@ -34,9 +39,19 @@ class Peaks:
     fma_gflops: float
     fma_gflops_1t: float
     measured_at: str
+    amx_bf16_gflops: float = 0.0
+    amx_reason: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def compute_peak_gflops(self, engine: str = "fma") -> float:
+        """The compute roof of `engine`: "fma" (fp32 FMA units) or "amx_bf16" (the tiles)."""
+        if engine == "amx_bf16":
+            return self.amx_bf16_gflops
+        if engine == "fma":
+            return self.fma_gflops
+        raise ValueError(f"engine must be 'fma' or 'amx_bf16', got {engine!r}")
 
 
 def _best(fn, repeats: int) -> float:
@@ -89,9 +104,26 @@ def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int 
         torch.set_num_threads(before)
 
 
+def measure_amx_bf16_gflops(threads: int, iterations: int = 2_000_000, repeats: int = 5) -> tuple[float, str]:
+    """The AMX bf16 peak (best of `repeats`) and why it is 0 where the tiles may not run."""
+    from workbench.kernels import native
+
+    available, reason = native.ext.gemm_engines()["amx_bf16"]
+    if not available:
+        return 0.0, reason
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = native.ext.amx_bf16_loop(1) * iterations
+        return flops / _best(lambda: native.ext.amx_bf16_loop(iterations), repeats) / 1e9, reason
+    finally:
+        torch.set_num_threads(before)
+
+
 def _cache_path():
-    # v2: measured on huge pages (workbench.hw.memory), as the kernels' big buffers are
-    return cache_dir() / f"peaks-v2-{cpu_key()}-{torch.get_num_threads()}threads.json"
+    # v2: measured on huge pages (workbench.hw.memory), as the kernels' big buffers are;
+    # v3: the AMX bf16 peak
+    return cache_dir() / f"peaks-v3-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measured_peaks(refresh: bool = False) -> Peaks:
@@ -103,6 +135,7 @@ def measured_peaks(refresh: bool = False) -> Peaks:
         except (ValueError, TypeError):
             pass  # an old or damaged cache file: measure again
     threads = torch.get_num_threads()
+    amx, amx_reason = measure_amx_bf16_gflops(threads)
     peaks = Peaks(
         threads=threads,
         triad_gbps=measure_triad_gbps(),
@@ -111,6 +144,8 @@ def measured_peaks(refresh: bool = False) -> Peaks:
         fma_gflops=measure_fma_gflops(threads),
         fma_gflops_1t=measure_fma_gflops(1),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        amx_bf16_gflops=amx,
+        amx_reason=amx_reason,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(peaks.as_dict(), indent=2))

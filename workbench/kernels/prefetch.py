@@ -37,7 +37,6 @@ MATVEC_CANDIDATES = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072
                      (8192, 3, 1 << 20), (8192, 2, 3072), (4096, 0, 3072))
 # ... chosen for each weight type the kernel streams (kernels/prefetch.h: MatvecWeights).
 MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-GROUP = 32  # int8 measured with a scale per 32 weights (the int8-g32 weights)
 # Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
 # see kernels/prefetch.h; the matrix-vector choice; 3: one matrix-vector choice per weight
 # type; 4: decode attention's pipelined streams; 5: the tiled kernel's loops compiled per
@@ -116,6 +115,7 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
 
     total = max(256 << 20, 2 * (machine_info().cache_bytes(3) or 0))  # bytes of weights per type
     xs = {k: torch.randn(1, k) for _, k in MATVEC_SHAPES}
+    group = ext.constants()["weight_group"]  # int8 measured with the grouped format's scales
     before = {name: ext.get_matvec_prefetch(name) for name in MATVEC_WEIGHTS}
     found = {}
     try:
@@ -125,13 +125,13 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
             # (uninitialised memory may hold denormals, which are slow).
             int8 = dtype == torch.int8
             set_bytes = sum(memory.Arena.padded(n * k * dtype.itemsize)
-                            + (memory.Arena.padded(4 * n * k // GROUP) if int8 else 0) for n, k in MATVEC_SHAPES)
+                            + (memory.Arena.padded(4 * n * k // group) if int8 else 0) for n, k in MATVEC_SHAPES)
             arena = memory.Arena(max(2, -(-total // set_bytes)) * set_bytes)
             weights = []
             while arena.free >= set_bytes:
                 for n, k in MATVEC_SHAPES:
                     w = arena.alloc((n, k), dtype).fill_(1 if int8 else 0.01)
-                    scale = arena.alloc((n, k // GROUP)).fill_(0.01) if int8 else None
+                    scale = arena.alloc((n, k // group)).fill_(0.01) if int8 else None
                     weights.append((w, scale))
             nbytes = sum(t.nbytes for pair in weights for t in pair if t is not None)
 

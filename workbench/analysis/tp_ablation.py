@@ -1,5 +1,6 @@
-"""Ablations of a tensor-parallel run: ranks x backend x the paper's three switches, and the
-all-reduce latency of each backend with its alpha-beta fit.
+"""The tensor-parallel ablation: ranks x backend x the paper's three switches, each setting
+run on a real cluster (the all-reduce's own latency and fit are in
+workbench.distributed.allreduce).
 
 tp_ablation rows (decode phase, batch 1 unless given):
     ranks, backend, token_broadcast, lm_head, zero_copy
@@ -22,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from workbench.analysis.text import sample_prompts
 from workbench.distributed.cluster import Cluster
 
 
@@ -50,7 +52,6 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 threads_per_rank: int = 1, batch: int = 1, seed: int = 0,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
     import workbench as wb
-    from workbench.analysis.text import sample_prompts
     from workbench.runtime.threads import set_threads
 
     load_kwargs = dict(load_kwargs or {})
@@ -96,69 +97,3 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     return rows
 
 
-def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2) -> dict:
-    """Median all-reduce seconds per payload size (1 KB to 16 MB by default) for each backend,
-    and the alpha-beta fit t = alpha + bytes / beta (least squares on the medians)."""
-    sizes = sizes or [256 * 4 ** i for i in range(8)]  # 256 floats (1 KB) .. 4M floats (16 MB)
-    out = {}
-    for backend in backends:
-        cluster = Cluster(ranks, backend=backend, pin=True).start()
-        try:
-            rows = cluster.comm_latency(sizes, repeats)
-        finally:
-            cluster.stop()
-        for row in rows:
-            s = row.pop("seconds")
-            row.update(median_us=1e6 * statistics.median(s), min_us=1e6 * min(s), max_us=1e6 * max(s))
-        out[backend] = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
-    return out
-
-
-def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> dict:
-    """t = alpha + bytes / beta, least squares on relative errors (weights 1 / t^2), so the
-    small sizes that set alpha count as much as the large ones that set beta: alpha in
-    microseconds, beta in GB/s."""
-    w = [1 / (t * t) for t in seconds]
-    sw = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, nbytes)) / sw
-    my = sum(wi * t for wi, t in zip(w, seconds)) / sw
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
-    slope = sum(wi * (x - mx) * (t - my) for wi, x, t in zip(w, nbytes, seconds)) / sxx if sxx else 0.0
-    alpha = my - slope * mx
-    return {"alpha_us": 1e6 * alpha, "beta_gbps": (1 / slope / 1e9) if slope > 0 else float("inf")}
-
-
-def comm_fit(backend: str, ranks: int = 2, refresh: bool = False, cluster=None) -> dict:
-    """This machine's alpha-beta fit of `backend`'s all-reduce between `ranks` pinned
-    processes: measured once and cached per CPU like the peaks (on `cluster` if given, a
-    running Cluster of that backend and size; else on a new one, about 10 s).
-    {"alpha_us", "beta_gbps", "measured_at", "backend", "ranks", "sizes"}."""
-    import json
-    import time
-
-    from workbench.cache import cache_dir, cpu_key
-    from workbench.distributed.comm import BACKENDS
-
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    path = cache_dir() / f"allreduce-{cpu_key()}-{backend}-{ranks}ranks.json"
-    if not refresh and path.is_file():
-        try:
-            fit = json.loads(path.read_text())
-            if {"alpha_us", "beta_gbps", "measured_at"} <= set(fit):
-                return fit
-        except ValueError:
-            pass  # damaged: measure again
-    if cluster is not None:
-        sizes = [256 * 4 ** i for i in range(8)]
-        rows = cluster.comm_latency(sizes, 10)
-        for row in rows:
-            row["median_us"] = 1e6 * statistics.median(row.pop("seconds"))
-        measured = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
-    else:
-        measured = allreduce_latency((backend,), ranks=ranks)[backend]
-    fit = {"backend": backend, "ranks": ranks, "alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"],
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sizes": measured["sizes"]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(fit, indent=2))
-    return fit

@@ -1,0 +1,376 @@
+// The GEMM's matrix-engine micro-kernels: y [M, N] = x [M, K] . w^T for bf16 weights w [N, K],
+// with x rounded to bf16 and fp32 accumulation, on AMX tiles (tdpbf16ps).
+//
+// This unit is compiled into every build (native, avx2, scalar): its functions carry their
+// own target attributes, so a build for a CPU without AMX still compiles and links them, and
+// gemm_engine_status() decides at run time, from CPUID, the OS's enabled state (XCR0) and the
+// kernel's permission (arch_prctl), whether they may run. Nothing here runs unless it said yes.
+//
+// Layout. The product is computed transposed, y^T = w x^T, as linear.cpp's FMA GEMM does:
+//   - the A operand is w itself: a tile is 16 rows of w by 32 values of K (64 bytes a row),
+//     loaded straight from the weight matrix with the row pitch 2K bytes, so the weights are
+//     never repacked and there is one copy of them (the matrix-vector kernel of batch-1
+//     decode reads the same rows);
+//   - the B operand is x^T in the VNNI pairing AMX wants, [K/2][tokens][2]: x is converted to
+//     bf16 once per call and written in that order, tile by tile (x is small beside w);
+//   - a task owns kRows rows of w and one block of up to kTokens tokens; for each KC-long slice
+//     of K its 2 x 2 register block (32 rows of w by 32 tokens: four C tiles, two A, two B)
+//     accumulates in tiles, and the task's y^T tile lives in an fp32 buffer across slices and
+//     is written transposed into y at the end.
+// Edges: tokens are zero padded to whole tiles in the packed x; rows of w past N, and the last
+// 32 values of K when K is not a multiple of 32, are copied into a zero-padded slice first, so
+// a tile never reads past the matrix.
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace wbk {
+namespace {
+
+#define WBK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int64_t kTileRows = 16;   // rows of a tile
+constexpr int64_t kTileK = 32;      // bf16 values of K per tile row (64 bytes)
+constexpr int64_t kRows = 128;      // rows of w per task (whole 32-row blocks)
+constexpr int64_t kTokens = 256;    // tokens per block of packed x (whole 32-token blocks)
+constexpr int64_t kKC = 512;        // K per slice (a multiple of kTileK)
+
+// -- may the matrix engine run here? ---------------------------------------------------------
+
+constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+struct Status {
+  bool amx_bf16 = false;
+  std::string reason;
+};
+
+uint64_t xgetbv0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+Status probe() {
+  Status s;
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    s.reason = "CPUID leaf 7 is not available";
+    return s;
+  }
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  const bool avx512 = b & (1u << 16);
+  if (!tile || !bf16 || !avx512) {
+    s.reason = "this CPU has no AMX bf16 tiles (CPUID: amx_tile and amx_bf16 not both set)";
+    return s;
+  }
+  unsigned a1, b1, c1, d1;
+  __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
+  if (!(a1 & (1u << 5))) {
+    s.reason = "this CPU has AMX but no AVX512-BF16 (needed to round x to bf16)";
+    return s;
+  }
+  __get_cpuid(1, &a, &b, &c, &d);
+  if (!(c & (1u << 27))) {
+    s.reason = "the OS has not enabled XSAVE (OSXSAVE clear)";
+    return s;
+  }
+  const uint64_t xcr0 = xgetbv0();
+  if ((xcr0 & 0xe6) != 0xe6) {
+    s.reason = "the OS has not enabled the AVX-512 register state (XCR0)";
+    return s;
+  }
+  if ((xcr0 & (3u << 17)) != (3u << 17)) {
+    s.reason = "the OS has not enabled the AMX tile state (XCR0 bits 17-18: a kernel older than 5.16?)";
+    return s;
+  }
+  // Linux hands out the tile data state only on request, once per process (every thread).
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    s.reason = "the kernel refused AMX (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed)";
+    return s;
+  }
+  unsigned long mask = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &mask) != 0 || !(mask & (1ul << kXfeatureXtiledata))) {
+    s.reason = "the kernel did not grant the AMX tile state";
+    return s;
+  }
+  s.amx_bf16 = true;
+  s.reason = "AMX bf16 tiles available and permitted";
+  return s;
+}
+
+const Status& status() {
+  static const Status s = probe();  // asked once per process
+  return s;
+}
+
+std::atomic<int> g_engine{static_cast<int>(GemmEngine::kAuto)};
+
+// -- the tile micro-kernel ---------------------------------------------------------------------
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+WBK_AMX_TARGET void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C (32 rows of w x 32 tokens, fp32, ldc floats a row) = or += the product over kc (a
+// multiple of 32) of the A rows a (lda bytes apart) and packed x b (tile after tile, 1 KB
+// each, the two token tiles of one k step side by side: b_step bytes per k step).
+WBK_AMX_TARGET void block_2x2(int64_t kc, const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t b_step,
+                              float* c, int64_t ldc, bool accumulate) {
+  const int64_t ldc_bytes = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, ldc_bytes);
+    _tile_loadd(1, c + 16, ldc_bytes);
+    _tile_loadd(2, c + 16 * ldc, ldc_bytes);
+    _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const char* a0 = reinterpret_cast<const char*>(a);
+  const char* a1 = a0 + 16 * lda_bytes;
+  const char* bp = reinterpret_cast<const char*>(b);
+  for (int64_t k = 0; k < kc; k += kTileK) {
+    _tile_loadd(4, a0 + 2 * k, lda_bytes);
+    _tile_loadd(5, a1 + 2 * k, lda_bytes);
+    _tile_loadd(6, bp, 64);
+    _tile_loadd(7, bp + 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    bp += b_step;
+  }
+  _tile_stored(0, c, ldc_bytes);
+  _tile_stored(1, c + 16, ldc_bytes);
+  _tile_stored(2, c + 16 * ldc, ldc_bytes);
+  _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
+}
+
+// Packed x for one block of `tokens` tokens starting at m0: [K tiles][token tiles][16 pairs]
+// [16 tokens][2] bf16 (a token tile of one k step is 1 KB; the token tiles of a step follow
+// each other), zero past M and past K.
+WBK_AMX_TARGET void pack_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t token_tiles,
+                                 int64_t k_tiles, uint16_t* dst) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  alignas(64) uint32_t pairs[16];
+  for (int64_t jt = 0; jt < token_tiles; ++jt) {
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t m = m0 + jt * 16 + t;
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        uint32_t* tile = out + (kt * token_tiles + jt) * 256;
+        const int64_t k = kt * kTileK;
+        if (m >= M) {
+          for (int p = 0; p < 16; ++p) tile[p * 16 + t] = 0;
+          continue;
+        }
+        const float* row = x + m * K + k;
+        const int64_t n = std::min<int64_t>(kTileK, K - k);
+        __m512 lo, hi;
+        if (n == kTileK) {
+          lo = _mm512_loadu_ps(row);
+          hi = _mm512_loadu_ps(row + 16);
+        } else {
+          lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min<int64_t>(16, n)) - 1), row);
+          hi = n > 16 ? _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - 16)) - 1), row + 16)
+                      : _mm512_setzero_ps();
+        }
+        // Round to bf16 (nearest even): 32 values, pair p = (k + 2p, k + 2p + 1) in one dword.
+        const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_store_si512(reinterpret_cast<__m512i*>(pairs), reinterpret_cast<__m512i>(packed));
+        for (int p = 0; p < 16; ++p) tile[p * 16 + t] = pairs[p];
+      }
+    }
+  }
+}
+
+struct Shape {
+  const float* x;
+  const uint16_t* w;
+  float* y;
+  int64_t M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks;
+  const uint16_t* xp;
+};
+
+// Tasks [begin, end) of one thread: its tiles configured once, released at the end.
+WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
+  const uint16_t* w = s.w;
+  const int64_t N = s.N, M = s.M, K = s.K, kp = s.kp, tokens_per_block = s.tokens_per_block;
+  const int64_t token_tiles = s.token_tiles, n_blocks = s.n_blocks;
+  configure_tiles();
+  Scratch cs(0, kRows * tokens_per_block), ws(1, (kRows * kKC + 1) / 2);
+  float* ct = cs.data();
+  uint16_t* wpad = reinterpret_cast<uint16_t*>(ws.data());
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t nb = t % n_blocks, mb = t / n_blocks;
+    const int64_t n0 = nb * kRows, rows = std::min(kRows, N - n0);
+    const int64_t m0 = mb * tokens_per_block, tokens = std::min(tokens_per_block, M - m0);
+    const int64_t used_tiles = (tokens + 31) / 32 * 2;  // token tiles this block computes
+    const int64_t row_blocks = (rows + 31) / 32;
+    const uint16_t* xb = s.xp + mb * s.block_elems;
+    for (int64_t k0 = 0; k0 < kp; k0 += kKC) {
+      const int64_t kc = std::min(kKC, kp - k0);
+      // The A rows: w itself, or a zero-padded copy of this slice where a tile would read
+      // past the matrix (rows past N, or K's last partial tile).
+      const char* a = reinterpret_cast<const char*>(w + n0 * K + k0);
+      int64_t lda_bytes = K * 2;
+      if (rows < row_blocks * 32 || k0 + kc > K) {
+        const int64_t valid_k = std::min(kc, K - k0);
+        for (int64_t r = 0; r < row_blocks * 32; ++r) {
+          uint16_t* dst = wpad + r * kc;
+          if (r < rows) {
+            std::memcpy(dst, w + (n0 + r) * K + k0, valid_k * 2);
+            std::fill(dst + valid_k, dst + kc, uint16_t{0});
+          } else {
+            std::fill(dst, dst + kc, uint16_t{0});
+          }
+        }
+        a = reinterpret_cast<const char*>(wpad);
+        lda_bytes = kc * 2;
+      }
+      const uint16_t* bk = xb + (k0 / kTileK) * token_tiles * 512;
+      for (int64_t j = 0; j < used_tiles; j += 2)
+        for (int64_t r = 0; r < row_blocks; ++r)
+          block_2x2(kc, reinterpret_cast<const uint16_t*>(a + r * 32 * lda_bytes), lda_bytes, bk + j * 512,
+                    token_tiles * 1024, ct + r * 32 * tokens_per_block + j * 16, tokens_per_block, k0 > 0);
+    }
+    for (int64_t m = 0; m < tokens; ++m) {
+      float* out = s.y + (m0 + m) * N + n0;
+      for (int64_t r = 0; r < rows; ++r) out[r] = ct[r * tokens_per_block + m];
+    }
+  }
+  _tile_release();
+}
+
+void gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t k_tiles = (K + kTileK - 1) / kTileK;
+  const int64_t kp = k_tiles * kTileK;  // K padded to whole tiles
+  const int64_t tokens_per_block = std::min<int64_t>(kTokens, (M + 31) / 32 * 32);
+  const int64_t m_blocks = (M + tokens_per_block - 1) / tokens_per_block;
+  const int64_t token_tiles = tokens_per_block / 16;
+  const int64_t block_elems = k_tiles * token_tiles * 512;  // bf16 values of one packed block
+  const int64_t n_blocks = (N + kRows - 1) / kRows;
+
+  // Packed x for the whole call (small beside w): up to 16 MB in the calling thread's scratch
+  // (kept for the next call), a long prefill's allocated for this call only.
+  const int64_t xp_floats = (m_blocks * block_elems + 1) / 2;
+  std::unique_ptr<float[]> owned;
+  float* xf;
+  if (xp_floats <= (int64_t{1} << 22)) {
+    xf = Scratch(Scratch::kSlots - 1, xp_floats).data();  // the buffer outlives the handle
+  } else {
+    owned.reset(new float[static_cast<size_t>(xp_floats)]);
+    xf = owned.get();
+  }
+  uint16_t* xp = reinterpret_cast<uint16_t*>(xf);
+  at::parallel_for(0, m_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mb = begin; mb < end; ++mb)
+      pack_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_tiles, xp + mb * block_elems);
+  });
+
+  // Tasks: token block outer, so a thread's consecutive tasks share one block of packed x.
+  const Shape shape{x, w, y, M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks, xp};
+  at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_amx(shape, begin, end); });
+}
+
+}  // namespace
+
+GemmEngine gemm_engine() {
+  const auto chosen = static_cast<GemmEngine>(g_engine.load(std::memory_order_relaxed));
+  if (chosen != GemmEngine::kAuto) return chosen;
+  // auto: the tiles where they may run, in a build for an AVX-512 CPU. The AVX2 and scalar
+  // builds stand for CPUs without AMX and stay on FMAs unless asked.
+#if defined(WBK_ISA_AVX512)
+  return status().amx_bf16 ? GemmEngine::kAmxBf16 : GemmEngine::kFma;
+#else
+  return GemmEngine::kFma;
+#endif
+}
+
+bool set_gemm_engine(GemmEngine engine, std::string* why_not) {
+  if (engine == GemmEngine::kAmxBf16 && !status().amx_bf16) {
+    if (why_not) *why_not = status().reason;
+    return false;
+  }
+  g_engine.store(static_cast<int>(engine), std::memory_order_relaxed);
+  return true;
+}
+
+bool amx_bf16_available(std::string* reason) {
+  if (reason) *reason = status().reason;
+  return status().amx_bf16;
+}
+
+void linear_gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  gemm_bf16_amx(x, w, y, M, N, K);
+}
+
+// The matrix engine's peak: independent tdpbf16ps on tiles already loaded, on every thread.
+namespace {
+WBK_AMX_TARGET double amx_loop_thread(int64_t iterations) {
+  configure_tiles();
+  alignas(64) static const uint16_t zeros[512] = {};
+  _tile_loadd(4, zeros, 64);
+  _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64);
+  _tile_loadd(7, zeros, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float sink[256];
+  _tile_stored(0, sink, 64);
+  _tile_release();
+  return sink[0];
+}
+}  // namespace
+
+double amx_bf16_loop(int64_t iterations_per_thread) {
+  if (!status().amx_bf16) return 0.0;
+  std::atomic<int> threads{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      volatile double s = amx_loop_thread(iterations_per_thread);
+      (void)s;
+      threads.fetch_add(1);
+    }
+  });
+  // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product.
+  return static_cast<double>(threads.load()) * iterations_per_thread * 4 * 16 * 16 * 32 * 2;
+}
+
+}  // namespace wbk

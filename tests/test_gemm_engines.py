@@ -1,0 +1,95 @@
+"""The GEMM's micro-kernels for bf16 weights, chosen at run time (kernels/gemm_amx.cpp): each
+engine this host may run, on every ISA build, against a float64 reference over shapes that
+cover every edge of the tiling (tokens not whole tiles or 256-token blocks, rows of w not
+whole 32-row blocks or 128-row tasks, K not whole 32-value tiles or 512-value slices).
+
+The AMX engine rounds x to bf16 (round to nearest even) and accumulates in fp32, so its
+reference is x rounded the same way times the bf16 weights in float64; the FMA engine keeps x
+in fp32. Either way only fp32 accumulation differs from the reference: 1e-4 relative to
+sqrt(K) max|x| max|w|, as in test_linear.py. Where the CPU, the OS or the kernel refuses the
+tiles, asking for them is a clear error and the FMA engine stays in force.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+def runnable(kernels) -> list[str]:
+    return [name for name, (ok, _) in kernels.gemm_engines().items() if ok]
+
+
+@pytest.fixture
+def engines(kernels):
+    """The engines this build may run here; the build's choice is restored afterwards."""
+    yield runnable(kernels)
+    kernels.set_gemm_engine("auto")
+
+
+@given(
+    M=st.one_of(st.integers(11, 40), st.sampled_from([255, 256, 257, 530])),
+    N=st.one_of(st.integers(1, 70), st.sampled_from([127, 128, 129, 300])),
+    K=st.sampled_from([1, 7, 31, 32, 33, 64, 129, 576, 1000, 1100]),
+    seed=st.integers(0, 1000),
+)
+def test_every_engine_matches_reference(kernels, M, N, K, seed):
+    engines = runnable(kernels)
+    try:
+        check_engines(kernels, engines, M, N, K, seed)
+    finally:
+        kernels.set_gemm_engine("auto")
+
+
+def check_engines(kernels, engines, M, N, K, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen).bfloat16()
+    scale = K**0.5 * x.abs().max().item() * w.float().abs().max().item()
+    for engine in engines:
+        kernels.set_gemm_engine(engine)
+        assert kernels.gemm_engine() == engine
+        y = kernels.linear(x, w, matvec_max_rows=0)  # the GEMM, whatever M
+        xr = x.bfloat16() if engine == "amx_bf16" else x
+        ref = xr.double() @ w.double().t()
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{engine}: {m}")
+
+
+def test_the_engines_say_why(kernels, engines):
+    status = kernels.gemm_engines()
+    assert set(status) == {"fma", "amx_bf16"} and status["fma"][0]
+    assert all(isinstance(why, str) and why for _, why in status.values())
+    with pytest.raises(ValueError, match=r"engine must be one of auto, fma, amx_bf16, got 'tiles'"):
+        kernels.set_gemm_engine("tiles")
+    if "amx_bf16" not in engines:
+        before = kernels.gemm_engine()
+        with pytest.raises(RuntimeError, match="amx_bf16 cannot run here: " + status["amx_bf16"][1][:20]):
+            kernels.set_gemm_engine("amx_bf16")
+        assert kernels.gemm_engine() == before == "fma"
+
+
+def test_auto_picks_the_matrix_engine_only_where_the_build_targets_avx512(kernels, engines):
+    """The native build on an AMX host runs the tiles; an AVX2 or scalar build (standing in for
+    the CPUs it targets) stays on FMAs unless asked, though it carries the AMX code too."""
+    kernels.set_gemm_engine("auto")
+    expect = "amx_bf16" if "amx_bf16" in engines and kernels.isa == "avx512" else "fma"
+    assert kernels.gemm_engine() == expect
+
+
+def test_int8_and_fp32_weights_keep_the_fma_engine(kernels, engines):
+    """Only bf16 weights go to the matrix engine; fp32 weights stay exact in fp32."""
+    from workbench.kernels import quantize_weight_int8
+
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(40, 96, generator=gen), torch.randn(50, 96, generator=gen)
+    for engine in engines:
+        kernels.set_gemm_engine(engine)
+        torch.testing.assert_close(kernels.linear(x, w, matvec_max_rows=0).double(), x.double() @ w.double().t(),
+                                   atol=1e-4, rtol=1e-5)
+        q, s = quantize_weight_int8(w, 32)
+        deq = q.double() * s.double().repeat_interleave(32, dim=1)[:, :96]
+        torch.testing.assert_close(kernels.linear(x, q, scale=s, matvec_max_rows=0).double(),
+                                   x.double() @ deq.t(), atol=1e-4, rtol=1e-5)

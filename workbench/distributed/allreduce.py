@@ -1,0 +1,92 @@
+"""The all-reduce's cost on this machine: latency per payload size for each backend, and its
+alpha-beta fit t = alpha + bytes / beta, measured on engines of a new cluster (or a running
+one) and cached per CPU like the peaks. Measuring is always an explicit call
+(`measure_allreduce`, `bench/distributed.py`); `cached_fit` only reads what was measured, so
+the cost model never starts a process."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from workbench.cache import cache_dir, cpu_key
+from workbench.distributed.comm import BACKENDS
+
+def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2) -> dict:
+    """Median all-reduce seconds per payload size (1 KB to 16 MB by default) for each backend,
+    and the alpha-beta fit t = alpha + bytes / beta (least squares on the medians)."""
+    sizes = sizes or [256 * 4 ** i for i in range(8)]  # 256 floats (1 KB) .. 4M floats (16 MB)
+    from workbench.distributed.cluster import Cluster  # here: cached_fit needs no ipyparallel
+
+    out = {}
+    for backend in backends:
+        cluster = Cluster(ranks, backend=backend, pin=True).start()
+        try:
+            rows = cluster.comm_latency(sizes, repeats)
+        finally:
+            cluster.stop()
+        for row in rows:
+            s = row.pop("seconds")
+            row.update(median_us=1e6 * statistics.median(s), min_us=1e6 * min(s), max_us=1e6 * max(s))
+        out[backend] = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
+    return out
+
+
+def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> dict:
+    """t = alpha + bytes / beta, least squares on relative errors (weights 1 / t^2), so the
+    small sizes that set alpha count as much as the large ones that set beta: alpha in
+    microseconds, beta in GB/s."""
+    w = [1 / (t * t) for t in seconds]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, nbytes)) / sw
+    my = sum(wi * t for wi, t in zip(w, seconds)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
+    slope = sum(wi * (x - mx) * (t - my) for wi, x, t in zip(w, nbytes, seconds)) / sxx if sxx else 0.0
+    alpha = my - slope * mx
+    return {"alpha_us": 1e6 * alpha, "beta_gbps": (1 / slope / 1e9) if slope > 0 else float("inf")}
+
+
+def _fit_path(backend: str, ranks: int):
+    return cache_dir() / f"allreduce-{cpu_key()}-{backend}-{ranks}ranks.json"
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def cached_fit(backend: str, ranks: int = 2) -> dict | None:
+    """The alpha-beta fit of `backend`'s all-reduce between `ranks` processes last measured on
+    this machine (measure_allreduce), or None when none is cached. Never measures."""
+    _check_backend(backend)
+    path = _fit_path(backend, ranks)
+    try:
+        fit = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or damaged: measure again
+    return fit if {"alpha_us", "beta_gbps", "measured_at"} <= set(fit) else None
+
+
+def measure_allreduce(backend: str, ranks: int = 2, cluster=None, repeats: int = 10) -> dict:
+    """Measure this machine's alpha-beta fit of `backend`'s all-reduce between `ranks` pinned
+    processes and cache it (read back by cached_fit and the cost model): on `cluster` if
+    given (a running Cluster of that backend and size), else on a new one started and stopped
+    here (about 10 s). {"alpha_us", "beta_gbps", "measured_at", "backend", "ranks", "sizes"}."""
+    _check_backend(backend)
+    if cluster is not None:
+        if (cluster.backend, cluster.n) != (backend, ranks):
+            raise ValueError(f"cluster runs {cluster.backend} on {cluster.n} ranks, not {backend} on {ranks}")
+        sizes = [256 * 4 ** i for i in range(8)]
+        rows = cluster.comm_latency(sizes, repeats)
+        for row in rows:
+            row["median_us"] = 1e6 * statistics.median(row.pop("seconds"))
+        measured = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
+    else:
+        measured = allreduce_latency((backend,), ranks=ranks, repeats=repeats)[backend]
+    fit = {"backend": backend, "ranks": ranks, "alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"],
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sizes": measured["sizes"]}
+    path = _fit_path(backend, ranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fit, indent=2))
+    return fit
