@@ -44,8 +44,8 @@ namespace {
 constexpr int64_t kTileRows = 16;   // rows of a tile
 constexpr int64_t kTileK = 32;      // bf16 values of K per tile row (64 bytes)
 constexpr int64_t kRows = 128;      // rows of w per task (whole 32-row blocks)
-constexpr int64_t kTokens = 256;    // tokens per block of packed x (whole 32-token blocks)
-constexpr int64_t kKC = 512;        // K per slice (a multiple of kTileK)
+constexpr int64_t kTokens = 512;    // tokens per block of packed x (whole 32-token blocks)
+constexpr int64_t kKC = 1024;       // K per slice (a multiple of kTileK)
 
 // -- may the matrix engine run here? ---------------------------------------------------------
 
@@ -175,39 +175,77 @@ WBK_AMX_TARGET void block_2x2(int64_t kc, const uint16_t* a, int64_t lda_bytes, 
   _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
 }
 
+// r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit elements, in registers.
+WBK_AMX_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // Packed x for one block of `tokens` tokens starting at m0: [K tiles][token tiles][16 pairs]
 // [16 tokens][2] bf16 (a token tile of one k step is 1 KB; the token tiles of a step follow
 // each other), zero past M and past K.
 WBK_AMX_TARGET void pack_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t token_tiles,
                                  int64_t k_tiles, uint16_t* dst) {
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  alignas(64) uint32_t pairs[16];
   for (int64_t jt = 0; jt < token_tiles; ++jt) {
-    for (int64_t t = 0; t < 16; ++t) {
-      const int64_t m = m0 + jt * 16 + t;
-      for (int64_t kt = 0; kt < k_tiles; ++kt) {
-        uint32_t* tile = out + (kt * token_tiles + jt) * 256;
-        const int64_t k = kt * kTileK;
+    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+      const int64_t k = kt * kTileK, n = std::min<int64_t>(kTileK, K - k);
+      const __mmask16 lo_mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n)) - 1);
+      const __mmask16 hi_mask = n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+      // Row t: token m0 + 16 jt + t rounded to bf16 (nearest even), its 32 values of K as 16
+      // pairs; transposed, row p is pair p of the 16 tokens: one row of the B tile.
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) {
+        const int64_t m = m0 + jt * 16 + t;
         if (m >= M) {
-          for (int p = 0; p < 16; ++p) tile[p * 16 + t] = 0;
+          r[t] = _mm512_setzero_si512();
           continue;
         }
         const float* row = x + m * K + k;
-        const int64_t n = std::min<int64_t>(kTileK, K - k);
-        __m512 lo, hi;
-        if (n == kTileK) {
-          lo = _mm512_loadu_ps(row);
-          hi = _mm512_loadu_ps(row + 16);
-        } else {
-          lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min<int64_t>(16, n)) - 1), row);
-          hi = n > 16 ? _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - 16)) - 1), row + 16)
-                      : _mm512_setzero_ps();
-        }
-        // Round to bf16 (nearest even): 32 values, pair p = (k + 2p, k + 2p + 1) in one dword.
-        const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
-        _mm512_store_si512(reinterpret_cast<__m512i*>(pairs), reinterpret_cast<__m512i>(packed));
-        for (int p = 0; p < 16; ++p) tile[p * 16 + t] = pairs[p];
+        const __m512 lo = n == kTileK ? _mm512_loadu_ps(row) : _mm512_maskz_loadu_ps(lo_mask, row);
+        const __m512 hi = n == kTileK ? _mm512_loadu_ps(row + 16) : _mm512_maskz_loadu_ps(hi_mask, row + 16);
+        r[t] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
       }
+      transpose16(r);
+      uint16_t* tile = dst + (kt * token_tiles + jt) * 512;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 32, r[p]);
+    }
+  }
+}
+
+// y[m0 + m][n0 + r] = ct[r][m] for r < rows, m < tokens: 16 x 16 blocks transposed in
+// registers, each stored as 16 consecutive outputs of one token.
+WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows, int64_t tokens, float* y,
+                                     int64_t ldy) {
+  for (int64_t m = 0; m < tokens; m += 16) {
+    const int64_t mt = std::min<int64_t>(16, tokens - m);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int64_t rt = std::min<int64_t>(16, rows - r0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << rt) - 1);
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i)  // rows past `rows` hold what ct holds there: never stored
+        v[i] = _mm512_loadu_si512(ct + (r0 + i) * ldc + m);
+      transpose16(v);
+      for (int64_t i = 0; i < mt; ++i)
+        _mm512_mask_storeu_ps(y + (m + i) * ldy + r0, mask, reinterpret_cast<__m512>(v[i]));
     }
   }
 }
@@ -262,10 +300,7 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
           block_2x2(kc, reinterpret_cast<const uint16_t*>(a + r * 32 * lda_bytes), lda_bytes, bk + j * 512,
                     token_tiles * 1024, ct + r * 32 * tokens_per_block + j * 16, tokens_per_block, k0 > 0);
     }
-    for (int64_t m = 0; m < tokens; ++m) {
-      float* out = s.y + (m0 + m) * N + n0;
-      for (int64_t r = 0; r < rows; ++r) out[r] = ct[r * tokens_per_block + m];
-    }
+    store_transposed(ct, tokens_per_block, rows, tokens, s.y + m0 * N + n0, N);
   }
   _tile_release();
 }

@@ -50,7 +50,7 @@ class Engine:
 ENGINES: tuple[Engine, ...] = (
     Engine("workbench fp32", {"engine": "workbench", "dtype": "fp32", "kv_cache": "fp16"}, None, "workbench fp32"),
     Engine("workbench bf16", {"engine": "workbench", "dtype": "bf16", "kv_cache": "fp16"}, None, "workbench fp32"),
-    Engine("workbench bf16, fma GEMM", {"engine": "workbench", "dtype": "bf16", "kv_cache": "fp16",
+    Engine("workbench bf16 fma-gemm", {"engine": "workbench", "dtype": "bf16", "kv_cache": "fp16",
                                         "gemm_engine": "fma"}, None, "workbench bf16"),
     Engine("workbench fp32, int8 KV", {"engine": "workbench", "dtype": "fp32", "kv_cache": "int8"}, None,
            "workbench fp32"),
