@@ -40,6 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     peak = measured_peaks()
     amx = kernels.gemm_engines()["amx_bf16"][0]
+    bf16_engines = [e for e in ("amx_bf16", "avx512_bf16") if kernels.gemm_engines()[e][0]]
 
     def engine(name):  # run our bf16 GEMM on one engine (restored to auto at the end)
         def run(x, w, **kw):
@@ -55,8 +56,9 @@ def main() -> None:
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             cases = {"ours fp32": lambda: kernels.linear(x, w32), "torch fp32": lambda: F.linear(x, w32)}
-            if m > 10 and amx:
-                cases["ours bf16 amx"] = lambda: engine("amx_bf16")(x, w16)
+            if m > 10 and bf16_engines:
+                for e in bf16_engines:
+                    cases[f"ours bf16 {e.split('_')[0]}"] = lambda e=e: engine(e)(x, w16)
                 cases["ours bf16 fma"] = lambda: engine("fma")(x, w16)
             else:
                 cases["ours bf16"] = lambda: kernels.linear(x, w16)
@@ -74,9 +76,10 @@ def main() -> None:
                 wbytes = n * k * (2 if "bf16" in name else 4)
                 st["gbps"] = wbytes / secs / 1e9
                 st["gflops"] = 2 * m * n * k / secs / 1e9
-                unit = "amx_bf16" if amx and ("amx" in name or name == "torch bf16") else "fma"
+                unit = ("amx_bf16" if amx and ("amx" in name or name == "torch bf16") else
+                        "avx512_bf16" if "avx512" in name else "fma")
                 st["peak_unit"], st["peak_gflops"] = unit, peak.compute_peak_gflops(unit)
-                label_unit = "AMX" if unit == "amx_bf16" else "FMA"
+                label_unit = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16"}.get(unit, "FMA")
                 metric = (f"{st['gbps']:.1f} GB/s ({100 * st['gbps'] / triad:.0f}% triad)" if m == 1
                           else f"{st['gflops']:.0f} GFLOP/s ({100 * st['gflops'] / st['peak_gflops']:.0f}% {label_unit})")
                 rows.append({"weights": label, "M": m, "case": name, "ms median (min-max)": fmt_ms(st),
@@ -84,7 +87,7 @@ def main() -> None:
             kernels.set_gemm_engine("auto")
             ratios = {}
             for ours, theirs in (("ours bf16 amx", "torch bf16"), ("ours bf16 amx", "ours bf16 fma"),
-                                 ("ours fp32", "torch fp32")):
+                                 ("ours bf16 avx512", "ours bf16 fma"), ("ours fp32", "torch fp32")):
                 if ours in stats and theirs in stats:
                     ratios[f"{ours} / {theirs}"] = stats[theirs]["median_ms"] / stats[ours]["median_ms"]
             results.append({"shape": [n, k], "M": m, "triad_gbps": triad, "stats": stats, "speedups": ratios})
@@ -92,7 +95,7 @@ def main() -> None:
                   + "".join(f"; {r}: {v:.2f}x" for r, v in ratios.items()), flush=True)
     print_table(rows, ["weights", "M", "case", "ms median (min-max)", "throughput"],
                 title=f"Linear layers, {torch.get_num_threads()} threads; peaks: FMA {peak.fma_gflops:.0f}, "
-                      f"AMX bf16 {peak.amx_bf16_gflops:.0f} GFLOP/s")
+                      f"AVX512-BF16 {peak.avx512_bf16_gflops:.0f}, AMX bf16 {peak.amx_bf16_gflops:.0f} GFLOP/s")
     write_results("linear", {"repeats": args.repeats, "results": results}, args.out)
 
 

@@ -30,6 +30,10 @@ def main() -> None:
         {"peak": "read bandwidth", "value": f"{p.read_gbps:.1f} GB/s", "threads": p.threads},
         {"peak": "fp32 FMA", "value": f"{p.fma_gflops:.0f} GFLOP/s", "threads": p.threads},
         {"peak": "fp32 FMA", "value": f"{p.fma_gflops_1t:.0f} GFLOP/s", "threads": 1},
+        {"peak": "AVX512-BF16 (vdpbf16ps)", "value": f"{p.avx512_bf16_gflops:.0f} GFLOP/s" if p.avx512_bf16_gflops
+         else "not on this CPU", "threads": p.threads},
+        {"peak": "AMX bf16 tiles", "value": f"{p.amx_bf16_gflops:.0f} GFLOP/s" if p.amx_bf16_gflops
+         else f"not here: {p.amx_reason}", "threads": p.threads},
     ]
     print_table(rows, ["peak", "value", "threads"], title=f"Machine peaks (measured {p.measured_at})")
     write_results("peaks", {"peaks": p.as_dict()})

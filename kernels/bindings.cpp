@@ -678,16 +678,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &wbk::isa);
   // The GEMM's micro-kernel for bf16 weights: "fma" or "amx_bf16" (chosen at run time).
-  m.def("gemm_engine", [] { return wbk::gemm_engine() == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : "fma"; });
+  m.def("gemm_engine", [] {
+    const auto e = wbk::gemm_engine();
+    return e == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16" : "fma";
+  });
   m.def("set_gemm_engine", [](const std::string& name) {
     wbk::GemmEngine e = name == "auto" ? wbk::GemmEngine::kAuto
                         : name == "fma" ? wbk::GemmEngine::kFma
                         : name == "amx_bf16" ? wbk::GemmEngine::kAmxBf16
+                        : name == "avx512_bf16" ? wbk::GemmEngine::kAvx512Bf16
                                              : static_cast<wbk::GemmEngine>(-1);
-    TORCH_CHECK_VALUE(static_cast<int>(e) >= 0, "set_gemm_engine: engine must be 'auto', 'fma' or 'amx_bf16', got '",
-                      name, "'");
+    TORCH_CHECK_VALUE(static_cast<int>(e) >= 0,
+                      "set_gemm_engine: engine must be 'auto', 'fma', 'amx_bf16' or 'avx512_bf16', got '", name, "'");
     std::string why;
-    TORCH_CHECK(wbk::set_gemm_engine(e, &why), "set_gemm_engine: amx_bf16 cannot run here: ", why);
+    TORCH_CHECK(wbk::set_gemm_engine(e, &why), "set_gemm_engine: ", name, " cannot run here: ", why);
   });
   m.def("gemm_engines", [] {
     py::dict d;
@@ -695,9 +699,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const bool amx = wbk::amx_bf16_available(&why);
     d["fma"] = py::make_tuple(true, "fp32 FMA micro-kernel (every build)");
     d["amx_bf16"] = py::make_tuple(amx, why);
+    std::string why512;
+    const bool dp = wbk::avx512_bf16_available(&why512);
+    d["avx512_bf16"] = py::make_tuple(dp, why512);
     return d;
   });
   m.def("amx_bf16_loop", &wbk::amx_bf16_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
+  m.def("avx512_bf16_loop", &wbk::avx512_bf16_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
   // The constants Python needs from this side, so none is copied there by hand.
   m.def("constants", [] {
     py::dict d, weights, parts;

@@ -110,19 +110,24 @@ void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float
 void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                  int64_t N, int64_t K);
 
-// Which micro-kernel the GEMM runs for bf16 weights (gemm_amx.cpp): chosen at run time from
+// Which micro-kernel the GEMM runs for bf16 weights (gemm_bf16.cpp): chosen at run time from
 // the CPU's flags and the kernel's permission, never fixed at compile time. kAuto picks the
-// matrix engine where it may run. kAmxBf16 rounds x to bf16 (fp32 accumulation); kFma is
-// linear.cpp's fp32 FMA GEMM, x kept in fp32.
-enum class GemmEngine { kAuto, kFma, kAmxBf16 };
+// fastest that may run (AMX, then AVX512-BF16, in a build for an AVX-512 CPU). kAmxBf16 and
+// kAvx512Bf16 round x to bf16 (fp32 accumulation); kFma is linear.cpp's fp32 FMA GEMM, x
+// kept in fp32.
+enum class GemmEngine { kAuto, kFma, kAmxBf16, kAvx512Bf16 };
 GemmEngine gemm_engine();  // the engine in force (kAuto resolved)
 // Set the engine; false (with the reason) when the CPU, the OS or the kernel refuses it.
 bool set_gemm_engine(GemmEngine engine, std::string* why_not);
 bool amx_bf16_available(std::string* reason);
-void linear_gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K);
+bool avx512_bf16_available(std::string* reason);
+void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
+                      int64_t K);
 // tdpbf16ps on tiles already loaded, `iterations` x 4 per thread; returns the FLOPs executed
 // (0 where AMX may not run). The matrix engine's peak, timed by the caller (bench/peaks.py).
 double amx_bf16_loop(int64_t iterations_per_thread);
+// The same for vdpbf16ps on 16 independent accumulators (0 where AVX512-BF16 may not run).
+double avx512_bf16_loop(int64_t iterations_per_thread);
 
 // RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
 // T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).

@@ -75,9 +75,18 @@ class WorkbenchMagics(Magics):
         print(f"{name} = {getattr(model, name)}")
 
     def _command(self, magic: str, line: str) -> str:
-        """The magics that reproduce a measurement: the model's load, then this one."""
-        load = f"%load_model {self._last_load_line}\n" if self._last_load_line else ""
-        return f"%load_ext workbench\n{load}%{magic} {line}".strip()
+        """The magics that reproduce a measurement as it was run: the model's load, the
+        switches and threads in force, then this one (run as written, they measure the same
+        configuration, not the defaults)."""
+        from workbench.runtime.threads import get_threads
+
+        lines = ["%load_ext workbench"]
+        if self._last_load_line:
+            lines.append(f"%load_model {self._last_load_line}")
+        if self.model is not None and magic != "load_model":
+            lines += [f"%attention {self.model.attention}", f"%kvcache {self.model.kv_cache}"]
+        lines += [f"%threads {get_threads()}", f"%{magic} {line}".strip()]
+        return "\n".join(lines)
 
     def _require_model(self):
         if self.model is None:
@@ -215,7 +224,8 @@ class WorkbenchMagics(Magics):
     @argument("--token-broadcast", type=_csv("--token-broadcast", str, TOKEN_BROADCAST), default=None)
     @argument("--lm-head", type=_csv("--lm-head", str, LM_HEAD), default=None)
     @argument("--zero-copy", type=_csv("--zero-copy", str, ["on", "off"]), default=None)
-    @argument("--repeats", type=int, default=2, help="with --ranks: measured runs per setting")
+    @argument("--repeats", type=int, default=None,
+              help="measured runs per setting, interleaved (default 3; with --ranks 2); rows show median and min-max")
     @argument("-o", dest="output", default=None, help="store the results DataFrame in this variable")
     @line_magic
     def ablate(self, line):
@@ -244,10 +254,13 @@ class WorkbenchMagics(Magics):
         if isinstance(model, DistributedModel) or running() is not None:
             raise UsageError("a cluster is running: use %ablate --ranks 1,2 ... for a tensor-parallel grid, or "
                              "%distributed stop for the single-process one")
+        repeats = 3 if args.repeats is None else args.repeats
+        if repeats == 1:
+            print("--repeats 1: one sample per configuration, no spread; rows may differ by run-to-run noise")
         bar = _Progress()
         try:
             rows = run_ablation(model, args.attention, args.kvcache, args.prompt_len, args.batch, args.new_tokens,
-                                progress=bar.update)
+                                progress=bar.update, repeats=repeats)
         except ValueError as e:
             raise UsageError(str(e)) from None
         finally:
@@ -284,7 +297,8 @@ class WorkbenchMagics(Magics):
             rows = tp_ablation(name, kwargs, ranks=args.ranks or [1, 2], backends=args.backend or available_backends(),
                                token_broadcast=args.token_broadcast or ["ids"], lm_head=args.lm_head or ["topk"],
                                zero_copy=[z == "on" for z in (args.zero_copy or ["on"])],
-                               prompt_len=args.prompt_len[0], new_tokens=args.new_tokens, repeats=args.repeats,
+                               prompt_len=args.prompt_len[0], new_tokens=args.new_tokens,
+                               repeats=2 if args.repeats is None else args.repeats,
                                progress=print)
         except (ValueError, DistributedError) as e:
             raise UsageError(str(e)) from None

@@ -12,13 +12,23 @@ import json
 import sys
 
 
+# The notebook metadata every stored notebook has, whatever kernel ran it: JupyterLab rewrites
+# the kernelspec's display name and adds language_info (with the running Python's version)
+# when it saves, which must not show as a change either.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+LANGUAGE_INFO = {"name": "python"}
+
+
 def strip(nb: dict) -> dict:
     for cell in nb.get("cells", []):
         if cell.get("cell_type") == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
         cell.get("metadata", {}).pop("execution", None)
-    nb.get("metadata", {}).pop("widgets", None)
+    meta = nb.setdefault("metadata", {})
+    meta.pop("widgets", None)
+    meta["kernelspec"] = dict(KERNELSPEC)
+    meta["language_info"] = dict(LANGUAGE_INFO)
     return nb
 
 

@@ -1,10 +1,10 @@
-"""The GEMM's micro-kernels for bf16 weights, chosen at run time (kernels/gemm_amx.cpp): each
+"""The GEMM's micro-kernels for bf16 weights, chosen at run time (kernels/gemm_bf16.cpp): each
 engine this host may run, on every ISA build, against a float64 reference over shapes that
 cover every edge of the tiling (tokens not whole tiles or 256-token blocks, rows of w not
 whole 32-row blocks or 128-row tasks, K not whole 32-value tiles or 512-value slices).
 
-The AMX engine rounds x to bf16 (round to nearest even) and accumulates in fp32, so its
-reference is x rounded the same way times the bf16 weights in float64; the FMA engine keeps x
+The AMX and AVX512-BF16 engines round x to bf16 (round to nearest even) and accumulate in
+fp32, so their reference is x rounded the same way times the bf16 weights in float64; the FMA engine keeps x
 in fp32. Either way only fp32 accumulation differs from the reference: 1e-4 relative to
 sqrt(K) max|x| max|w|, as in test_linear.py. Where the CPU, the OS or the kernel refuses the
 tiles, asking for them is a clear error and the FMA engine stays in force.
@@ -52,7 +52,7 @@ def check_engines(kernels, engines, M, N, K, seed):
         kernels.set_gemm_engine(engine)
         assert kernels.gemm_engine() == engine
         y = kernels.linear(x, w, matvec_max_rows=0)  # the GEMM, whatever M
-        xr = x.bfloat16() if engine == "amx_bf16" else x
+        xr = x if engine == "fma" else x.bfloat16()
         ref = xr.double() @ w.double().t()
         assert y.dtype == torch.float32 and y.shape == (M, N)
         torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{engine}: {m}")
@@ -60,22 +60,25 @@ def check_engines(kernels, engines, M, N, K, seed):
 
 def test_the_engines_say_why(kernels, engines):
     status = kernels.gemm_engines()
-    assert set(status) == {"fma", "amx_bf16"} and status["fma"][0]
+    assert set(status) == {"fma", "amx_bf16", "avx512_bf16"} and status["fma"][0]
     assert all(isinstance(why, str) and why for _, why in status.values())
-    with pytest.raises(ValueError, match=r"engine must be one of auto, fma, amx_bf16, got 'tiles'"):
+    with pytest.raises(ValueError, match=r"engine must be one of auto, fma, amx_bf16, avx512_bf16, got 'tiles'"):
         kernels.set_gemm_engine("tiles")
-    if "amx_bf16" not in engines:
-        before = kernels.gemm_engine()
-        with pytest.raises(RuntimeError, match="amx_bf16 cannot run here: " + status["amx_bf16"][1][:20]):
-            kernels.set_gemm_engine("amx_bf16")
-        assert kernels.gemm_engine() == before == "fma"
+    for name in ("amx_bf16", "avx512_bf16"):
+        if name not in engines:
+            before = kernels.gemm_engine()
+            with pytest.raises(RuntimeError, match=f"{name} cannot run here: " + status[name][1][:20]):
+                kernels.set_gemm_engine(name)
+            assert kernels.gemm_engine() == before
 
 
 def test_auto_picks_the_matrix_engine_only_where_the_build_targets_avx512(kernels, engines):
     """The native build on an AMX host runs the tiles; an AVX2 or scalar build (standing in for
     the CPUs it targets) stays on FMAs unless asked, though it carries the AMX code too."""
     kernels.set_gemm_engine("auto")
-    expect = "amx_bf16" if "amx_bf16" in engines and kernels.isa == "avx512" else "fma"
+    expect = "fma"
+    if kernels.isa == "avx512":
+        expect = next((e for e in ("amx_bf16", "avx512_bf16") if e in engines), "fma")
     assert kernels.gemm_engine() == expect
 
 

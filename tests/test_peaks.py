@@ -22,6 +22,16 @@ def test_peaks_are_measured_cached_and_remeasured(tmp_path, monkeypatch):
         value = getattr(first, name)
         assert math.isfinite(value) and value > 0, (name, value)
     assert json.loads(path.read_text()) == first.as_dict()
+    # the bf16 units: measured where the CPU (and for AMX, the kernel) lets them run, else 0
+    # with the reason; a unit's peak is what compute_peak_gflops gives for its engine
+    from workbench.kernels import gemm_engines
+
+    can = gemm_engines()
+    for engine, value in (("amx_bf16", first.amx_bf16_gflops), ("avx512_bf16", first.avx512_bf16_gflops)):
+        assert (math.isfinite(value) and value > 0) if can[engine][0] else value == 0, (engine, value)
+        assert first.compute_peak_gflops(engine) == value
+    assert first.amx_reason == can["amx_bf16"][1]
+    assert first.compute_peak_gflops("fma") == first.fma_gflops
 
     assert peaks.measured_peaks() == first  # from the cache, not measured again
 

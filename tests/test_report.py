@@ -105,8 +105,36 @@ def test_report_magic_writes_the_session(tmp_path, capsys):
     assert r.error_in_exec is None
     assert "1 measurements (1 generation)" in capsys.readouterr().out
     data = json.loads((tmp_path / "session.json").read_text())
-    assert data["reproduce"] == ["%load_ext workbench\n%load_model smollm2-135m\n%generate -n 3 Hello"]
+    threads = __import__("torch").get_num_threads()
+    assert data["reproduce"] == [f"%load_ext workbench\n%load_model smollm2-135m\n%attention slim\n%kvcache fp32\n"
+                                 f"%threads {threads}\n%generate -n 3 Hello"]
     report.clear()
+
+
+def test_reproduce_commands_reproduce_the_switches(tmp_path, capsys):
+    """After %attention flash and %kvcache int8tile, a %generate's Reproduce commands, run as
+    written, measure the same configuration (they used to set only the load and the
+    generation, so they measured the defaults)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "workbench")
+    report.clear()
+    for line in ("%load_model smollm2-135m", "%attention flash", "%kvcache int8tile", "%generate -n 3 Hello"):
+        assert sh.run_cell(line).error_in_exec is None
+    first = report.recorded()[-1]
+    (command,) = [e["command"] for e in report.recorded()]
+    sh.run_cell("%attention slim")
+    sh.run_cell("%kvcache fp32")  # the session moves on; the commands alone must set it back
+    report.clear()
+    for line in command.splitlines():
+        assert sh.run_cell(line).error_in_exec is None, line
+    again = report.recorded()[-1]
+    keys = ("attention", "kv_cache", "decode", "threads", "prompt_tokens", "new_tokens")
+    assert {k: again["workload"][k] for k in keys} == {k: first["workload"][k] for k in keys}
+    assert (first["workload"]["attention"], first["workload"]["kv_cache"]) == ("flash", "int8tile")
+    report.clear()
+    capsys.readouterr()
 
 
 def _one_run_report(model, title: str, **kw) -> dict:

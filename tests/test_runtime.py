@@ -357,3 +357,14 @@ def test_rope_scaling_matches_transformers(scaling):
     ours_cos, ours_sin = rope_tables(cfg, 64)
     torch.testing.assert_close(ours_cos, cos[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours_sin, sin[0], atol=1e-5, rtol=0)
+
+
+def test_the_report_says_when_a_sequence_stopped_at_end_of_sequence(model):
+    """Fewer tokens than asked for is said to be an end-of-sequence stop, not left to guess."""
+    out = model.generate("The capital of France is", max_new_tokens=200)
+    eos_stop = len(out.token_ids) < 200
+    first = out.report().splitlines()[0]
+    assert first.startswith(f"{len(out.token_ids)} tokens")
+    assert ("stopped at end-of-sequence before the 200 asked for" in first) == eos_stop
+    full = model.generate("The capital of France is", max_new_tokens=3, stop_at_eos=False)
+    assert "stopped" not in full.report().splitlines()[0]

@@ -65,7 +65,7 @@ def cmd_demo(args) -> int:
 
     t0 = time.perf_counter()
     rows = run_demo(model, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
-                    new_tokens=args.new_tokens, progress=progress)
+                    new_tokens=args.new_tokens, progress=progress, repeats=args.repeats)
     print()
     print(format_table(rows))
     out = Path(args.out)
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--short-tokens", type=int, default=16)
     d.add_argument("--long-tokens", type=int, default=512)
     d.add_argument("--new-tokens", type=int, default=32)
+    d.add_argument("--repeats", type=int, default=3, help="measured runs per configuration, interleaved, after a "
+                   "warm-up round (rows: median and min-max)")
     d.add_argument("--out", default=str(Path("results") / "demo.json"), help="JSON file (default results/demo.json)")
     d.set_defaults(func=cmd_demo)
 

@@ -15,11 +15,18 @@ like with like at every position and the timings cover the same tokens:
                            bandwidth-bound; large batches on few cores become compute-bound)
     top1_agreement         how often the configuration's most likely next token is the
                            reference's token, over all positions and sequences
+
+With repeats > 1 (the default, 3) every configuration of a (prompt length, batch) is run
+that many times, the configurations in a new random order each round, after one warm-up
+round that is not kept; the timings are medians, with min and max beside them
+(prefill_ms_min / _max, decode_tokens_per_s_min / _max), so a row's spread is on the row.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -49,6 +56,11 @@ class AblationRow:
     decode_gflops: float
     pct_peak_fma: float
     top1_agreement: float
+    repeats: int = 1
+    prefill_ms_min: float = 0.0
+    prefill_ms_max: float = 0.0
+    decode_tokens_per_s_min: float = 0.0
+    decode_tokens_per_s_max: float = 0.0
 
 
 def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches) -> dict:
@@ -72,7 +84,8 @@ def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, s
 
 def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_FORMATS, prompt_lens=(128,),
                  batches=(1,), new_tokens: int = 16,
-                 progress: Callable[[int, int, AblationRow], None] | None = None) -> list[AblationRow]:
+                 progress: Callable[[int, int, AblationRow], None] | None = None, repeats: int = 3,
+                 seed: int = 0) -> list[AblationRow]:
     """The grid, reference first for each (prompt length, batch); see the module docstring."""
     for name, values, accepted in (("attention", attentions, ATTENTION_BACKENDS), ("kv_cache", kv_caches, KV_FORMATS)):
         bad = [v for v in values if v not in accepted]
@@ -83,10 +96,13 @@ def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_F
             raise ValueError(f"{name} must be positive integers, got {list(values)}")
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
         raise ValueError(f"new_tokens must be an integer >= 2, got {new_tokens!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     from workbench.kernels.peaks import measured_peaks
 
     peaks = measured_peaks()
     rows: list[AblationRow] = []
+    order = random.Random(seed)
     grid = list(itertools.product(prompt_lens, batches))
     total = len(grid) * len(attentions) * len(kv_caches)
     for prompt_len, batch in grid:
@@ -94,13 +110,25 @@ def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_F
         ref = model.generate(prompts, max_new_tokens=new_tokens, attention="naive", kv_cache="fp32",
                              stop_at_eos=False, record=False).token_ids
         continuation = torch.tensor(ref)  # [batch, new_tokens]: list-of-lists prompts give one list each
-        for attention, kv in itertools.product(attentions, kv_caches):
-            r = forced_decode(model.llama, prompts, continuation, Switches(attention, kv))
-            rows.append(AblationRow(attention, kv, prompt_len, batch, new_tokens, r["prefill_ms"],
-                                    r["decode_tokens_per_s"],
-                                    r["decode_gbps"], 100 * r["decode_gbps"] / peaks.triad_gbps,
-                                    r["decode_gflops"], 100 * r["decode_gflops"] / peaks.fma_gflops,
-                                    r["top1_agreement"]))
+        configs = list(itertools.product(attentions, kv_caches))
+        samples = {c: [] for c in configs}
+        for round_ in range(repeats + (repeats > 1)):  # a warm-up round first when there are repeats
+            for c in order.sample(configs, len(configs)):
+                r = forced_decode(model.llama, prompts, continuation, Switches(*c))
+                if repeats == 1 or round_ > 0:
+                    samples[c].append(r)
+        for attention, kv in configs:
+            runs = samples[(attention, kv)]
+
+            def med(key, runs=runs):
+                return statistics.median(r[key] for r in runs)
+
+            prefill, rate = [r["prefill_ms"] for r in runs], [r["decode_tokens_per_s"] for r in runs]
+            gbps, gflops = med("decode_gbps"), med("decode_gflops")
+            rows.append(AblationRow(attention, kv, prompt_len, batch, new_tokens, med("prefill_ms"),
+                                    med("decode_tokens_per_s"), gbps, 100 * gbps / peaks.triad_gbps,
+                                    gflops, 100 * gflops / peaks.fma_gflops, runs[0]["top1_agreement"],
+                                    len(runs), min(prefill), max(prefill), min(rate), max(rate)))
             if progress:
                 progress(len(rows), total, rows[-1])
     return rows
@@ -110,12 +138,15 @@ def rows_as_dicts(rows: list[AblationRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-COLUMNS = ["attention", "kv_cache", "prompt_len", "batch", "prefill_ms", "decode_tokens_per_s", "decode_gbps",
+COLUMNS = ["attention", "kv_cache", "prompt_len", "batch", "repeats", "prefill_ms", "prefill_ms_min", "prefill_ms_max",
+           "decode_tokens_per_s", "decode_tokens_per_s_min", "decode_tokens_per_s_max", "decode_gbps",
            "pct_peak_bandwidth", "decode_gflops", "pct_peak_fma", "top1_agreement"]
 # Meaningful digits per column, for tables people read (FORMATS for text, DIGITS for DataFrames).
-DIGITS = {"prefill_ms": 1, "decode_tokens_per_s": 1, "decode_gbps": 2, "pct_peak_bandwidth": 0, "decode_gflops": 1,
+DIGITS = {"prefill_ms": 1, "prefill_ms_min": 1, "prefill_ms_max": 1, "decode_tokens_per_s": 1,
+          "decode_tokens_per_s_min": 1, "decode_tokens_per_s_max": 1, "decode_gbps": 2, "pct_peak_bandwidth": 0, "decode_gflops": 1,
           "pct_peak_fma": 0, "top1_agreement": 3}
-FORMATS = {"prefill_ms": "{:.1f}", "decode_tokens_per_s": "{:.1f}", "decode_gbps": "{:.2f}",
+FORMATS = {"prefill_ms": "{:.1f}", "prefill_ms_min": "{:.1f}", "prefill_ms_max": "{:.1f}",
+           "decode_tokens_per_s": "{:.1f}", "decode_tokens_per_s_min": "{:.1f}", "decode_tokens_per_s_max": "{:.1f}", "decode_gbps": "{:.2f}",
            "pct_peak_bandwidth": "{:.0f}", "decode_gflops": "{:.1f}", "pct_peak_fma": "{:.0f}",
            "top1_agreement": "{:.3f}"}
 

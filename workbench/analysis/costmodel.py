@@ -58,7 +58,7 @@ class Hardware:
     comm_beta_gbps: float = math.inf
     cache_bytes: int = 0  # last-level cache a rank can reuse weights from (0: assume none)
     notes: str = ""
-    # The matrix engine's peak where the GEMM runs bf16 weights on it (AMX tiles), else 0: the
+    # The bf16 unit's peak where the GEMM runs bf16 weights on one (AMX tiles, vdpbf16ps), else 0: the
     # linear layers' FLOPs of more rows than the matrix-vector kernel takes are set against it.
     matrix_gflops: float = 0.0
 
@@ -86,9 +86,10 @@ class Hardware:
         peaks = measured_peaks()
         from workbench.kernels import gemm_engine
 
-        matrix = peaks.amx_bf16_gflops / ranks if gemm_engine() == "amx_bf16" else 0.0
+        engine = gemm_engine()
+        matrix = peaks.compute_peak_gflops(engine) / ranks if engine != "fma" else 0.0
         if matrix:
-            how += f"; bf16 GEMMs on AMX tiles: {peaks.amx_bf16_gflops:.0f} GFLOP/s measured"
+            how += f"; bf16 GEMMs on {engine}: {peaks.compute_peak_gflops(engine):.0f} GFLOP/s measured"
         l3 = machine_info().cache_bytes(3) or 0
         return cls(name=f"this machine / {ranks} rank(s)", bandwidth_gbps=peaks.triad_gbps / ranks,
                    fma_gflops=peaks.fma_gflops / ranks, comm_alpha_us=alpha, comm_beta_gbps=beta,

@@ -13,9 +13,9 @@ from workbench.model.kv_formats import KERNEL_FORMATS
 
 
 def run_demo(model, short_tokens: int = 16, long_tokens: int = 512, new_tokens: int = 32,
-             progress=None) -> list[AblationRow]:
+             progress=None, repeats: int = 3) -> list[AblationRow]:
     return run_ablation(model, tuple(ATTENTION_BACKENDS), KERNEL_FORMATS, prompt_lens=(short_tokens, long_tokens),
-                        batches=(1,), new_tokens=new_tokens, progress=progress)
+                        batches=(1,), new_tokens=new_tokens, progress=progress, repeats=repeats)
 
 
 __all__ = ["format_table", "run_demo"]

@@ -27,12 +27,12 @@ import os
 import signal
 import socket
 import time
-import uuid
 from dataclasses import asdict
 from typing import Callable
 
 from workbench.distributed import engine
-from workbench.distributed.comm import BACKENDS, create_shm_segment, shm_capacity_bytes
+from workbench.distributed.comm import (BACKENDS, create_shm_segment, remove_orphaned_segments, shm_capacity_bytes,
+                                         shm_segment_name)
 from workbench.distributed.tp import TPOptions
 from workbench.model.switches import Switches
 from workbench.model.timing import Timings
@@ -207,7 +207,8 @@ class Cluster:
                 rendezvous = {"address": self.client[ids[0]].apply_sync(engine.ccl_address, self.n, self.iface),
                               "iface": self.iface}
             else:
-                self.shm_path = create_shm_segment(f"workbench-{uuid.uuid4().hex[:12]}", self.n, self.shm_capacity)
+                remove_orphaned_segments(_alive)  # left by clients that were killed
+                self.shm_path = create_shm_segment(shm_segment_name(), self.n, self.shm_capacity)
                 rendezvous = {"path": str(self.shm_path), "capacity": self.shm_capacity}
             ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)
                    for rank, eid in enumerate(ids)]

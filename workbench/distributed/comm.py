@@ -144,6 +144,34 @@ def shm_capacity_bytes(capacity_mb: float) -> int:
     return int(capacity_mb * 2**20) // 64 * 64
 
 
+SHM_PREFIX = "workbench-"
+
+
+def shm_segment_name(pid: int | None = None) -> str:
+    """A new segment's name, carrying the pid of the process that owns it (the client), so a
+    segment left by a client that died can be told from one in use."""
+    import os
+    import uuid
+
+    return f"{SHM_PREFIX}{os.getpid() if pid is None else pid}-{uuid.uuid4().hex[:12]}"
+
+
+def remove_orphaned_segments(alive) -> list[Path]:
+    """Delete the segments whose owning process is gone (`alive(pid)` false): a client that was
+    killed (SIGKILL, the OOM killer) never ran its cleanup, and each segment holds its size in
+    RAM. Returns what was removed."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        owner = path.name[len(SHM_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not alive(int(owner)):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 def create_shm_segment(name: str, world: int, capacity_bytes: int) -> Path:
     """The segment file (sparse: pages cost memory only once touched); the client creates it
     before the ranks map it."""

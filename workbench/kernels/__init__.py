@@ -173,7 +173,7 @@ class KernelSet:
                             out, scale)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
-    GEMM_ENGINES = ("auto", "fma", "amx_bf16")
+    GEMM_ENGINES = ("auto", "fma", "amx_bf16", "avx512_bf16")
 
     def gemm_engines(self) -> dict[str, tuple[bool, str]]:
         """Each micro-kernel the GEMM can run for bf16 weights: name -> (may it run here, why)."""
@@ -181,13 +181,15 @@ class KernelSet:
 
     def gemm_engine(self) -> str:
         """The micro-kernel the GEMM runs for bf16 weights now: "amx_bf16" (x rounded to bf16,
-        fp32 accumulation, on the AMX tiles) or "fma" (fp32 FMAs, x kept in fp32). The
-        matrix-vector kernel of few rows is the same for both."""
+        fp32 accumulation, on the AMX tiles), "avx512_bf16" (the same rounding, vdpbf16ps) or
+        "fma" (fp32 FMAs, x kept in fp32). The matrix-vector kernel of few rows is the same
+        for all."""
         return self.ext.gemm_engine()
 
     def set_gemm_engine(self, engine: str) -> None:
-        """Choose the GEMM's micro-kernel for bf16 weights: "auto" (the matrix engine where it
-        may run), "fma" or "amx_bf16" (a RuntimeError with the reason where it may not)."""
+        """Choose the GEMM's micro-kernel for bf16 weights: "auto" (the fastest that may run:
+        AMX, then AVX512-BF16, then FMA), "fma", "amx_bf16" or "avx512_bf16" (a RuntimeError
+        with the reason where it may not)."""
         if engine not in self.GEMM_ENGINES:
             raise ValueError(f"engine must be one of {', '.join(self.GEMM_ENGINES)}, got {engine!r}")
         self.ext.set_gemm_engine(engine)

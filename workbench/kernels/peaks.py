@@ -14,9 +14,11 @@ and cached per CPU and thread count under the workbench cache directory.
     fma_gflops_1t     the same on one thread
     amx_bf16_gflops   the matrix engine: independent tdpbf16ps on tiles already loaded, all
                       threads (0 where AMX may not run; amx_reason says why)
+    avx512_bf16_gflops  independent vdpbf16ps chains in registers, all threads (0 where the CPU
+                      has no AVX512-BF16)
 
 A kernel's result is set against the peak of the unit it ran on: `compute_peak_gflops(engine)`
-for the GEMM engine in force ("fma" or "amx_bf16", workbench.kernels.gemm_engine()).
+for the GEMM engine in force ("fma", "amx_bf16" or "avx512_bf16", workbench.kernels.gemm_engine()).
 """
 
 from __future__ import annotations
@@ -41,17 +43,21 @@ class Peaks:
     measured_at: str
     amx_bf16_gflops: float = 0.0
     amx_reason: str = ""
+    avx512_bf16_gflops: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def compute_peak_gflops(self, engine: str = "fma") -> float:
-        """The compute roof of `engine`: "fma" (fp32 FMA units) or "amx_bf16" (the tiles)."""
+        """The compute roof of `engine`: "fma" (fp32 FMA units), "amx_bf16" (the tiles) or
+        "avx512_bf16" (vdpbf16ps)."""
         if engine == "amx_bf16":
             return self.amx_bf16_gflops
+        if engine == "avx512_bf16":
+            return self.avx512_bf16_gflops
         if engine == "fma":
             return self.fma_gflops
-        raise ValueError(f"engine must be 'fma' or 'amx_bf16', got {engine!r}")
+        raise ValueError(f"engine must be 'fma', 'amx_bf16' or 'avx512_bf16', got {engine!r}")
 
 
 def _best(fn, repeats: int) -> float:
@@ -120,10 +126,24 @@ def measure_amx_bf16_gflops(threads: int, iterations: int = 2_000_000, repeats: 
         torch.set_num_threads(before)
 
 
+def measure_avx512_bf16_gflops(threads: int, iterations: int = 5_000_000, repeats: int = 5) -> float:
+    from workbench.kernels import native
+
+    if not native.ext.gemm_engines()["avx512_bf16"][0]:
+        return 0.0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = native.ext.avx512_bf16_loop(1) * iterations
+        return flops / _best(lambda: native.ext.avx512_bf16_loop(iterations), repeats) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
 def _cache_path():
     # v2: measured on huge pages (workbench.hw.memory), as the kernels' big buffers are;
-    # v3: the AMX bf16 peak
-    return cache_dir() / f"peaks-v3-{cpu_key()}-{torch.get_num_threads()}threads.json"
+    # v3: the AMX bf16 peak; v4: the AVX512-BF16 peak
+    return cache_dir() / f"peaks-v4-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measured_peaks(refresh: bool = False) -> Peaks:
@@ -146,6 +166,7 @@ def measured_peaks(refresh: bool = False) -> Peaks:
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         amx_bf16_gflops=amx,
         amx_reason=amx_reason,
+        avx512_bf16_gflops=measure_avx512_bf16_gflops(threads),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(peaks.as_dict(), indent=2))

@@ -31,6 +31,7 @@ class GenerationResult:
     timings: Timings
     switches: Switches
     decode_path: str = "python"  # the decode path that ran: "fused" or "python" (see Switches.decode)
+    max_new_tokens: int | None = None  # what was asked for: fewer tokens means a sequence stopped at end-of-sequence
 
     def summary_line(self) -> str:
         """One line for people: prefill time, decode rate, achieved GB/s and GFLOP/s, switches."""
@@ -45,7 +46,13 @@ class GenerationResult:
         n = len(self.token_ids) if self.token_ids and isinstance(self.token_ids[0], int) else \
             sum(map(len, self.token_ids))
         split = self.timings.per_part_text("decode") or self.timings.per_part_text("prefill")
-        lines = [f"{n} tokens | {self.summary_line()}", split]
+        seqs = [self.token_ids] if self.token_ids and isinstance(self.token_ids[0], int) else self.token_ids
+        short = sum(1 for t in seqs if self.max_new_tokens and len(t) < self.max_new_tokens)
+        stop = ""
+        if short:
+            stop = (f" (stopped at end-of-sequence before the {self.max_new_tokens} asked for)" if len(seqs) == 1 else
+                    f" ({short} of {len(seqs)} sequences stopped at end-of-sequence before {self.max_new_tokens})")
+        lines = [f"{n} tokens{stop} | {self.summary_line()}", split]
         decode = self.timings.decode_steps
         if decode and decode[0].comm_bytes:  # tensor parallel: what the collectives cost per token
             comm_ms = 1e3 * sum(s.comm_s for s in decode) / len(decode)
@@ -237,7 +244,8 @@ class Model:
         texts = [self.tokenizer.decode([t for t in o if t != eos]) for o in out]
         single = isinstance(prompt, str) or (seqs and len(seqs) == 1 and not isinstance(prompt[0], (list, str)))
         path = "python" if self.llama.fused_decode_blocker(sw, cache) else "fused"
-        return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw, path)
+        return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw, path,
+                                max_new_tokens=max_new_tokens)
 
 
 def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,

@@ -1,5 +1,7 @@
-// The GEMM's matrix-engine micro-kernels: y [M, N] = x [M, K] . w^T for bf16 weights w [N, K],
-// with x rounded to bf16 and fp32 accumulation, on AMX tiles (tdpbf16ps).
+// The GEMM's bf16 micro-kernels: y [M, N] = x [M, K] . w^T for bf16 weights w [N, K], with x
+// rounded to bf16 and fp32 accumulation, on AMX tiles (tdpbf16ps) or, on CPUs with
+// AVX512-BF16 and no AMX (Zen 4, Cooper Lake), with vdpbf16ps. Both read the same packed x
+// and w as it is, through one driver (tasks, packing, the transposed store).
 //
 // This unit is compiled into every build (native, avx2, scalar): its functions carry their
 // own target attributes, so a build for a CPU without AMX still compiles and links them, and
@@ -17,6 +19,9 @@
 //     of K its 2 x 2 register block (32 rows of w by 32 tokens: four C tiles, two A, two B)
 //     accumulates in tiles, and the task's y^T tile lives in an fp32 buffer across slices and
 //     is written transposed into y at the end.
+// The AVX512-BF16 micro-kernel uses the same packed x: a row of a tile is one pair of K for 16
+// tokens, exactly a vdpbf16ps operand; each row of w contributes one pair at a time as a
+// 32-bit broadcast. An 8-row x 32-token block of y^T stays in 16 registers over all of K.
 // Edges: tokens are zero padded to whole tiles in the packed x; rows of w past N, and the last
 // 32 values of K when K is not a multiple of 32, are copied into a zero-padded slice first, so
 // a tile never reads past the matrix.
@@ -56,6 +61,8 @@ constexpr int kXfeatureXtiledata = 18;
 struct Status {
   bool amx_bf16 = false;
   std::string reason;
+  bool avx512_bf16 = false;
+  std::string avx512_reason;
 };
 
 uint64_t xgetbv0() {
@@ -64,7 +71,34 @@ uint64_t xgetbv0() {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// vdpbf16ps needs AVX512-BF16 and the OS's AVX-512 state; no permission is asked for.
+void probe_avx512_bf16(Status& s) {
+  unsigned a, b, c, d;
+  __get_cpuid_count(7, 1, &a, &b, &c, &d);
+  const bool bf16 = a & (1u << 5);
+  __get_cpuid_count(7, 0, &a, &b, &c, &d);
+  const bool avx512bw = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));
+  __get_cpuid(1, &a, &b, &c, &d);
+  const bool osxsave = c & (1u << 27);
+  if (!bf16 || !avx512bw) {
+    s.avx512_reason = "this CPU has no AVX512-BF16 (CPUID avx512_bf16 and avx512f/bw/vl not all set)";
+  } else if (!osxsave || (xgetbv0() & 0xe6) != 0xe6) {
+    s.avx512_reason = "the OS has not enabled the AVX-512 register state (XCR0)";
+  } else {
+    s.avx512_bf16 = true;
+    s.avx512_reason = "AVX512-BF16 (vdpbf16ps) available";
+  }
+}
+
+Status probe_amx();
+
 Status probe() {
+  Status s = probe_amx();
+  probe_avx512_bf16(s);
+  return s;
+}
+
+Status probe_amx() {
   Status s;
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
@@ -250,6 +284,63 @@ WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows,
   }
 }
 
+// acc[8 rows][2 token vectors] over all K pairs, then stored to c (rows ldc floats apart).
+// w rows r0..r0+7 (clamped to `rows`: a short block repeats its last row, never stored);
+// x packed as for the tiles: pair p of token tile jt at xb + ((p / 16) token_tiles + jt) 256
+// + (p % 16) 16 dwords.
+WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[8][2], const uint32_t* bp, const uint32_t (&pairs)[8]) {
+  const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp));
+  const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp + 256));
+  for (int r = 0; r < 8; ++r) {
+    const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r])));
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+  }
+}
+
+WBK_AMX_TARGET void block_8x32_dp(const uint16_t* w, int64_t K, int64_t rows, const uint32_t* xb,
+                                  int64_t token_tiles, int64_t jt, float* c, int64_t ldc) {
+  constexpr int MR = 8;
+  const uint32_t* wr[MR];  // each row as pairs of K
+  for (int r = 0; r < MR; ++r) wr[r] = reinterpret_cast<const uint32_t*>(w + std::min<int64_t>(r, rows - 1) * K);
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t full_pairs = K / 2;
+  uint32_t pairs[MR];
+  for (int64_t p = 0; p < full_pairs; ++p) {
+    for (int r = 0; r < MR; ++r) std::memcpy(&pairs[r], wr[r] + p, 4);  // rows need not be 4-byte aligned
+    dp_step(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, pairs);
+  }
+  if (K % 2) {  // the last value alone, its pair's other half zero (never read past the row)
+    for (int r = 0; r < MR; ++r) pairs[r] = reinterpret_cast<const uint16_t*>(wr[r])[K - 1];
+    dp_step(acc, xb + ((full_pairs / 16) * token_tiles + jt) * 256 + (full_pairs % 16) * 16, pairs);
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+  }
+}
+
+// The AVX512-BF16 tasks: each 8-row block of the task's rows against each 32-token pair of
+// tiles over all of K, then the transposed store.
+WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K,
+                                 int64_t tokens_per_block, int64_t token_tiles, int64_t block_elems,
+                                 int64_t n_blocks, const uint16_t* xp, int64_t begin, int64_t end) {
+  Scratch cs(0, kRows * tokens_per_block);
+  float* ct = cs.data();
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t nb = t % n_blocks, mb = t / n_blocks;
+    const int64_t n0 = nb * kRows, rows = std::min(kRows, N - n0);
+    const int64_t m0 = mb * tokens_per_block, tokens = std::min(tokens_per_block, M - m0);
+    const uint32_t* xb = reinterpret_cast<const uint32_t*>(xp + mb * block_elems);
+    for (int64_t jt = 0; jt < (tokens + 31) / 32 * 2; jt += 2)
+      for (int64_t r0 = 0; r0 < rows; r0 += 8)
+        block_8x32_dp(w + (n0 + r0) * K, K, rows - r0, xb, token_tiles, jt, ct + r0 * tokens_per_block + jt * 16,
+                      tokens_per_block);
+    store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N);
+  }
+}
+
 struct Shape {
   const float* x;
   const uint16_t* w;
@@ -305,7 +396,7 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
   _tile_release();
 }
 
-void gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+void gemm_bf16(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K, bool tiles) {
   const int64_t k_tiles = (K + kTileK - 1) / kTileK;
   const int64_t kp = k_tiles * kTileK;  // K padded to whole tiles
   const int64_t tokens_per_block = std::min<int64_t>(kTokens, (M + 31) / 32 * 32);
@@ -332,6 +423,12 @@ void gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64
   });
 
   // Tasks: token block outer, so a thread's consecutive tasks share one block of packed x.
+  if (!tiles) {
+    at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
+      run_tasks_dp(w, y, M, N, K, tokens_per_block, token_tiles, block_elems, n_blocks, xp, begin, end);
+    });
+    return;
+  }
   const Shape shape{x, w, y, M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks, xp};
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_amx(shape, begin, end); });
 }
@@ -344,7 +441,7 @@ GemmEngine gemm_engine() {
   // auto: the tiles where they may run, in a build for an AVX-512 CPU. The AVX2 and scalar
   // builds stand for CPUs without AMX and stay on FMAs unless asked.
 #if defined(WBK_ISA_AVX512)
-  return status().amx_bf16 ? GemmEngine::kAmxBf16 : GemmEngine::kFma;
+  return status().amx_bf16 ? GemmEngine::kAmxBf16 : status().avx512_bf16 ? GemmEngine::kAvx512Bf16 : GemmEngine::kFma;
 #else
   return GemmEngine::kFma;
 #endif
@@ -353,6 +450,10 @@ GemmEngine gemm_engine() {
 bool set_gemm_engine(GemmEngine engine, std::string* why_not) {
   if (engine == GemmEngine::kAmxBf16 && !status().amx_bf16) {
     if (why_not) *why_not = status().reason;
+    return false;
+  }
+  if (engine == GemmEngine::kAvx512Bf16 && !status().avx512_bf16) {
+    if (why_not) *why_not = status().avx512_reason;
     return false;
   }
   g_engine.store(static_cast<int>(engine), std::memory_order_relaxed);
@@ -364,8 +465,14 @@ bool amx_bf16_available(std::string* reason) {
   return status().amx_bf16;
 }
 
-void linear_gemm_bf16_amx(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  gemm_bf16_amx(x, w, y, M, N, K);
+bool avx512_bf16_available(std::string* reason) {
+  if (reason) *reason = status().avx512_reason;
+  return status().avx512_bf16;
+}
+
+void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
+                      int64_t K) {
+  gemm_bf16(x, w, y, M, N, K, engine == GemmEngine::kAmxBf16);
 }
 
 // The matrix engine's peak: independent tdpbf16ps on tiles already loaded, on every thread.
@@ -393,6 +500,35 @@ WBK_AMX_TARGET double amx_loop_thread(int64_t iterations) {
   return sink[0];
 }
 }  // namespace
+
+namespace {
+WBK_AMX_TARGET double dp_loop_thread(int64_t iterations) {
+  constexpr int kChains = 16;  // independent accumulators: enough to cover vdpbf16ps' latency on both ports
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));  // (1.0, 1.0)
+  const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x00010001));  // tiny: no overflow
+  for (int64_t i = 0; i < iterations; ++i)
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  return _mm512_reduce_add_ps(sum);
+}
+}  // namespace
+
+double avx512_bf16_loop(int64_t iterations_per_thread) {
+  if (!status().avx512_bf16) return 0.0;
+  std::atomic<int> threads{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      volatile double s = dp_loop_thread(iterations_per_thread);
+      (void)s;
+      threads.fetch_add(1);
+    }
+  });
+  // Each vdpbf16ps: 16 lanes, 2 products each, 2 FLOPs a product; 16 chains per iteration.
+  return static_cast<double>(threads.load()) * iterations_per_thread * 16 * 16 * 2 * 2;
+}
 
 double amx_bf16_loop(int64_t iterations_per_thread) {
   if (!status().amx_bf16) return 0.0;
