@@ -503,7 +503,7 @@ WBK_AMX_TARGET double amx_loop_thread(int64_t iterations) {
 
 namespace {
 WBK_AMX_TARGET double dp_loop_thread(int64_t iterations) {
-  constexpr int kChains = 16;  // independent accumulators: enough to cover vdpbf16ps' latency on both ports
+  constexpr int kChains = 16;  // independent accumulators: more than vdpbf16ps' latency x throughput
   __m512 acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
   const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));  // (1.0, 1.0)
@@ -516,32 +516,30 @@ WBK_AMX_TARGET double dp_loop_thread(int64_t iterations) {
 }
 }  // namespace
 
-double avx512_bf16_loop(int64_t iterations_per_thread) {
-  if (!status().avx512_bf16) return 0.0;
+// Run `loop(iterations)` once on every torch thread; the FLOPs all of them executed.
+template <typename Loop>
+double on_every_thread(int64_t iterations, double flops_per_iteration, Loop loop) {
   std::atomic<int> threads{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      volatile double s = dp_loop_thread(iterations_per_thread);
-      (void)s;
+      volatile double sink = loop(iterations);  // kept, so the loop is not optimised away
+      (void)sink;
       threads.fetch_add(1);
     }
   });
+  return static_cast<double>(threads.load()) * static_cast<double>(iterations) * flops_per_iteration;
+}
+
+double avx512_bf16_loop(int64_t iterations_per_thread) {
+  if (!status().avx512_bf16) return 0.0;
   // Each vdpbf16ps: 16 lanes, 2 products each, 2 FLOPs a product; 16 chains per iteration.
-  return static_cast<double>(threads.load()) * iterations_per_thread * 16 * 16 * 2 * 2;
+  return on_every_thread(iterations_per_thread, 16.0 * 16 * 2 * 2, dp_loop_thread);
 }
 
 double amx_bf16_loop(int64_t iterations_per_thread) {
   if (!status().amx_bf16) return 0.0;
-  std::atomic<int> threads{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      volatile double s = amx_loop_thread(iterations_per_thread);
-      (void)s;
-      threads.fetch_add(1);
-    }
-  });
-  // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product.
-  return static_cast<double>(threads.load()) * iterations_per_thread * 4 * 16 * 16 * 32 * 2;
+  // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product; 4 per iteration.
+  return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 32 * 2, amx_loop_thread);
 }
 
 }  // namespace wbk
