@@ -106,8 +106,9 @@ def test_report_magic_writes_the_session(tmp_path, capsys):
     assert "1 measurements (1 generation)" in capsys.readouterr().out
     data = json.loads((tmp_path / "session.json").read_text())
     threads = __import__("torch").get_num_threads()
-    assert data["reproduce"] == [f"%load_ext workbench\n%load_model smollm2-135m\n%attention slim\n%kvcache fp32\n"
-                                 f"%threads {threads}\n%generate -n 3 Hello"]
+    model = sh.user_ns["wb_model"]  # its switches as this session left them (earlier tests may have moved them)
+    assert data["reproduce"] == [f"%load_ext workbench\n%load_model smollm2-135m\n%attention {model.attention}\n"
+                                 f"%kvcache {model.kv_cache}\n%threads {threads}\n%generate -n 3 Hello"]
     report.clear()
 
 
