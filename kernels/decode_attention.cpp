@@ -299,9 +299,8 @@ void decode_impl(const DecodeArgs& a) {
 int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int num_threads) {
   // The fewest splits that keep the threads evenly busy: the tasks (B Hkv splits, all the same
   // size) fill whole rounds of the threads to within 10%; never chunks shorter than 256
-  // tokens. Each split costs a task start and a share of the merge: measured on host C
-  // (B = 1, 8 KV heads, 1024 tokens, 2 threads), 1 split ran the tiled int8 kernel at 57% of
-  // the triad and 4 splits (the earlier rule: 16 tasks per thread) at 45%, fp16 at 53% and 48%.
+  // tokens. Each split costs a task start and a share of the merge, so more splits than fill
+  // the threads only lose (the earlier rule, 16 tasks per thread, measured slower at batch 1).
   const int64_t base = std::max<int64_t>(1, B * Hkv), threads = std::max(1, num_threads);
   const int64_t most = std::max<int64_t>(1, max_length / 256);
   int64_t splits = 1;

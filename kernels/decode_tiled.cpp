@@ -25,9 +25,9 @@
 //      bias); int32 sums over the block, then one multiply-add by the block's scale into fp32.
 // Tokens past a sequence's length inside its last tile or group get probability 0, so
 // whatever those cache bytes hold contributes exactly 0 (integer arithmetic: no NaN).
-// Measured at Llama-2-7B shapes on host C against the earlier order (all of a task's K, an
-// exact softmax over the whole chunk, then all of its V), 8 layers of batch 16 in alternating
-// processes, each with its fastest prefetch setting: 31.3-31.7 GB/s against 28.3-29.2.
+// This order (K and V block by block, side by side) streams faster than the earlier one (all
+// of a task's K, an exact softmax over the whole chunk, then all of its V): K and V are read
+// while both are still in flight, and the chunk's scores never leave registers.
 //
 // Software prefetch (g_prefetch, chosen per host): each stream `bytes` ahead of the line read
 // with the chosen hint. Pipelined (g_prefetch.pipeline): past the end of a task's K or V the
@@ -52,8 +52,8 @@ namespace {
 constexpr int W = VecF::W;          // fp32 / int32 lanes = tokens per K vector
 constexpr int KV = 64 / I8B;        // vectors per 64-byte unit (16 tokens x 4 values)
 // Tokens per online-softmax step and per probability scale. Steps of 64 and 128 tokens (one
-// softmax over more scores at a time, the scale still per 32) measured 3-9% slower on host C
-// at both the bundled model's and Llama-2-7B's shapes.
+// softmax over more scores at a time, the scale still per 32) measured slower at both the
+// bundled model's and Llama-2-7B's shapes: the larger step's scores spill registers.
 constexpr int kBlock = kTiledAlign;
 static_assert(W * KV == kTileTokens, "one 64-byte unit holds a tile's 16 tokens");
 static_assert(kBlock % kTileTokens == 0 && kBlock % kVGroupTokens == 0, "a block is whole tiles and groups");
@@ -98,12 +98,11 @@ inline void prefetch_ahead(const Ahead& ahead, const int8_t* line) {
 // tile and GC heads. The tile's D / 4 lines (KV vectors each) are read in address order, R
 // independent accumulator chains per head taking every R-th line (summed at the end: int32,
 // exact), which hides the dot product's latency while K stays one sequential stream (R tiles
-// side by side, line by line, streamed 6% slower at Llama-2-7B shapes on host C).
+// side by side, line by line, measured slower: R streams instead of one).
 // score_tile and pv_block are functions of their own ([[gnu::noinline]]), pv_chunk is
 // inlined into pv_block: the code GCC 12 chose by itself in the fastest build, fixed so that
-// it no longer depends on its inlining heuristics. With pv_block inlined into the task loop
-// the kernel ran 29.2 GB/s at Llama-2-7B shapes, against 31.3-31.7 (host C, alternating
-// processes).
+// it no longer depends on its inlining heuristics (with pv_block inlined into the task loop
+// the kernel measured slower).
 template <int GC, int R, int Hint>
 [[gnu::noinline]] void score_tile(const int8_t* tile, int64_t D, const int8_t* q8, int64_t ldq, const float* qmul,
                                   const float* qbias, const float* kscale, float* out, int64_t ldo,

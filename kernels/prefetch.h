@@ -15,7 +15,7 @@ struct PrefetchConfig {
   int hint = 0;          // 0 prefetchnta, 1 prefetcht2, 2 prefetcht1, 3 prefetcht0
   // The tiled int8 kernel (decode_tiled.cpp): its prefetches run on past the end of a task's
   // K and V into the next task's, instead of stopping there. Measured per host like the rest
-  // (on host C, at 3 KB ahead, within 1-2% either way).
+  // (where it was measured, it changed little either way).
   bool pipeline = false;
 };
 
@@ -25,9 +25,9 @@ inline PrefetchConfig g_prefetch;  // set by set_prefetch (bindings), read by th
 // per host with that kernel at small K (workbench/hw/prefetch.py): W rows about `bytes`
 // ahead, for row chunks of at most `max_chunk_bytes` (longer chunks are one long stream each,
 // which the hardware prefetcher follows by itself on the hosts measured so far). Per type
-// because the best choice differs with the arithmetic per byte: on host C (Xeon) fp32 rows
-// stream fastest with no software prefetch, bf16 and int8 rows gain 13-50% from prefetcht0.
-// The defaults are the Zen host's.
+// because the best choice differs with the arithmetic per byte: fp32 rows, the least work per
+// byte, can stream fastest with no software prefetch while bf16 and int8 rows gain from it.
+// The defaults stand until a host's own probe has run.
 struct MatvecPrefetch {
   int64_t bytes = 8192;
   int hint = 3;

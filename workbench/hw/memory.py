@@ -2,15 +2,14 @@
 
 Streaming a KV cache or a weight matrix from DRAM touches a new 4 KiB page every 4 KiB; on
 2 MiB pages the TLB covers 512 times more, and the hardware prefetchers stop at page
-boundaries less often. Measured on host C (Xeon, 2 threads): a read of 512 MiB at 35.1 GB/s
-on huge pages against 30.6 on 4 KiB pages. Linux gives anonymous memory huge pages only
+boundaries less often (docs/measurements.md has what it gained). Linux gives anonymous memory huge pages only
 when asked (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the usual default),
 and only for memory not yet touched, so `empty()` maps a fresh anonymous region for each
 large buffer (unmapped when the tensor is freed) and asks with madvise(MADV_HUGEPAGE)
 before the first touch. torch.empty would take it from malloc, which after a burst of
 freed buffers hands back heap memory already on 4 KiB pages: in bench/decode_attention.py,
 after the bundled model's shapes, 1 GiB of the Llama-2-7B caches came back that way and the
-tiled int8 kernel read them at 29.1-29.5 GB/s instead of 31.6-32.2 (host C). Elsewhere, or
+tiled int8 kernel read them measurably slower. Elsewhere, or
 when the kernel says no, the buffer is an ordinary one: same values, same layout.
 """
 
@@ -58,8 +57,7 @@ class Arena:
     boundary right after the previous one: `take(t)` copies t in and returns the view that
     replaces it. Weights moved in the order a decode step reads them become one long stream
     on 2 MiB pages instead of a hundred separate allocations on 4 KiB pages (the layers'
-    matrices are 1-7 MiB, too small to hold an aligned huge page each). Measured on host C
-    (Xeon, 2 threads, SmolLM2 fp32 at batch 1): 49.8 tokens/s before, 52-54 after.
+    matrices are 1-7 MiB, too small to hold an aligned huge page each).
     The buffer is only reserved when created; pages are touched as tensors are copied in,
     so moving a model whose old tensors are freed as they are replaced needs no second copy
     of it in memory."""

@@ -7,15 +7,9 @@ peaks:
   - the matrix-vector kernel at small K (SmolLM2's four layer shapes, one row of x), for each
     weight type (fp32, bf16, int8): bytes ahead, hint, and up to which row-chunk length to
     prefetch at all.
-Measured on host C (Xeon, 2 threads) for the int8 widening kernel: no prefetch 25.4 GB/s,
-prefetchnta 4 KB ahead 16.4, prefetcht1 4 KB ahead 27.0, prefetcht0 1 KB ahead 28.6; for
-the tiled kernel (reading K and V block by block) no prefetch 26.7, prefetcht0 2 KB ahead
-30.4 and 3 KB ahead 32.0, 31.1 and 31.5 (prefetcht1 3 KB) with the pipelined streams,
-prefetchnta 4 KB ahead 12.3. The matrix-vector kernel in the bundled model at batch 1
-there: fp32 weights 54.6 tokens/s without software prefetch and 52.6 with prefetcht0 8 KB
-ahead, bf16 77.4 and 87.5, int8-g32 84.6 and 128.8 (4 KB ahead). On the
-AMD hosts the kernels were tuned with prefetchnta 4 KB ahead (attention) and prefetcht0 8 KB
-ahead for short rows (matrix-vector). No constant is right on every host.
+The best distance and hint differ between hosts and between weight types (a hint that
+helps one stream halves another), so nothing here is a constant; the figures measured on
+each development host are in docs/measurements.md. No constant is right on every host.
 """
 
 from __future__ import annotations
@@ -109,7 +103,7 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
     one row of x against SmolLM2's layer shapes, the weights rotated over at least twice the
     last-level cache (256 MiB or more, int8 with its scale per 32 weights) on huge pages.
     Returns, per weight type, the fastest candidate and every candidate's GB/s: the best
-    choice differs with the type (on host C no prefetch for fp32, prefetcht0 for bf16 and int8)."""
+    choice differs with the type (the arithmetic per byte differs, so does how far ahead pays)."""
     from workbench.hw import memory
     from workbench.hw.machine import machine_info
 
