@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--m", default="1,16,32,512,1024", help="rows of x (tokens), comma-separated")
     args = parser.parse_args()
     peak = measured_peaks()
-    amx = kernels.gemm_engines()["amx_bf16"][0]
     bf16_engines = [e for e in ("amx_bf16", "avx512_bf16") if kernels.gemm_engines()[e][0]]
+    amx = "amx_bf16" in bf16_engines
 
     def engine(name):  # run our bf16 GEMM on one engine (restored to auto at the end)
         def run(x, w, **kw):

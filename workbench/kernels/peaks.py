@@ -95,19 +95,26 @@ def measure_read_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
     return 4 * n_floats / _best(lambda: native.ext.read_sum(x), repeats) / 1e9
 
 
-def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 5) -> float:
-    """The best of `repeats` runs, like the bandwidths: a peak is what the machine can do, and
-    anything else running on a shared host only lowers a run (one median-of-3 measurement on
-    a 2-vCPU cloud host once came out at half the peak, 117 instead of 234 GFLOP/s)."""
-    from workbench.kernels import native
-
+def _loop_gflops(loop, threads: int, iterations: int, repeats: int) -> float:
+    """GFLOP/s of one of the extension's probe loops (fma_loop, amx_bf16_loop,
+    avx512_bf16_loop: each returns the FLOPs it executed) on `threads` threads, best of
+    `repeats` (_best warms up)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        flops = native.ext.fma_loop(1) * iterations  # it returns the FLOPs it did (_best warms up)
-        return flops / _best(lambda: native.ext.fma_loop(iterations), repeats) / 1e9
+        flops = loop(1) * iterations
+        return flops / _best(lambda: loop(iterations), repeats) / 1e9
     finally:
         torch.set_num_threads(before)
+
+
+def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 5) -> float:
+    """The best of `repeats` runs, like the bandwidths: a peak is what the machine can do, and
+    anything else running on a shared host only lowers a run (one median-of-3 measurement on
+    a 2-vCPU cloud host once came out at half the peak)."""
+    from workbench.kernels import native
+
+    return _loop_gflops(native.ext.fma_loop, threads, iterations, repeats)
 
 
 def measure_amx_bf16_gflops(threads: int, iterations: int = 2_000_000, repeats: int = 5) -> tuple[float, str]:
@@ -115,15 +122,7 @@ def measure_amx_bf16_gflops(threads: int, iterations: int = 2_000_000, repeats: 
     from workbench.kernels import native
 
     available, reason = native.ext.gemm_engines()["amx_bf16"]
-    if not available:
-        return 0.0, reason
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        flops = native.ext.amx_bf16_loop(1) * iterations
-        return flops / _best(lambda: native.ext.amx_bf16_loop(iterations), repeats) / 1e9, reason
-    finally:
-        torch.set_num_threads(before)
+    return (_loop_gflops(native.ext.amx_bf16_loop, threads, iterations, repeats) if available else 0.0), reason
 
 
 def measure_avx512_bf16_gflops(threads: int, iterations: int = 5_000_000, repeats: int = 5) -> float:
@@ -131,13 +130,7 @@ def measure_avx512_bf16_gflops(threads: int, iterations: int = 5_000_000, repeat
 
     if not native.ext.gemm_engines()["avx512_bf16"][0]:
         return 0.0
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        flops = native.ext.avx512_bf16_loop(1) * iterations
-        return flops / _best(lambda: native.ext.avx512_bf16_loop(iterations), repeats) / 1e9
-    finally:
-        torch.set_num_threads(before)
+    return _loop_gflops(native.ext.avx512_bf16_loop, threads, iterations, repeats)
 
 
 def _cache_path():
