@@ -1,12 +1,14 @@
-"""Decode attention (one new token per sequence) against KV caches of each kernel format.
+"""Decode attention (one new token per sequence) against KV caches of each kernel format,
+read by each kernel the format has.
 
 Shapes: Llama-2-7B attention (H=32, Hkv=32, D=128) and, with --shapes smollm2, the bundled
 model's (H=9, Hkv=3, D=64: GQA 3:1), for batch B and context L; plus B=1 with GQA (H=32,
 Hkv=8) where split-KV matters. Cases, interleaved in one run:
 
-    int8      the paper's kernel: int8 K and V widened to fp32 in registers
-    int8dot   the same cache, the query quantized to int8, scores by integer dot products
-    int8tile  int8 in the tiled layout: integer dot products for the scores and for P.V
+    int8 (widen)  the paper's kernel: int8 K and V widened to fp32 in registers
+    int8 (dot)    the same cache, the query quantized to int8, scores by integer dot products
+    int8 (tile)   the same values and scales in the tiled layout: integer dot products for
+                  the scores and for P.V (the format's default kernel)
     fp16 / bf16 / fp32   a cache of that dtype
     sdpa fp32 torch scaled_dot_product_attention on the same fp32 cache
     triad     the STREAM triad, re-measured between the cases (same machine state)
@@ -39,11 +41,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from workbench.hw import memory  # noqa: E402
 from workbench.hw.machine import machine_info  # noqa: E402
-from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KVCache  # noqa: E402
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KVCache, kernel_configs, kv_label  # noqa: E402
 from workbench.model.loaders import available_memory_bytes  # noqa: E402
 
 SHAPES = {"7b": (32, 32, 128), "smollm2": (9, 3, 64)}  # H, Hkv, D
-DTYPES = KERNEL_FORMATS
+CACHES = {kv_label(f, k): (f, k) for f, k in kernel_configs(KERNEL_FORMATS, "all")}  # label -> (format, kernel)
 TRIAD_FLOATS = 1 << 25  # 3 x 128 MiB, far beyond the caches
 
 
@@ -57,32 +59,37 @@ def layers_for(B: int, Hkv: int, L: int, D: int) -> int:
     return max(1, math.ceil(2 * llc / cache_bytes(B, Hkv, L, D, "int8")))
 
 
-def make_caches(B: int, Hkv: int, L: int, D: int, names: list[str], layers: int) -> dict:
-    """Random K and V in `layers` one-layer caches of each format, as decode_attention's
-    keyword arguments."""
-    caches = {name: [] for name in names}
-    for _ in range(layers):
-        k, v = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
-        for name in names:
-            cache = KVCache(1, B, Hkv, L, D, name)
-            cache.append(0, k, v, torch.zeros(B, dtype=torch.int64))
-            caches[name].append(cache)
+def make_caches(B: int, Hkv: int, L: int, D: int, labels: list[str], layers: int) -> dict:
+    """Random K and V in `layers` one-layer caches for each case; kernels that read the same
+    layout (int8 widen and dot) share one set of caches."""
+    stored: dict[tuple, list] = {}
+    caches = {}
+    for label in labels:
+        fmt, kernel = CACHES[label]
+        layout = (fmt, kernel == "tile")
+        if layout not in stored:
+            stored[layout] = []
+            for _ in range(layers):
+                k, v = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+                cache = KVCache(1, B, Hkv, L, D, fmt, "tile" if kernel == "tile" else "widen")
+                cache.append(0, k, v, torch.zeros(B, dtype=torch.int64))
+                stored[layout].append(cache)
+        caches[label] = stored[layout]
     return caches
 
 
 def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: list[int | None],
                budget_bytes: int) -> dict:
     layers = layers_for(B, Hkv, L, D)
-    names = [n for n in DTYPES if n != "fp32"]
-    per_layer = sum(cache_bytes(B, Hkv, L, D, n) for n in DTYPES if n != "int8dot") + 2 * B * Hkv * L * D * 4
+    names = [n for n in CACHES if n != "fp32"]
+    layouts = {(f, k == "tile") for f, k in CACHES.values()}
+    per_layer = sum(cache_bytes(B, Hkv, L, D, f) for f, _ in layouts) + 2 * B * Hkv * L * D * 4
     skipped = []
     if layers * per_layer <= budget_bytes:
         names.append("fp32")
     else:
         skipped.append(f"fp32 and sdpa: {layers * per_layer / 2**30:.1f} GiB of caches exceed the memory budget")
-    shared = [n for n in names if n != "int8dot"]  # int8dot reads the int8 caches
-    caches = make_caches(B, Hkv, L, D, shared, layers)
-    caches["int8dot"] = caches["int8"]
+    caches = make_caches(B, Hkv, L, D, names, layers)
     q = torch.randn(B, H, D)
     lengths = torch.full((B,), L, dtype=torch.int64)
     a, b, c = torch.empty(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS), torch.rand(TRIAD_FLOATS)
@@ -90,10 +97,10 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
     from workbench import kernels
 
     def step(name, s):
-        """One timed call: this format's decode over every layer's cache (splits s, None: default)."""
-        fmt = KV_FORMATS[name]  # int8dot: its own kernel over the int8 caches
-        return lambda: [fmt.decode(q, c.k[0], c.v[0], c.k_scale[0], c.v_scale[0], lengths, num_splits=s,
-                                   **fmt.kernel_options) for c in caches[name]]
+        """One timed call: this case's kernel over every layer's cache (splits s, None: default)."""
+        fmt, kernel = CACHES[name]
+        return lambda: [KV_FORMATS[fmt].decode(q, c.k[0], c.v[0], c.k_scale[0], c.v_scale[0], lengths, num_splits=s,
+                                               int8_kernel=kernel) for c in caches[name]]
 
     cases = {}
     for name in names:
@@ -113,7 +120,7 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
     for label, st in stats.items():
         if label in ("triad", "read"):
             continue
-        dtype = label.split()[1] if label.startswith("sdpa") else label.split()[0]
+        dtype = label.split()[1] if label.startswith("sdpa") else label.split()[0]  # the format: its bytes
         nbytes = layers * cache_bytes(B, Hkv, L, D, dtype)
         gbps = nbytes / (st["median_ms"] / 1e3) / 1e9
         st["gbps"] = gbps
@@ -127,13 +134,12 @@ def run_config(B: int, H: int, Hkv: int, D: int, L: int, repeats: int, splits: l
     med = {k: v["median_ms"] for k, v in stats.items()}
     ratios = {}
     if "fp16" in med:
-        ratios["fp16_over_int8"] = med["fp16"] / med["int8"]
-        ratios["fp16_over_int8dot"] = med["fp16"] / med["int8dot"]
-        ratios["int8_over_int8dot"] = med["int8"] / med["int8dot"]
-        ratios["fp16_over_int8tile"] = med["fp16"] / med["int8tile"]
+        for kernel in KV_FORMATS["int8"].kernels:
+            ratios[f"fp16_over_int8_{kernel}"] = med["fp16"] / med[f"int8 ({kernel})"]
+        ratios["int8_widen_over_int8_dot"] = med["int8 (widen)"] / med["int8 (dot)"]
         ratios["bytes_ceiling_fp16_over_int8"] = cache_bytes(B, Hkv, L, D, "fp16") / cache_bytes(B, Hkv, L, D, "int8")
     if "fp32" in med:
-        ratios["fp32_over_int8"] = med["fp32"] / med["int8"]
+        ratios["fp32_over_int8_widen"] = med["fp32"] / med["int8 (widen)"]
         ratios["sdpa_fp32_over_fp32"] = med["sdpa fp32"] / med["fp32"]
     default_splits = kernels.native.default_num_splits(B, Hkv, L)
     print(f"H/Hkv/D {H}/{Hkv}/{D} B={B} L={L} ({layers} layers): triad {triad_gbps:.1f} GB/s, read {read_gbps:.1f}; "

@@ -155,6 +155,19 @@ Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool c
   return prefill(q, k, v, causal, scale, block_m, block_n, false);
 }
 
+// The int8 decode kernel called `name` ("widen", "dot" or "tile"); an int8 kernel other than
+// "widen" needs an int8 cache.
+wbk::Int8Kernel int8_kernel_named(const std::string& name, bool is_int8, const char* fn, at::ScalarType dtype) {
+  int found = -1;
+  for (int i = 0; i < 3; ++i)
+    if (name == wbk::kInt8KernelNames[i]) found = i;
+  TORCH_CHECK_VALUE(found >= 0, fn, ": int8_kernel must be one of widen, dot, tile, got '", name, "'");
+  const auto kernel = static_cast<wbk::Int8Kernel>(found);
+  TORCH_CHECK_VALUE(kernel == wbk::Int8Kernel::kWiden || is_int8, fn, ": int8_kernel '", name,
+                    "' needs an int8 cache, but the cache is ", dtype);
+  return kernel;
+}
+
 // The tiled int8 layout's shape rules (kernels.h), checked before any kernel runs.
 void check_tiled_shape(int64_t Lmax, int64_t D, const char* fn, const char* name) {
   TORCH_CHECK_VALUE(Lmax % wbk::kTiledAlign == 0, fn, ": the tiled layout needs ", name,
@@ -164,8 +177,8 @@ void check_tiled_shape(int64_t Lmax, int64_t D, const char* fn, const char* name
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
-                        std::optional<double> scale, std::optional<int64_t> num_splits, bool int8_query,
-                        bool tiled) {
+                        std::optional<double> scale, std::optional<int64_t> num_splits,
+                        const std::string& int8_kernel_name) {
   const char* fn = "decode_attention";
   check_tensor(q, fn, "q", 3, "[B, H, D]");
   check_float_input(q, fn, "q");
@@ -202,11 +215,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(), fn,
                       ": k_scale / v_scale are only used with an int8 cache, but the cache is ",
                       k_cache.scalar_type());
-    TORCH_CHECK_VALUE(!int8_query, fn, ": int8_query needs an int8 cache, but the cache is ",
-                      k_cache.scalar_type());
-    TORCH_CHECK_VALUE(!tiled, fn, ": tiled needs an int8 cache, but the cache is ", k_cache.scalar_type());
   }
-  if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
+  const wbk::Int8Kernel int8_kernel = int8_kernel_named(int8_kernel_name, is_int8, fn, k_cache.scalar_type());
+  if (int8_kernel == wbk::Int8Kernel::kTile) check_tiled_shape(Lmax, D, fn, "k_cache");
   const float s = checked_scale(scale, D, fn);
   int64_t splits = num_splits.value_or(0);
   if (num_splits) {
@@ -236,8 +247,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                     dtype,
                     s,
                     splits,
-                    int8_query || tiled,
-                    tiled};
+                    int8_kernel};
   wbk::decode_attention(a);
   return out.to(q.scalar_type());
 }
@@ -484,84 +494,83 @@ int matvec_weights(const std::string& name) {
 // The fused decode step's Python face: built once per (model, cache) with every layer's
 // weights and cache tensors (checked here, kept alive here), then step() runs all layers
 // in one call with the GIL released (decode_step.cpp).
+// One decoder layer's tensors as the fused step reads them: its norms, its four linears
+// (weight and, for int8 weights, the per-row scales) and its KV cache (scales for int8).
+struct DecodeLayer {
+  Tensor attn_norm, mlp_norm;
+  Tensor wqkv, wo, w_gate_up, w_down;
+  std::optional<Tensor> wqkv_scale, wo_scale, w_gate_up_scale, w_down_scale;
+  Tensor k_cache, v_cache;
+  std::optional<Tensor> k_scale, v_scale;
+};
+
 class DecodeStack {
  public:
-  DecodeStack(const std::vector<Tensor>& attn_norm, const std::vector<Tensor>& mlp_norm,
-              const std::vector<Tensor>& wqkv, const std::vector<std::optional<Tensor>>& wqkv_scale,
-              const std::vector<Tensor>& wo, const std::vector<std::optional<Tensor>>& wo_scale,
-              const std::vector<Tensor>& wgu, const std::vector<std::optional<Tensor>>& wgu_scale,
-              const std::vector<Tensor>& wdown, const std::vector<std::optional<Tensor>>& wdown_scale,
-              const std::vector<Tensor>& k_cache, const std::vector<Tensor>& v_cache,
-              const std::vector<std::optional<Tensor>>& k_scale, const std::vector<std::optional<Tensor>>& v_scale,
-              int64_t heads, double eps, bool int8_query, bool tiled) {
+  DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
+              const std::string& int8_kernel_name) {
     const char* fn = "DecodeStack";
-    const size_t n = attn_norm.size();
+    const size_t n = layers.size();
     TORCH_CHECK_VALUE(n >= 1, fn, ": needs at least one layer");
-    for (size_t len : {mlp_norm.size(), wqkv.size(), wqkv_scale.size(), wo.size(), wo_scale.size(), wgu.size(),
-                       wgu_scale.size(), wdown.size(), wdown_scale.size(), k_cache.size(), v_cache.size(),
-                       k_scale.size(), v_scale.size()})
-      TORCH_CHECK_VALUE(len == n, fn, ": every per-layer list needs ", n, " entries (one per layer), got ", len);
-    check_tensor(k_cache[0], fn, "k_cache[0]", 4, "[B, Hkv, Lmax, D]");
-    const int64_t B = k_cache[0].size(0), Hkv = k_cache[0].size(1), Lmax = k_cache[0].size(2),
-                  D = k_cache[0].size(3);
-    check_tensor(attn_norm[0], fn, "attn_norm[0]", 1, "[dim]");
-    const int64_t dim = attn_norm[0].size(0);
+    const DecodeLayer& first = layers[0];
+    check_tensor(first.k_cache, fn, "layers[0].k_cache", 4, "[B, Hkv, Lmax, D]");
+    const int64_t B = first.k_cache.size(0), Hkv = first.k_cache.size(1), Lmax = first.k_cache.size(2),
+                  D = first.k_cache.size(3);
+    check_tensor(first.attn_norm, fn, "layers[0].attn_norm", 1, "[dim]");
+    const int64_t dim = first.attn_norm.size(0);
     TORCH_CHECK_VALUE(heads >= 1 && heads % Hkv == 0, fn, ": heads (", heads,
                       ") must be a positive multiple of the cache's KV heads (", Hkv, ")");
-    check_tensor(wdown[0], fn, "wdown[0]", 2, "[dim, ffn]");
-    const int64_t ffn = wdown[0].size(1);
-    const wbk::CacheDtype dtype = cache_dtype(k_cache[0], fn, "k_cache[0]");
+    check_tensor(first.w_down, fn, "layers[0].w_down", 2, "[dim, ffn]");
+    const int64_t ffn = first.w_down.size(1);
+    const wbk::CacheDtype dtype = cache_dtype(first.k_cache, fn, "layers[0].k_cache");
     const bool is_int8 = dtype == wbk::CacheDtype::kInt8;
-    TORCH_CHECK_VALUE(!(int8_query || tiled) || is_int8, fn, ": int8_query / tiled need an int8 cache, got ",
-                      k_cache[0].scalar_type());
+    const wbk::Int8Kernel int8_kernel =
+        int8_kernel_named(int8_kernel_name, is_int8, fn, first.k_cache.scalar_type());
+    const bool tiled = int8_kernel == wbk::Int8Kernel::kTile;
     if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
     shape_ = {dim, heads, Hkv, D, ffn, Lmax, static_cast<float>(eps), static_cast<float>(1.0 / std::sqrt(double(D))),
               dtype, tiled ? wbk::CacheLayout::kKTiles : wbk::CacheLayout::kRows,
-              tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_query || tiled, tiled};
+              tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_kernel};
     batch_ = B;
     for (size_t l = 0; l < n; ++l) {
-      const std::string at = "[" + std::to_string(l) + "]";
-      for (auto [t, name] : {std::pair{attn_norm[l], "attn_norm"}, std::pair{mlp_norm[l], "mlp_norm"}}) {
-        check_tensor(t, fn, (name + at).c_str(), 1, "[dim]");
-        TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", name, at, " must be float32, got ", t.scalar_type());
-        TORCH_CHECK_VALUE(t.size(0) == dim, fn, ": ", name, at, " has ", t.size(0), " values, expected dim = ", dim);
+      const DecodeLayer& in = layers[l];
+      const std::string at = "layers[" + std::to_string(l) + "].";
+      for (auto [t, name] : {std::pair{in.attn_norm, "attn_norm"}, std::pair{in.mlp_norm, "mlp_norm"}}) {
+        check_tensor(t, fn, (at + name).c_str(), 1, "[dim]");
+        TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", at, name, " must be float32, got ", t.scalar_type());
+        TORCH_CHECK_VALUE(t.size(0) == dim, fn, ": ", at, name, " has ", t.size(0), " values, expected dim = ", dim);
       }
       wbk::LayerRef r{};
-      r.attn_norm = attn_norm[l].data_ptr<float>();
-      r.mlp_norm = mlp_norm[l].data_ptr<float>();
-      r.qkv = checked_weight(wqkv[l], wqkv_scale[l], fn, "wqkv" + at, dim);
-      r.o = checked_weight(wo[l], wo_scale[l], fn, "wo" + at, heads * D);
-      r.gate_up = checked_weight(wgu[l], wgu_scale[l], fn, "wgu" + at, dim);
-      r.down = checked_weight(wdown[l], wdown_scale[l], fn, "wdown" + at, ffn);
+      r.attn_norm = in.attn_norm.data_ptr<float>();
+      r.mlp_norm = in.mlp_norm.data_ptr<float>();
+      r.qkv = checked_weight(in.wqkv, in.wqkv_scale, fn, at + "wqkv", dim);
+      r.o = checked_weight(in.wo, in.wo_scale, fn, at + "wo", heads * D);
+      r.gate_up = checked_weight(in.w_gate_up, in.w_gate_up_scale, fn, at + "w_gate_up", dim);
+      r.down = checked_weight(in.w_down, in.w_down_scale, fn, at + "w_down", ffn);
       TORCH_CHECK_VALUE(r.qkv.N == (heads + 2 * Hkv) * D && r.o.N == dim && r.gate_up.N == 2 * ffn && r.down.N == dim,
                         fn, ": layer ", l, "'s weights do not fit dim ", dim, ", ", heads, " heads, ", Hkv,
                         " KV heads of ", D, " and ffn ", ffn);
-      for (auto [t, name] : {std::pair{k_cache[l], "k_cache"}, std::pair{v_cache[l], "v_cache"}}) {
-        check_tensor(t, fn, (name + at).c_str(), 4, "[B, Hkv, Lmax, D]");
-        TORCH_CHECK_VALUE(t.sizes() == k_cache[0].sizes() && t.scalar_type() == k_cache[0].scalar_type(), fn, ": ",
-                          name, at, " must match k_cache[0] (", k_cache[0].sizes(), " ", k_cache[0].scalar_type(),
-                          "), got ", t.sizes(), " ", t.scalar_type());
+      for (auto [t, name] : {std::pair{in.k_cache, "k_cache"}, std::pair{in.v_cache, "v_cache"}}) {
+        check_tensor(t, fn, (at + name).c_str(), 4, "[B, Hkv, Lmax, D]");
+        TORCH_CHECK_VALUE(t.sizes() == first.k_cache.sizes() && t.scalar_type() == first.k_cache.scalar_type(), fn,
+                          ": ", at, name, " must match layers[0].k_cache (", first.k_cache.sizes(), " ",
+                          first.k_cache.scalar_type(), "), got ", t.sizes(), " ", t.scalar_type());
       }
-      r.k_cache = k_cache[l].data_ptr();
-      r.v_cache = v_cache[l].data_ptr();
-      for (auto [t, name] : {std::pair{k_scale[l], "k_scale"}, std::pair{v_scale[l], "v_scale"}}) {
-        TORCH_CHECK_VALUE(t.has_value() == is_int8, fn, ": ", name, at, is_int8 ? " is needed (int8 cache)" :
+      r.k_cache = in.k_cache.data_ptr();
+      r.v_cache = in.v_cache.data_ptr();
+      for (auto [t, name] : {std::pair{in.k_scale, "k_scale"}, std::pair{in.v_scale, "v_scale"}}) {
+        TORCH_CHECK_VALUE(t.has_value() == is_int8, fn, ": ", at, name, is_int8 ? " is needed (int8 cache)" :
                           " is only for an int8 cache");
         if (t) {
-          check_tensor(*t, fn, (name + at).c_str(), 3, "[B, Hkv, Lmax]");
-          TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", name, at, " must be float32");
-          TORCH_CHECK_VALUE(t->sizes() == k_cache[0].sizes().slice(0, 3), fn, ": ", name, at, " must be ",
-                            k_cache[0].sizes().slice(0, 3), ", got ", t->sizes());
-          keep_.push_back(*t);
+          check_tensor(*t, fn, (at + name).c_str(), 3, "[B, Hkv, Lmax]");
+          TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", at, name, " must be float32");
+          TORCH_CHECK_VALUE(t->sizes() == first.k_cache.sizes().slice(0, 3), fn, ": ", at, name, " must be ",
+                            first.k_cache.sizes().slice(0, 3), ", got ", t->sizes());
         }
       }
-      r.k_scale = k_scale[l] ? k_scale[l]->data_ptr<float>() : nullptr;
-      r.v_scale = v_scale[l] ? v_scale[l]->data_ptr<float>() : nullptr;
+      r.k_scale = in.k_scale ? in.k_scale->data_ptr<float>() : nullptr;
+      r.v_scale = in.v_scale ? in.v_scale->data_ptr<float>() : nullptr;
       layers_.push_back(r);
-      for (const Tensor& t : {attn_norm[l], mlp_norm[l], wqkv[l], wo[l], wgu[l], wdown[l], k_cache[l], v_cache[l]})
-        keep_.push_back(t);
-      for (const auto& t : {wqkv_scale[l], wo_scale[l], wgu_scale[l], wdown_scale[l]})
-        if (t) keep_.push_back(*t);
+      keep_.push_back(in);  // the stack holds its tensors, not copies
     }
   }
 
@@ -607,24 +616,22 @@ class DecodeStack {
   wbk::StackShape shape_{};
   int64_t batch_ = 0;
   std::vector<wbk::LayerRef> layers_;
-  std::vector<Tensor> keep_;  // every tensor a pointer above points into
+  std::vector<DecodeLayer> keep_;  // every tensor a pointer above points into
   wbk::StepBuffers buffers_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "workbench attention and KV-cache kernels (see workbench.kernels for the documented API)";
+  py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())  // one layer's tensors for DecodeStack
+      .def(py::init<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>,
+                    std::optional<Tensor>, std::optional<Tensor>, Tensor, Tensor, std::optional<Tensor>,
+                    std::optional<Tensor>>(),
+           py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"),
+           py::arg("w_down"), py::arg("wqkv_scale"), py::arg("wo_scale"), py::arg("w_gate_up_scale"),
+           py::arg("w_down_scale"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)
-      .def(py::init<const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
-                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
-                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
-                    const std::vector<std::optional<Tensor>>&, const std::vector<Tensor>&,
-                    const std::vector<Tensor>&, const std::vector<std::optional<Tensor>>&,
-                    const std::vector<std::optional<Tensor>>&, int64_t, double, bool, bool>(),
-           py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wqkv_scale"), py::arg("wo"),
-           py::arg("wo_scale"), py::arg("wgu"), py::arg("wgu_scale"), py::arg("wdown"), py::arg("wdown_scale"),
-           py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("heads"),
-           py::arg("eps"), py::arg("int8_query"), py::arg("tiled"))
+      .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&>(), py::arg("layers"),
+           py::arg("heads"), py::arg("eps"), py::arg("int8_kernel"))
       .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
            py::arg("timers"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layers", &DecodeStack::layers);
@@ -636,7 +643,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
-        py::arg("int8_query") = false, py::arg("tiled") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("int8_kernel") = "widen", py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
   m.def("set_prefetch", [](int64_t bytes, int hint, bool pipeline) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
@@ -711,6 +718,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict d, weights, parts;
     d["weight_group"] = wbk::kWeightGroup;
     d["tiled_align"] = wbk::kTiledAlign;
+    d["int8_kernels"] = std::vector<std::string>(std::begin(wbk::kInt8KernelNames), std::end(wbk::kInt8KernelNames));
     d["tile_tokens"] = wbk::kTileTokens;
     d["v_group_tokens"] = wbk::kVGroupTokens;
     d["matvec_max_rows"] = wbk::kMatvecMaxRows;

@@ -18,7 +18,7 @@
 //   2. exact softmax over the chunk; for int8 the V scale is folded into the
 //      probabilities (sum_t p_t v_t = sum_t (p_t s_t) v8_t).
 //   3. O += P V, 32 tokens at a time.
-// With int8_query (int8 cache only), pass 1 instead quantizes each query head to int8
+// With Int8Kernel::kDot (int8 cache only), pass 1 instead quantizes each query head to int8
 // (scale = max|q| / 127) and computes q8 . k8 with integer dot products (VNNI vpdpbusd, or
 // pmaddubsw + pmaddwd on sign-adjusted operands; simd.h), so a token's K costs one load and
 // one instruction per query head instead of widening and FMAs; the score is then
@@ -205,7 +205,7 @@ void decode_impl(const DecodeArgs& a) {
     part_ml.resize(a.B * a.H * S * 2);
   }
 
-  const bool int8_query = kInt8 && a.int8_query;
+  const bool int8_query = kInt8 && a.int8_kernel == Int8Kernel::kDot;
   const int64_t ldq = (D + I8B - 1) / I8B * I8B;  // int8 query rows, padded to whole vectors
 
   run_tasks(a.B * a.Hkv * S, [&] {
@@ -314,7 +314,7 @@ int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int nu
 const char* decode_dot_isa() { return kDotIsa; }
 
 void decode_attention(const DecodeArgs& a) {
-  if (a.tiled) return decode_attention_tiled(a);
+  if (a.int8_kernel == Int8Kernel::kTile) return decode_attention_tiled(a);
   switch (a.dtype) {
     case CacheDtype::kFloat32:
       return decode_impl<float>(a);

@@ -107,7 +107,7 @@ void decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layers,
     kv_cache_append({buf.k.data(), L.k_cache, L.k_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.k_layout});
     kv_cache_append({buf.v.data(), L.v_cache, L.v_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.v_layout});
     DecodeArgs da{buf.q.data(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, a.lengths, buf.attn.data(), B, H, Hkv,
-                  s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_query, s.tiled};
+                  s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_kernel};
     decode_attention(da);
     linear(buf.attn.data(), L.o, out, B);
     const auto t2 = Clock::now();

@@ -37,6 +37,15 @@ void flash_attention(const PrefillArgs& a);
 //   (int8 only); lengths [B] in 1..Lmax; out [B, H, D] fp32.
 enum class CacheDtype { kFloat32, kFloat16, kBFloat16, kInt8 };
 
+// How a decode kernel reads an int8 cache (workbench.model.kv_formats names them):
+//   kWiden  K and V widened to fp32 in registers (the paper's kernel);
+//   kDot    the query quantized to int8 too (one scale per head), scores by integer dot
+//           products, P.V in fp32;
+//   kTile   the cache in the tiled layout (decode_tiled.cpp): integer scores and integer P.V.
+// Every other cache dtype is widened (kWiden).
+enum class Int8Kernel { kWiden = 0, kDot = 1, kTile = 2 };
+inline constexpr const char* kInt8KernelNames[] = {"widen", "dot", "tile"};
+
 struct DecodeArgs {
   const float* q;
   const void* k_cache;
@@ -49,11 +58,7 @@ struct DecodeArgs {
   CacheDtype dtype;
   float scale;
   int64_t num_splits;  // KV-length splits per (batch, kv head); >= 1
-  // int8 cache only: quantize each query head to int8 too (one scale per head) and compute
-  // the scores with integer dot products; false: K widened to fp32 (the paper's kernel).
-  bool int8_query = false;
-  // int8 cache in the tiled layout (decode_tiled.cpp): integer scores and integer P.V.
-  bool tiled = false;
+  Int8Kernel int8_kernel = Int8Kernel::kWiden;  // how an int8 cache is read (other caches: kWiden)
 };
 
 // The tiled int8 layout (decode_tiled.cpp): K in tiles of 16 tokens, V in groups of 4, a
@@ -159,7 +164,7 @@ struct StackShape {
   float eps, scale;                   // RMSNorm epsilon, attention scale
   CacheDtype dtype;
   CacheLayout k_layout, v_layout;
-  bool int8_query, tiled;
+  Int8Kernel int8_kernel;
 };
 struct StepArgs {
   float* x;  // [B, dim] the residual stream, updated in place

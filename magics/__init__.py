@@ -21,9 +21,9 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KV_KERNELS, kv_label, parse_kv
 from workbench.distributed.cluster import LAUNCHERS
-from workbench.distributed.comm import BACKENDS
+from workbench.distributed.backends import BACKENDS
 from workbench.distributed.tp import LM_HEAD, TOKEN_BROADCAST
 from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options
 
@@ -50,6 +50,23 @@ def _csv(option: str, kind, choices=None):
     return parse
 
 
+def _kv_list(option: str):
+    """argparse type for `option`: comma-separated KV caches, each a format or format:kernel
+    (int8:widen), checked against the registry."""
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise UsageError(f"{option} expects a comma-separated list, got {text!r}")
+        for item in items:
+            try:
+                parse_kv(item)
+            except ValueError as e:
+                raise UsageError(f"{option}: {e}") from None
+        return items
+    parse.__name__ = "comma-separated KV caches"
+    return parse
+
+
 @magics_class
 class WorkbenchMagics(Magics):
     """The workbench's magics. The loaded model is the session's (workbench.runtime.session),
@@ -71,8 +88,19 @@ class WorkbenchMagics(Magics):
     def _switch(self, name: str, value: str | None) -> None:
         model = self._require_model()
         if value is not None:
-            setattr(model, name, value)  # validated by the model; no reload
+            try:
+                setattr(model, name, value)  # validated by the model; no reload
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         print(f"{name} = {getattr(model, name)}")
+
+    def _kv_command(self) -> str:
+        """%kvcache as the model's switches stand, the kernel named where the format has several."""
+        from workbench.model.kv_formats import kv_format
+
+        fmt = kv_format(self.model.kv_cache)
+        kernel = fmt.kernel(self.model.kv_kernel, self.model.config.head_dim)
+        return f"%kvcache {fmt.name}" + (f" --kernel {kernel}" if len(fmt.kernels) > 1 else "")
 
     def _command(self, magic: str, line: str) -> str:
         """The magics that reproduce a measurement as it was run: the model's load, the
@@ -84,7 +112,7 @@ class WorkbenchMagics(Magics):
         if self._last_load_line:
             lines.append(f"%load_model {self._last_load_line}")
         if self.model is not None and magic != "load_model":
-            lines += [f"%attention {self.model.attention}", f"%kvcache {self.model.kv_cache}"]
+            lines += [f"%attention {self.model.attention}", self._kv_command()]
         lines += [f"%threads {get_threads()}", f"%{magic} {line}".strip()]
         return "\n".join(lines)
 
@@ -129,6 +157,7 @@ class WorkbenchMagics(Magics):
 
         if self.model is not None:
             model.attention, model.kv_cache = self.model.attention, self.model.kv_cache
+            model.kv_kernel = self.model.kv_kernel
         current.model = model
         self.shell.user_ns["wb_model"] = model
         print(repr(model))
@@ -151,17 +180,38 @@ class WorkbenchMagics(Magics):
     @magic_arguments()
     @argument("dtype", nargs="?", choices=list(KV_FORMATS), default=None,
               help=" | ".join(KV_FORMATS) + " (none: print the current one)")
+    @argument("--kernel", choices=list(KV_KERNELS), default=None,
+              help="the kernel that reads the cache: " + " | ".join(KV_KERNELS) + " (default: the format's fastest)")
     @line_magic
     def kvcache(self, line):
-        """Choose the KV-cache format for the next runs (no reload); without an argument,
-        print the current one.
+        """Choose the KV-cache format, and optionally the kernel that reads it, for the next
+        runs (no reload); without arguments, print the current ones. A format is storage
+        (int8: int8 values and one fp32 scale per head per token); its kernels read the same
+        values and scales (int8: tile, the default, dot, widen: the paper's).
 
         Examples::
 
           In [1]: %kvcache int8
-          In [2]: %kvcache
+          In [2]: %kvcache int8 --kernel widen
+          In [3]: %kvcache
         """
-        self._switch("kv_cache", parse_argstring(self.kvcache, line).dtype)
+        args = parse_argstring(self.kvcache, line)
+        model = self._require_model()
+        if args.kernel is not None and args.dtype is None:
+            args.dtype = model.kv_cache
+        try:
+            if args.dtype is not None:
+                parse_kv(f"{args.dtype}:{args.kernel}" if args.kernel else args.dtype)  # both checked before either is set
+                model.kv_cache = args.dtype  # resets the kernel to the format's default
+            if args.kernel is not None:
+                model.kv_kernel = args.kernel
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        fmt = KV_FORMATS[model.kv_cache]
+        kernel = fmt.kernel(model.kv_kernel, model.config.head_dim)
+        others = [k for k in fmt.kernels if k != kernel]
+        print(f"kv_cache = {kv_label(model.kv_cache, kernel)}" +
+              (f"; other kernels: {', '.join(others)} (%kvcache {fmt.name} --kernel ...)" if others else ""))
 
     @magic_arguments()
     @argument("n", type=int, help="number of threads for the kernels and torch")
@@ -214,7 +264,11 @@ class WorkbenchMagics(Magics):
 
     @magic_arguments()
     @argument("--attention", type=_csv("--attention", str, ATTENTION_BACKENDS), default=list(ATTENTION_BACKENDS))
-    @argument("--kvcache", type=_csv("--kvcache", str, KV_FORMATS), default=list(KERNEL_FORMATS))
+    @argument("--kvcache", type=_kv_list("--kvcache"), default=list(KERNEL_FORMATS),
+              help="KV formats, each optionally with its kernel (int8:widen)")
+    @argument("--kv-kernel", type=_csv("--kv-kernel", str, [*KV_KERNELS, "all"]), default=None,
+              help="kernels that read the KV formats (each applies to the formats that have it; all: every "
+                   "kernel of each format); default: each format's fastest")
     @argument("--prompt-len", type=_csv("--prompt-len", int), default=[128])
     @argument("--batch", type=_csv("--batch", int), default=[1])
     @argument("--new-tokens", type=int, default=16)
@@ -259,8 +313,9 @@ class WorkbenchMagics(Magics):
             print("--repeats 1: one sample per configuration, no spread; rows may differ by run-to-run noise")
         bar = _Progress()
         try:
+            kernels = "all" if args.kv_kernel and "all" in args.kv_kernel else args.kv_kernel
             rows = run_ablation(model, args.attention, args.kvcache, args.prompt_len, args.batch, args.new_tokens,
-                                progress=bar.update, repeats=repeats)
+                                progress=bar.update, repeats=repeats, kv_kernels=kernels)
         except ValueError as e:
             raise UsageError(str(e)) from None
         finally:
@@ -292,7 +347,7 @@ class WorkbenchMagics(Magics):
             raise UsageError("load the model with %load_model first (its name is what every engine loads)")
         name, kwargs = self._last_load
         try:
-            from workbench.distributed.comm import available_backends
+            from workbench.distributed.backends import available_backends
 
             rows = tp_ablation(name, kwargs, ranks=args.ranks or [1, 2], backends=args.backend or available_backends(),
                                token_broadcast=args.token_broadcast or ["ids"], lm_head=args.lm_head or ["topk"],
@@ -408,7 +463,8 @@ class WorkbenchMagics(Magics):
 
     @magic_arguments()
     @argument("--text", default=None, help="a text file to measure on (default: the license texts)")
-    @argument("--formats", type=_csv("--formats", str, KV_FORMATS), default=list(KV_FORMATS))
+    @argument("--formats", type=_kv_list("--formats"), default=None,
+              help="KV formats, each optionally with its kernel (int8:dot); default: every format and kernel")
     @argument("--context", type=_csv("--context", int), default=[1024], help="context lengths, e.g. 512,1024,2048")
     @argument("--steps", type=int, default=64, help="teacher-forced positions measured at the end of each context")
     @argument("-o", dest="output", default=None, help="store the table (a DataFrame) in this variable")
@@ -421,7 +477,7 @@ class WorkbenchMagics(Magics):
         Examples::
 
           In [1]: %kv_quality --context 512,1024,2048 -o kvq
-          In [2]: %kv_quality --formats int8,int8dot,int8-block32 --text my_notes.txt
+          In [2]: %kv_quality --formats int8:widen,int8:dot,int8-block32 --text my_notes.txt
         """
         import pandas as pd
         from pathlib import Path
@@ -429,7 +485,7 @@ class WorkbenchMagics(Magics):
         from IPython.display import display
 
         from workbench import report
-        from workbench.analysis.quality import best_per_byte, default_text_name, kv_quality, quality_figure
+        from workbench.analysis.quality import ALL_CACHES, best_per_byte, default_text_name, kv_quality, quality_figure
         from workbench.ui.plots import mime_bundle
 
         args = parse_argstring(self.kv_quality, line)
@@ -441,18 +497,18 @@ class WorkbenchMagics(Magics):
                 raise UsageError(f"--text: no such file: {path}")
             text = path.read_text(errors="replace")
         try:
-            rows = kv_quality(model, args.formats, context=args.context, steps=args.steps, text=text)
+            rows = kv_quality(model, args.formats or ALL_CACHES, context=args.context, steps=args.steps, text=text)
         except ValueError as e:
             raise UsageError(str(e)) from None
         df = pd.DataFrame(rows)
         print(f"text: {args.text or default_text_name()}; the last {args.steps} tokens of each context "
               f"teacher-forced over the cache; reference: an fp32 cache")
-        cols = ["kv_cache", "granularity", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
+        cols = ["cache", "granularity", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
                 "top1_agreement_vs_fp32", "attention_rel_error", "kernel"]
         print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
         front = best_per_byte(rows)
         print("best per byte (no format has fewer bytes and lower KL), at context "
-              f"{max(args.context)}: " + ", ".join(f"{r['kv_cache']} ({r['bytes_per_element']:.3f} B, KL "
+              f"{max(args.context)}: " + ", ".join(f"{r['cache']} ({r['bytes_per_element']:.3f} B, KL "
                                                    f"{r['kl_nats']:.2e})" for r in front))
         display(mime_bundle(quality_figure(rows)), raw=True)
         report.record(rows, model, command=self._command("kv_quality", line), kind="kv_quality")
@@ -572,7 +628,7 @@ class _Progress:
             self.bar.max, self.bar.value = total, done
             self.bar.description = f"{done}/{total}"
         else:
-            sys.stdout.write(f"\r{done}/{total} {row.attention} {row.kv_cache} len {row.prompt_len} "
+            sys.stdout.write(f"\r{done}/{total} {row.attention} {kv_label(row.kv_cache, row.kv_kernel)} len {row.prompt_len} "
                              f"batch {row.batch}   ")
             sys.stdout.flush()
 

@@ -32,12 +32,14 @@ def test_kv_quality_against_the_fp32_cache(model):
 def test_attention_error_separates_the_kernels_own_rounding(model):
     """The probe compares each decode kernel with float64 over the values its cache stores:
     fp32 accumulation alone (fp32, int8 widened, the torch reference path) is ~1e-7, the
-    int8 query (int8dot) and the 7-bit probabilities (int8tile) add errors of their own."""
-    fmts = ("fp32", "int8", "int8dot", "int8tile", "int8-ref")
-    rows = {r["kv_cache"]: r for r in kv_quality(model, fmts, context=200, steps=8)}
-    for exact in ("fp32", "int8", "int8-ref"):
+    int8 query (the dot kernel) and the 7-bit probabilities (the tile kernel) add errors of
+    their own; a plain int8 is read by its default kernel, tile."""
+    fmts = ("fp32", "int8:widen", "int8:dot", "int8", "int8-ref")
+    rows = {r["cache"]: r for r in kv_quality(model, fmts, context=200, steps=8)}
+    assert set(rows) == {"fp32", "int8 (widen)", "int8 (dot)", "int8 (tile)", "int8-ref"}
+    for exact in ("fp32", "int8 (widen)", "int8-ref"):
         assert rows[exact]["attention_rel_error"] < 1e-5, rows[exact]
-    for rounded in ("int8dot", "int8tile"):
+    for rounded in ("int8 (dot)", "int8 (tile)"):
         assert 1e-4 < rows[rounded]["attention_rel_error"] < 0.05, rows[rounded]
 
 

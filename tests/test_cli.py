@@ -23,9 +23,11 @@ def test_demo_writes_a_row_per_configuration(tmp_path):
     r = run("demo", "--short-tokens", "8", "--long-tokens", "40", "--new-tokens", "4", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
-    from workbench.model.kv_formats import KERNEL_FORMATS
+    from workbench.model.kv_formats import KERNEL_FORMATS, kernel_configs
 
-    assert len(rows) == 2 * 4 * len(KERNEL_FORMATS)  # two prompt lengths x four backends x the kernel KV formats
+    caches = kernel_configs(KERNEL_FORMATS, "all")  # the kernel KV formats, int8 with each of its kernels
+    assert len(rows) == 2 * 4 * len(caches)  # two prompt lengths x four backends x the caches
+    assert {(r["kv_cache"], r["kv_kernel"]) for r in rows} == {(f, k or "widen") for f, k in caches}
     assert {r["prompt_len"] for r in rows} == {8, 40}
     assert {r["attention"] for r in rows} == {"slim", "flash", "sdpa", "naive"}
     assert all(0.0 <= r["top1_agreement"] <= 1.0 for r in rows)

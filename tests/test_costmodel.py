@@ -10,7 +10,6 @@ import pytest
 
 import workbench as wb
 from workbench.analysis.costmodel import Hardware, predict, predict_run, table2_projection
-from workbench.model.config import PRESETS
 from workbench.model.kv_formats import KV_FORMATS
 from workbench.model.weights import WEIGHT_FORMATS
 

@@ -129,7 +129,7 @@ def test_int8_cache_error_within_quantization_bound(kernels, L, D, ratio, spread
 
 @given(c=decode_case())
 def test_int8_query_within_the_query_quantization_bound(kernels, c):
-    """The integer-dot path (int8_query) against the float64 reference over the same int8
+    """The integer-dot kernel (int8_kernel="dot") against the float64 reference over the same int8
     cache. Its one extra rounding is the query's: each q element moves by at most
     q_scale / 2 (q_scale = max|q_h| / 127), so score t moves by at most
     delta_t = scale * q_scale / 2 * ||k_t||_1 (k_t as stored, times its scale) and
@@ -140,7 +140,7 @@ def test_int8_query_within_the_query_quantization_bound(kernels, c):
     _, _, kc, vc, scales = build_cache(kernels, B, Hkv, Lmax, D, torch.int8, gen)
     q = torch.randn(B, H, D, generator=gen)
     lengths = torch.randint(1, Lmax + 1, (B,), generator=gen) if c["ragged"] else torch.full((B,), Lmax)
-    out = kernels.decode_attention(q, kc, vc, lengths, num_splits=c["num_splits"], int8_query=True, **scales)
+    out = kernels.decode_attention(q, kc, vc, lengths, num_splits=c["num_splits"], int8_kernel="dot", **scales)
     ref = decode_reference(q, kc, vc, lengths, **scales)
     k = (kc.double() * scales["k_scale"].double().unsqueeze(-1)).repeat_interleave(ratio, dim=1)  # [B, H, L, D]
     v = vc.double() * scales["v_scale"].double().unsqueeze(-1)
@@ -161,7 +161,7 @@ def test_int8_query_is_exact_when_the_query_is_representable(kernels):
         q8[..., 0] = 127
         q = q8.float() * 0.013
         lengths = torch.tensor([77, 31])
-        out = kernels.decode_attention(q, kc, vc, lengths, int8_query=True, **scales)
+        out = kernels.decode_attention(q, kc, vc, lengths, int8_kernel="dot", **scales)
         torch.testing.assert_close(out.double(), decode_reference(q, kc, vc, lengths, **scales), atol=1e-5,
                                    rtol=1e-5)
 
@@ -170,10 +170,12 @@ def test_int8_query_needs_an_int8_cache(kernels):
     import pytest
 
     kc = torch.zeros(1, 1, 8, 16)
-    with pytest.raises(ValueError, match="int8_query needs an int8 cache"):
-        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_query=True)
-    with pytest.raises(TypeError, match="int8_query must be True or False"):
-        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_query="yes")
+    with pytest.raises(ValueError, match="int8_kernel 'dot' needs an int8 cache"):
+        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_kernel="dot")
+    with pytest.raises(TypeError, match="int8_kernel must be one of widen, dot, tile"):
+        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_kernel=True)
+    with pytest.raises(ValueError, match="int8_kernel must be one of widen, dot, tile, got 'fast'"):
+        kernels.decode_attention(torch.zeros(1, 1, 16), kc, kc, torch.tensor([8]), int8_kernel="fast")
 
 
 def test_decode_attends_only_within_length(kernels):
@@ -230,7 +232,7 @@ def build_tiled(kernels, B, Hkv, Lmax, D, gen, spread=1.0):
 def tiled_bound(q, rows, scales, lengths, ratio):
     """What the tiled kernel may differ from the float64 reference over the same cache.
 
-    Its query rounding moves each score by at most delta (as for int8_query), so every
+    Its query rounding moves each score by at most delta (as for int8_kernel="dot"), so every
     probability by a factor within exp(+-2 delta): (exp(2 delta) - 1) max|v|. Then P.V
     quantizes p'_t = p_t s^v_t per 32-token block b to ps_b * round(p'_t / ps_b), ps_b =
     max_b p' / 127: each p'_t moves by at most max_b p' / 254, against |v8| <= 127, so the
@@ -277,7 +279,7 @@ def test_tiled_within_the_query_and_probability_bound(kernels, c):
     rows, scales, tiles, tiled_scales = build_tiled(kernels, B, Hkv, Lmax, D, gen, c["spread"])
     q = torch.randn(B, Hkv * ratio, D, generator=gen)
     lengths = torch.randint(1, Lmax + 1, (B,), generator=gen) if c["ragged"] else torch.full((B,), Lmax)
-    out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, num_splits=c["num_splits"], tiled=True,
+    out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, num_splits=c["num_splits"], int8_kernel="tile",
                                    **tiled_scales)
     ref = decode_reference(q, rows["k"], rows["v"], lengths, **scales)
     bound = tiled_bound(q, rows, scales, lengths, ratio)
@@ -321,7 +323,7 @@ def test_tiled_is_exact_when_nothing_is_rounded(kernels):
     q = torch.randn(B, 3 * Hkv, D, generator=gen)
     lengths = torch.tensor([77, 45])
     for splits in (1, 2, 3):
-        out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, tiled=True, num_splits=splits, **sc)
+        out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, int8_kernel="tile", num_splits=splits, **sc)
         for b in range(B):
             want = v[b, :, : int(lengths[b])].double().mean(1).repeat_interleave(3, dim=0)
             torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
@@ -332,7 +334,7 @@ def test_tiled_ignores_whatever_lies_past_each_length(kernels):
     rows, scales, tiles, sc = build_tiled(kernels, 2, 2, 70, 64, gen)
     q = torch.randn(2, 6, 64, generator=gen)
     lengths = torch.tensor([20, 70])
-    out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, tiled=True, **sc)
+    out = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, int8_kernel="tile", **sc)
     junk = torch.randn(2, 2, 96 - 20, 64, generator=gen) * 50
     junk_sc = {n: torch.zeros_like(s) for n, s in sc.items()}
     for name, layout in (("k", "k_tiles"), ("v", "v_groups")):
@@ -340,7 +342,7 @@ def test_tiled_ignores_whatever_lies_past_each_length(kernels):
                                 layout=layout)
     sc["k_scale"][0, :, 20:] = float("inf")
     sc["v_scale"][0, :, 20:] = float("nan")
-    again = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, tiled=True, **sc)
+    again = kernels.decode_attention(q, tiles["k"], tiles["v"], lengths, int8_kernel="tile", **sc)
     assert torch.equal(out, again)
 
 
@@ -350,11 +352,11 @@ def test_tiled_rejects_what_it_cannot_read(kernels):
     i8 = torch.zeros(1, 1, 64, 16, dtype=torch.int8)
     s = dict(k_scale=torch.zeros(1, 1, 64), v_scale=torch.zeros(1, 1, 64))
     q = torch.zeros(1, 1, 16)
-    with pytest.raises(ValueError, match="tiled needs an int8 cache"):
-        kernels.decode_attention(q, i8.float(), i8.float(), torch.tensor([8]), tiled=True)
+    with pytest.raises(ValueError, match="int8_kernel 'tile' needs an int8 cache"):
+        kernels.decode_attention(q, i8.float(), i8.float(), torch.tensor([8]), int8_kernel="tile")
     odd = torch.zeros(1, 1, 40, 16, dtype=torch.int8)
     with pytest.raises(ValueError, match="Lmax to be a multiple of 32, got 40"):
-        kernels.decode_attention(q, odd, odd, torch.tensor([8]), tiled=True, k_scale=torch.zeros(1, 1, 40),
+        kernels.decode_attention(q, odd, odd, torch.tensor([8]), int8_kernel="tile", k_scale=torch.zeros(1, 1, 40),
                                  v_scale=torch.zeros(1, 1, 40))
     d18 = torch.zeros(1, 1, 64, 18, dtype=torch.int8)
     with pytest.raises(ValueError, match="head dim D to be a multiple of 4, got 18"):
@@ -364,5 +366,5 @@ def test_tiled_rejects_what_it_cannot_read(kernels):
         kernels.kv_cache_append(i8, torch.zeros(1, 1, 1, 16), torch.tensor([0]), scales=s["k_scale"], layout="tiles")
     with pytest.raises(ValueError, match="layout 'k_tiles' needs an int8 cache"):
         kernels.kv_cache_append(i8.float(), torch.zeros(1, 1, 1, 16), torch.tensor([0]), layout="k_tiles")
-    with pytest.raises(TypeError, match="tiled must be True or False"):
-        kernels.decode_attention(q, i8, i8, torch.tensor([8]), tiled=1, **s)
+    with pytest.raises(TypeError, match="int8_kernel must be one of"):
+        kernels.decode_attention(q, i8, i8, torch.tensor([8]), int8_kernel=1, **s)

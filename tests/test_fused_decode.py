@@ -1,8 +1,9 @@
 """The fused decode step (kernels/decode_step.cpp: every layer in one C++ call) against the
-readable Python path it replaces (LlamaModel.decode with decode="python"), on the bundled
-model: the same logits to fp32 rounding and the same greedy tokens, for every weight dtype,
-every kernel KV format and each ISA build; its per-part timers fill the step records; where
-it cannot run (PyTorch attention, reference-path formats) the Python path runs and says why."""
+readable reference path it replaces (LlamaModel.decode with step="reference"), on the bundled
+model: the same logits to fp32 rounding and the same greedy tokens, for every weight format,
+every kernel KV format with each kernel that reads it, and each ISA build; its per-part
+timers fill the step records; where it cannot run (PyTorch attention, reference-path
+formats) the reference path runs and says why."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import workbench as wb
 from workbench.analysis.forcing import forced_steps
 from workbench.kernels import KernelSet
-from workbench.model.kv_formats import KERNEL_FORMATS
+from workbench.model.kv_formats import KERNEL_FORMATS, kernel_configs, kv_label
 from workbench.model.switches import Switches
 from workbench.model.timing import Clock
 from workbench.model.weights import WEIGHT_FORMATS
@@ -25,18 +26,21 @@ def model(request):
     return wb.load_model("smollm2-135m", dtype=request.param, max_batch=2)
 
 
-def step_logits(llama, kv: str, decode: str, steps: int = 6) -> torch.Tensor:
+def step_logits(llama, kv: tuple[str, str | None], step: str, steps: int = 6) -> torch.Tensor:
     follow = torch.tensor([[40 + i for i in range(steps)], [900 + 3 * i for i in range(steps)]])
-    return torch.stack([lg for _, lg, _ in forced_steps(llama, PROMPTS, follow, Switches("slim", kv, decode))])
+    return torch.stack([lg for _, lg, _ in forced_steps(llama, PROMPTS, follow, Switches("slim", *kv, step))])
 
 
-@pytest.mark.parametrize("kv", KERNEL_FORMATS)
-def test_fused_step_matches_the_python_path(model, kv):
+CACHES = kernel_configs(KERNEL_FORMATS, "all")  # int8 with each of its kernels
+
+
+@pytest.mark.parametrize("kv", CACHES, ids=[kv_label(*c) for c in CACHES])
+def test_fused_step_matches_the_reference_path(model, kv):
     fused = step_logits(model.llama, kv, "fused")
-    python = step_logits(model.llama, kv, "python")
+    python = step_logits(model.llama, kv, "reference")
     diff = (fused - python).abs()
     same_top1 = (fused.argmax(-1) == python.argmax(-1)).float().mean()
-    if kv == "fp32":
+    if kv[0] == "fp32":
         # The same kernels in the same order but for RMSNorm's and SiLU's own loops: fp32
         # rounding through 30 layers (measured up to 4e-5 on logits up to 34).
         assert diff.max() < 1e-3 and same_top1 == 1, (diff.max(), same_top1)
@@ -46,32 +50,34 @@ def test_fused_step_matches_the_python_path(model, kv):
         # compounds over the layers: measured up to 0.26 at one logit, a mean of 0.5x what the
         # format's own rounding does to the logits (the Python path with an fp32 cache). A
         # wrong layout, scale or head would be many times that.
-        effect = (python - step_logits(model.llama, "fp32", "python")).abs().mean()
+        effect = (python - step_logits(model.llama, ("fp32", None), "reference")).abs().mean()
         assert diff.max() < 2.0 and diff.mean() < effect and same_top1 >= 11 / 12, (diff.max(), diff.mean(), effect)
 
 
-def test_greedy_tokens_are_the_python_paths(model):
+def test_greedy_tokens_are_the_reference_paths(model):
     """The same greedy tokens, except where the Python path's two best tokens are so close
     that the paths' last-bit differences may order them either way: at the first token that
     differs, the Python path's logits must put the fused path's token within `tie` of its
-    own (an fp32 cache: 1e-3; int8tile, whose roundings the step logits test bounds: 0.1).
+    own (an fp32 cache: 1e-3; int8 read by the tile kernel, whose roundings the step logits
+    test bounds: 0.1).
     Measured: one such step in 24 tokens with int8-g32 weights, the two best 0.011 apart."""
     prompt = "The licence grants every recipient the same rights, provided that"
-    for kv, tie in (("fp32", 1e-3), ("int8tile", 0.1)):
-        fused = model.generate(prompt, max_new_tokens=24, kv_cache=kv, decode="fused", stop_at_eos=False)
-        python = model.generate(prompt, max_new_tokens=24, kv_cache=kv, decode="python", stop_at_eos=False)
+    for kv, tie in (("fp32", 1e-3), ("int8", 0.1)):
+        fused = model.generate(prompt, max_new_tokens=24, kv_cache=kv, step="fused", stop_at_eos=False)
+        python = model.generate(prompt, max_new_tokens=24, kv_cache=kv, step="reference", stop_at_eos=False)
+        assert fused.step_path == "fused" and python.step_path == "reference"
         first = next((i for i, (a, b) in enumerate(zip(fused.token_ids, python.token_ids)) if a != b), None)
         if first is None:
             continue
         ids = python.prompt_token_ids[0]
         follow = torch.tensor([python.token_ids[:first + 1]])
-        *_, (_, logits, _) = forced_steps(model.llama, [ids], follow, Switches("slim", kv, "python"))
+        *_, (_, logits, _) = forced_steps(model.llama, [ids], follow, Switches("slim", kv, step="reference"))
         gap = (logits[0, python.token_ids[first]] - logits[0, fused.token_ids[first]]).item()
         assert 0 <= gap < tie, (kv, first, gap)
 
 
 def test_fused_records_each_layers_parts(model):
-    out = model.generate("Hello there", max_new_tokens=4, decode="fused", stop_at_eos=False)
+    out = model.generate("Hello there", max_new_tokens=4, step="fused", stop_at_eos=False)
     for step in out.timings.decode_steps:
         layers = len(model.llama.layers)
         assert all(len(v) == layers for v in step.parts_s.values())
@@ -79,24 +85,24 @@ def test_fused_records_each_layers_parts(model):
         assert all(s >= 0 for s in step.parts_s["other"]) and not any(step.parts_s["comm"])
         layers_s = sum(sum(v) for v in step.parts_s.values())
         assert layers_s < step.total_s  # the LM head and sampling are outside the layers
-    quiet = model.generate("Hello there", max_new_tokens=4, decode="fused", stop_at_eos=False, record=False)
+    quiet = model.generate("Hello there", max_new_tokens=4, step="fused", stop_at_eos=False, record=False)
     assert quiet.token_ids == out.token_ids and not quiet.timings.decode_steps
 
 
-def test_where_the_fused_step_cannot_run_the_python_path_does(model):
+def test_where_the_fused_step_cannot_run_the_reference_path_does(model):
     llama = model.llama
     cache = llama.new_cache(1, 16, "fp32")
-    assert llama.fused_decode_blocker(Switches("slim", "fp32", "fused"), cache) is None
-    assert "PyTorch" in llama.fused_decode_blocker(Switches("sdpa", "fp32", "fused"), cache)
+    assert llama.fused_decode_blocker(Switches("slim", "fp32", step="fused"), cache) is None
+    assert "PyTorch" in llama.fused_decode_blocker(Switches("sdpa", "fp32", step="fused"), cache)
     ref = llama.new_cache(1, 16, "int8-kivi")
-    assert "reference path" in llama.fused_decode_blocker(Switches("slim", "int8-kivi", "fused"), ref)
-    assert "python" in llama.fused_decode_blocker(Switches("slim", "fp32", "python"), cache)
-    # and they still generate (the naive backend and a study format take the Python path)
+    assert "reference path" in llama.fused_decode_blocker(Switches("slim", "int8-kivi", step="fused"), ref)
+    assert "reference" in llama.fused_decode_blocker(Switches("slim", "fp32", step="reference"), cache)
+    # and they still generate (the naive backend and a study format take the reference path)
     for attention, kv in (("naive", "fp32"), ("slim", "int8-kivi")):
-        out = model.generate("Hello", max_new_tokens=3, attention=attention, kv_cache=kv, decode="fused")
-        assert len(out.token_ids) == 3
-    with pytest.raises(ValueError, match="decode must be one of fused, python, got 'fast'"):
-        model.generate("Hello", max_new_tokens=2, decode="fast")
+        out = model.generate("Hello", max_new_tokens=3, attention=attention, kv_cache=kv, step="fused")
+        assert len(out.token_ids) == 3 and out.step_path == "reference"
+    with pytest.raises(ValueError, match="step must be one of fused, reference, got 'fast'"):
+        model.generate("Hello", max_new_tokens=2, step="fast")
 
 
 def test_every_isa_build_runs_the_same_step(kernels, model):
@@ -124,8 +130,7 @@ def test_every_isa_build_runs_the_same_step(kernels, model):
 
             outs[name] = llama._layers(x, attend, Clock(False, len(llama.layers)))
         else:
-            stack = ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                    heads=llama.n_heads, eps=llama.cfg.norm_eps)
+            stack = ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=llama.cfg.norm_eps)
             stack.step(x, cos, sin, lengths, None)
             outs[name] = x
     rel = (outs["fused"] - outs["python"]).norm() / outs["python"].norm()
@@ -136,8 +141,7 @@ def test_the_stack_checks_what_it_is_given(model):
     llama = model.llama
     cache = llama.new_cache(2, 32, "fp32")
     ks = KernelSet("native")
-    stack = ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
-                            eps=llama.cfg.norm_eps)
+    stack = ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=llama.cfg.norm_eps)
     assert stack.layers == len(llama.layers)
     x, cs = torch.zeros(2, llama.cfg.dim), torch.zeros(2, llama.cfg.head_dim)
     with pytest.raises(ValueError, match="positions must be in \\[0, 31\\]"):
@@ -147,13 +151,15 @@ def test_the_stack_checks_what_it_is_given(model):
     with pytest.raises(ValueError, match="timers must be \\[30, 3\\]"):
         stack.step(x, cs, cs, torch.tensor([3, 4]), torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="heads \\(7\\) must be a positive multiple"):
-        ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale, heads=7, eps=1e-5)
-    with pytest.raises(ValueError, match="int8_query / tiled need an int8 cache"):
-        ks.decode_stack(llama.layers, cache.k, cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
-                        eps=1e-5, tiled=True)
-    with pytest.raises(ValueError, match="every per-layer list needs 30 entries"):
-        ks.decode_stack(llama.layers, cache.k[:2], cache.v, cache.k_scale, cache.v_scale, heads=llama.n_heads,
-                        eps=1e-5)
+        ks.decode_stack(llama.layers, cache.per_layer, heads=7, eps=1e-5)
+    with pytest.raises(ValueError, match="int8_kernel 'tile' needs an int8 cache"):
+        ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=1e-5, int8_kernel="tile")
+    with pytest.raises(ValueError, match="caches needs one \\(k, v, k_scale, v_scale\\) per layer: 30, got 2"):
+        ks.decode_stack(llama.layers, cache.per_layer[:2], heads=llama.n_heads, eps=1e-5)
+    wrong = list(cache.per_layer)
+    wrong[3] = (cache.k[3][:, :, :16].contiguous(), *wrong[3][1:])
+    with pytest.raises(ValueError, match="layers\\[3\\].k_cache must match layers\\[0\\].k_cache"):
+        ks.decode_stack(llama.layers, wrong, heads=llama.n_heads, eps=1e-5)
 
 
 def test_the_weights_are_one_stream_in_the_order_decode_reads_them(model):

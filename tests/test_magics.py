@@ -45,7 +45,8 @@ def test_load_switch_generate(shell, capsys):
     assert "Paris" in out and "tokens/s" in out and "per decode step, all 30 layers" in out
     assert shell.user_ns["wb_result"].switches.kv_cache == "int8"
     assert run(shell, "%attention")[1] is None and run(shell, "%kvcache")[1] is None  # no argument: the current one
-    assert capsys.readouterr().out.split() == ["attention", "=", "flash", "kv_cache", "=", "int8"]
+    assert capsys.readouterr().out.splitlines() == [
+        "attention = flash", "kv_cache = int8 (tile); other kernels: dot, widen (%kvcache int8 --kernel ...)"]
 
 
 def test_a_trained_model_cut_short_warns(shell, capsys):
@@ -115,14 +116,15 @@ def test_kv_quality_magic_table_figure_report_and_every_format_generates(shell, 
     report.clear()
     text = tmp_path / "notes.txt"
     text.write_text(open("/usr/share/common-licenses/GPL-3").read())  # a file of the user's
-    _, err = run(shell, f"%kv_quality --formats fp32,int8,int8dot,int8-kivi,int4-block32 --context 200,300 "
+    _, err = run(shell, f"%kv_quality --formats fp32,int8,int8:dot,int8-kivi,int4-block32 --context 200,300 "
                         f"--steps 16 --text {text} -o kvq")
     assert err is None, err
     out = capsys.readouterr().out
     assert "best per byte" in out and "int8-kivi" in out and str(text) in out
     df = shell.user_ns["kvq"]
     assert len(df) == 5 * 2 and set(df.context) == {200, 300}
-    assert set(df.columns) >= {"kv_cache", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
+    assert "int8 (tile)" in set(df.cache) and "int8 (dot)" in set(df.cache)
+    assert set(df.columns) >= {"cache", "kv_cache", "kv_kernel", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
                                "top1_agreement_vs_fp32"}
     four = df[df.kv_cache == "int4-block32"].iloc[0]
     assert four.bits == 4 and four.bytes_per_element == pytest.approx(0.5 + 2 / 32)
@@ -136,4 +138,13 @@ def test_kv_quality_magic_table_figure_report_and_every_format_generates(shell, 
     for fmt in KV_FORMATS:  # every format runs in generation, so %kvcache accepts each
         assert run(shell, f"%kvcache {fmt}")[1] is None
         assert run(shell, "%generate -n 3 The capital of France is")[1] is None, fmt
+    capsys.readouterr()
+    for kernel in KV_FORMATS["int8"].kernels:  # and each kernel of the int8 cache
+        assert run(shell, f"%kvcache int8 --kernel {kernel}")[1] is None
+        assert f"kv_cache = int8 ({kernel})" in capsys.readouterr().out
+        assert run(shell, "%generate -n 3 The capital of France is")[1] is None, kernel
+        assert shell.user_ns["wb_result"].switches.kv_kernel == kernel
+    _, err = run(shell, "%kvcache fp16 --kernel tile")
+    assert isinstance(err, UsageError) and "kv_kernel must be one of widen for kv_cache 'fp16'" in str(err)
+    assert shell.user_ns["wb_model"].kv_cache == "int8"  # a refused switch leaves the model's as they were
     run(shell, "%kvcache fp32")

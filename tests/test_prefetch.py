@@ -37,8 +37,8 @@ def test_results_do_not_depend_on_the_prefetch(bytes_ahead, hint, pipeline):
 
     def run():
         plain = ks.decode_attention(q, rows["k"], rows["v"], lengths, **scales)
-        tiled = [ks.decode_attention(q, tiles["k"], tiles["v"], lengths, **tiled_scales, int8_query=True,
-                                     tiled=True, num_splits=s) for s in (1, 3)]
+        tiled = [ks.decode_attention(q, tiles["k"], tiles["v"], lengths, **tiled_scales, int8_kernel="tile",
+                                     num_splits=s) for s in (1, 3)]
         return plain, *tiled
 
     ref = run()

@@ -107,13 +107,15 @@ def test_report_magic_writes_the_session(tmp_path, capsys):
     data = json.loads((tmp_path / "session.json").read_text())
     threads = __import__("torch").get_num_threads()
     model = sh.user_ns["wb_model"]  # its switches as this session left them (earlier tests may have moved them)
+    kv = f"%kvcache {model.kv_cache}" + (f" --kernel {model.switches.kv_text.split('(')[1][:-1]}"
+                                         if "(" in model.switches.kv_text else "")
     assert data["reproduce"] == [f"%load_ext workbench\n%load_model smollm2-135m\n%attention {model.attention}\n"
-                                 f"%kvcache {model.kv_cache}\n%threads {threads}\n%generate -n 3 Hello"]
+                                 f"{kv}\n%threads {threads}\n%generate -n 3 Hello"]
     report.clear()
 
 
 def test_reproduce_commands_reproduce_the_switches(tmp_path, capsys):
-    """After %attention flash and %kvcache int8tile, a %generate's Reproduce commands, run as
+    """After %attention flash and %kvcache int8 --kernel dot, a %generate's Reproduce commands, run as
     written, measure the same configuration (they used to set only the load and the
     generation, so they measured the defaults)."""
     from IPython.core.interactiveshell import InteractiveShell
@@ -121,7 +123,7 @@ def test_reproduce_commands_reproduce_the_switches(tmp_path, capsys):
     sh = InteractiveShell.instance()
     sh.run_line_magic("load_ext", "workbench")
     report.clear()
-    for line in ("%load_model smollm2-135m", "%attention flash", "%kvcache int8tile", "%generate -n 3 Hello"):
+    for line in ("%load_model smollm2-135m", "%attention flash", "%kvcache int8 --kernel dot", "%generate -n 3 Hello"):
         assert sh.run_cell(line).error_in_exec is None
     first = report.recorded()[-1]
     (command,) = [e["command"] for e in report.recorded()]
@@ -131,9 +133,10 @@ def test_reproduce_commands_reproduce_the_switches(tmp_path, capsys):
     for line in command.splitlines():
         assert sh.run_cell(line).error_in_exec is None, line
     again = report.recorded()[-1]
-    keys = ("attention", "kv_cache", "decode", "threads", "prompt_tokens", "new_tokens")
+    keys = ("attention", "kv_cache", "kv_kernel", "step", "threads", "prompt_tokens", "new_tokens")
     assert {k: again["workload"][k] for k in keys} == {k: first["workload"][k] for k in keys}
-    assert (first["workload"]["attention"], first["workload"]["kv_cache"]) == ("flash", "int8tile")
+    assert (first["workload"]["attention"], first["workload"]["kv_cache"], first["workload"]["kv_kernel"]) == \
+        ("flash", "int8", "dot")
     report.clear()
     capsys.readouterr()
 
@@ -238,9 +241,10 @@ def test_the_demos_report_opens_offline_and_validates(tmp_path):
         drawn = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(d => d.id)")
         points = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
     assert "fig-roofline" in drawn and "fig-latency-1" in drawn
-    from workbench.model.kv_formats import KERNEL_FORMATS
+    from workbench.model.kv_formats import KERNEL_FORMATS, kernel_configs
 
-    assert points == 2 * 4 * len(KERNEL_FORMATS) + 1  # every ablation row and the generation
+    caches = kernel_configs(KERNEL_FORMATS, "all")  # the demo reads int8 with each of its kernels
+    assert points == 2 * 4 * len(caches) + 1  # every ablation row and the generation
     assert requests == []
 
 

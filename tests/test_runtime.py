@@ -20,7 +20,7 @@ import torch
 
 import workbench as wb
 from workbench.analysis.forcing import forced_logits
-from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.kv_formats import KV_FORMATS, parse_kv
 from workbench.model.loaders import ModelLoadError, bundled_gguf_path
 from workbench.model.switches import Switches
 from workbench.model.weights import WEIGHT_FORMATS
@@ -111,9 +111,17 @@ def test_step_flops_count_linears_attention_and_head(model):
 def test_switches_change_without_reloading(model):
     weights_before = model.llama.layers[0].wqkv.weight
     out_int8 = model.generate("Hello", max_new_tokens=4, attention="flash", kv_cache="int8")
-    assert out_int8.switches == Switches("flash", "int8")
+    assert out_int8.switches == Switches("flash", "int8", "tile")  # as it ran: the format's default kernel
+    assert out_int8.switches.kv_text == "int8 (tile)"
+    widen = model.generate("Hello", max_new_tokens=4, kv_cache="int8", kv_kernel="widen")
+    assert widen.switches.kv_kernel == "widen" and widen.token_ids == out_int8.token_ids[:len(widen.token_ids)]
     model.attention, model.kv_cache = "sdpa", "bf16"
-    assert model.generate("Hello", max_new_tokens=4).switches == Switches("sdpa", "bf16")
+    assert model.generate("Hello", max_new_tokens=4).switches == Switches("sdpa", "bf16", "widen")
+    with pytest.raises(ValueError, match="kv_kernel must be one of widen for kv_cache 'bf16', got 'tile'"):
+        model.kv_kernel = "tile"
+    with pytest.raises(ValueError, match="kv_kernel must be one of tile, dot, widen for kv_cache 'int8', got 'fast'"):
+        model.generate("Hello", max_new_tokens=2, kv_cache="int8", kv_kernel="fast")
+    assert model.kv_cache == "bf16" and model.kv_kernel is None
     with pytest.raises(ValueError, match="attention must be one of"):
         model.attention = "fast"
     assert model.attention == "sdpa"  # a bad value leaves the switch as it was
@@ -306,11 +314,12 @@ def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
     D, Hkv = c.head_dim, c.n_kv_heads
     kivi = (4 * D / 32 + 4) / 2  # K: a scale per channel per 32 tokens; V: one per head per token
     block = 2 * math.ceil(D / 32)  # an fp16 scale per 32 values
-    for name, elem, scale in (("int8", 1, 4), ("int8dot", 1, 4), ("int8tile", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0),
+    for name, elem, scale in (("int8:widen", 1, 4), ("int8:dot", 1, 4), ("int8:tile", 1, 4), ("fp16", 2, 0), ("bf16", 2, 0), ("fp32", 4, 0),
                               ("int8-tensor", 1, 0), ("int8-head", 1, 0), ("int8-token", 1, 4 / Hkv),
                               ("int8-ref", 1, 4), ("int8-kivi", 1, kivi), ("int8-block32", 1, block),
                               ("int4-head_token", 0.5, 4), ("int4-block32", 0.5, block), ("int4-kivi", 0.5, kivi)):
-        out = m.generate(prompts, max_new_tokens=3, kv_cache=name, stop_at_eos=False)
+        fmt, kernel = parse_kv(name)
+        out = m.generate(prompts, max_new_tokens=3, kv_cache=fmt, kv_kernel=kernel, stop_at_eos=False)
         prefill, decode = out.timings.prefill, out.timings.decode_steps
         assert prefill.bytes_read == 2 * layer + embedding_rows(8) + head  # attention reads fresh K, V
         assert prefill.total_flops == 2 * (2 * 8 * params + pair_flops * (15 + 6)) + 2 * head_flops_per_row
@@ -319,7 +328,7 @@ def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
             kv_bytes = int(cached * 2 * c.n_kv_heads * (c.head_dim * elem + scale))
             assert st.bytes_read == 2 * (layer + kv_bytes) + embedding_rows(2) + head, (name, step)
             assert st.total_flops == 2 * (2 * 2 * params + pair_flops * cached) + 2 * head_flops_per_row
-    assert set(KV_FORMATS) == {"int8", "int8dot", "int8tile", "fp16", "bf16", "fp32", "int8-tensor", "int8-head", "int8-token",
+    assert set(KV_FORMATS) == {"int8", "fp16", "bf16", "fp32", "int8-tensor", "int8-head", "int8-token",
                                "int8-ref", "int8-kivi", "int8-block32", "int4-head_token", "int4-block32",
                                "int4-kivi"}  # a new format needs its row above
 

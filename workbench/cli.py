@@ -54,13 +54,14 @@ def cmd_demo(args) -> int:
 
     from workbench.analysis.ablation import rows_as_dicts
     from workbench.analysis.demo import format_table, run_demo
+    from workbench.model.kv_formats import kv_label
 
     model = _load(args)
     print(f"{model!r}\nthreads {torch.get_num_threads()}; reference: naive attention with an fp32 KV cache\n",
           flush=True)
 
     def progress(done, total, row):
-        print(f"  [{done}/{total}] {row.prompt_len:4d} tokens {row.attention:5s} {row.kv_cache:4s} "
+        print(f"  [{done}/{total}] {row.prompt_len:4d} tokens {row.attention:5s} {kv_label(row.kv_cache, row.kv_kernel):12s} "
               f"prefill {row.prefill_ms:.1f} ms, {row.decode_tokens_per_s:.1f} tok/s", flush=True)
 
     t0 = time.perf_counter()

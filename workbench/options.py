@@ -10,8 +10,8 @@ dtype shows up in every --help by itself.
 from __future__ import annotations
 
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KV_FORMATS
-from workbench.model.switches import DECODE_PATHS
+from workbench.model.kv_formats import KV_FORMATS, KV_KERNELS
+from workbench.model.switches import STEP_PATHS
 from workbench.model.weights import WEIGHT_FORMATS
 
 Option = tuple[tuple[str, ...], dict]
@@ -30,8 +30,11 @@ GENERATE_OPTIONS: list[Option] = [
                             help="attention backend for this run (default: the current switch)")),
     (("--kv-cache",), dict(choices=list(KV_FORMATS), default=None,
                            help="KV-cache format for this run (default: the current switch)")),
-    (("--decode",), dict(choices=list(DECODE_PATHS), default=None,
-                         help="decode path: fused (one C++ call per step) or python (default: the current switch)")),
+    (("--kv-kernel",), dict(choices=list(KV_KERNELS), default=None,
+                            help="the kernel that reads the KV cache (default: the format's fastest)")),
+    (("--step",), dict(choices=list(STEP_PATHS), default=None,
+                       help="decode step path: fused (one C++ call per step) or reference (default: the current "
+                            "switch)")),
     (("--temperature",), dict(type=float, default=0.0, help="0 is greedy (default)")),
     (("--top-k",), dict(type=int, default=None)),
     (("--top-p",), dict(type=float, default=None)),
@@ -60,7 +63,7 @@ def magic_options(options: list[Option]):
 def generate_kwargs(args) -> dict:
     """The keyword arguments of Model.generate from parsed GENERATE_OPTIONS."""
     return dict(max_new_tokens=args.max_new_tokens, attention=args.attention, kv_cache=args.kv_cache,
-                decode=args.decode, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                kv_kernel=args.kv_kernel, step=args.step, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 def chat_prompt(model, prompt: str, chat: bool) -> str:

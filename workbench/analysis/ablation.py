@@ -1,4 +1,5 @@
-"""Ablation grids: attention backend x KV dtype x prompt length x batch, one row each.
+"""Ablation grids: attention backend x KV format (and the kernels that read it) x prompt
+length x batch, one row each.
 
 Every configuration decodes the same reference continuation (produced greedily by the
 naive attention with an fp32 KV cache), teacher-forced, so that top-1 agreement compares
@@ -36,8 +37,9 @@ import torch
 from workbench.analysis.forcing import forced_steps
 from workbench.analysis.tables import format_table as _format_table
 from workbench.analysis.text import sample_prompts
+from workbench.hw.rounds import interleaved_rounds
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, kernel_configs, kv_format
 from workbench.model.switches import Switches
 from workbench.model.timing import Timings
 
@@ -46,6 +48,7 @@ from workbench.model.timing import Timings
 class AblationRow:
     attention: str
     kv_cache: str
+    kv_kernel: str | None  # the kernel that read the cache (None: a reference-path format)
     prompt_len: int
     batch: int
     new_tokens: int
@@ -85,12 +88,16 @@ def forced_decode(llama, prompts: list[list[int]], continuation: torch.Tensor, s
 def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_FORMATS, prompt_lens=(128,),
                  batches=(1,), new_tokens: int = 16,
                  progress: Callable[[int, int, AblationRow], None] | None = None, repeats: int = 3,
-                 seed: int = 0) -> list[AblationRow]:
-    """The grid, reference first for each (prompt length, batch); see the module docstring."""
+                 seed: int = 0, kv_kernels: str | list[str] | None = None) -> list[AblationRow]:
+    """The grid, reference first for each (prompt length, batch); see the module docstring.
+    kv_caches: formats, each optionally naming its kernel ("int8:widen"); kv_kernels: the
+    other formats read by their default kernel (None), by every kernel they have ("all"), or
+    by those listed that they have (kv_formats.kernel_configs)."""
     for name, values, accepted in (("attention", attentions, ATTENTION_BACKENDS), ("kv_cache", kv_caches, KV_FORMATS)):
-        bad = [v for v in values if v not in accepted]
+        bad = [v for v in values if str(v).partition(":")[0] not in accepted]
         if bad or not values:
-            raise ValueError(f"{name} must be a non-empty list of {', '.join(accepted)}, got {list(values)}")
+            raise ValueError(f"{name} must be a non-empty list of {', '.join(accepted)} (a format may name its "
+                             f"kernel: int8:widen), got {list(values)}")
     for name, values in (("prompt_lens", prompt_lens), ("batches", batches)):
         if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"{name} must be positive integers, got {list(values)}")
@@ -98,34 +105,36 @@ def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_F
         raise ValueError(f"new_tokens must be an integer >= 2, got {new_tokens!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    head_dim = model.config.head_dim
+    caches = [(kv, kv_format(kv).kernel(k, head_dim)) for kv, k in kernel_configs(kv_caches, kv_kernels)]
     from workbench.kernels.peaks import measured_peaks
 
     peaks = measured_peaks()
     rows: list[AblationRow] = []
     order = random.Random(seed)
     grid = list(itertools.product(prompt_lens, batches))
-    total = len(grid) * len(attentions) * len(kv_caches)
+    total = len(grid) * len(attentions) * len(caches)
     for prompt_len, batch in grid:
         prompts = sample_prompts(model.tokenizer, prompt_len, batch)
         ref = model.generate(prompts, max_new_tokens=new_tokens, attention="naive", kv_cache="fp32",
                              stop_at_eos=False, record=False).token_ids
         continuation = torch.tensor(ref)  # [batch, new_tokens]: list-of-lists prompts give one list each
-        configs = list(itertools.product(attentions, kv_caches))
+        configs = [(a, kv, k) for a in attentions for kv, k in caches]
         samples = {c: [] for c in configs}
-        for round_ in range(repeats + (repeats > 1)):  # a warm-up round first when there are repeats
-            for c in order.sample(configs, len(configs)):
-                r = forced_decode(model.llama, prompts, continuation, Switches(*c))
-                if repeats == 1 or round_ > 0:
-                    samples[c].append(r)
-        for attention, kv in configs:
-            runs = samples[(attention, kv)]
+        # a warm-up round first when there are repeats
+        for round_, c in interleaved_rounds(configs, repeats, warmup=int(repeats > 1), seed=order.randrange(2**31)):
+            r = forced_decode(model.llama, prompts, continuation, Switches(*c))  # (attention, kv_cache, kv_kernel)
+            if round_ >= 0:
+                samples[c].append(r)
+        for attention, kv, kernel in configs:
+            runs = samples[(attention, kv, kernel)]
 
             def med(key, runs=runs):
                 return statistics.median(r[key] for r in runs)
 
             prefill, rate = [r["prefill_ms"] for r in runs], [r["decode_tokens_per_s"] for r in runs]
             gbps, gflops = med("decode_gbps"), med("decode_gflops")
-            rows.append(AblationRow(attention, kv, prompt_len, batch, new_tokens, med("prefill_ms"),
+            rows.append(AblationRow(attention, kv, kernel, prompt_len, batch, new_tokens, med("prefill_ms"),
                                     med("decode_tokens_per_s"), gbps, 100 * gbps / peaks.triad_gbps,
                                     gflops, 100 * gflops / peaks.fma_gflops, runs[0]["top1_agreement"],
                                     len(runs), min(prefill), max(prefill), min(rate), max(rate)))
@@ -138,7 +147,7 @@ def rows_as_dicts(rows: list[AblationRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-COLUMNS = ["attention", "kv_cache", "prompt_len", "batch", "repeats", "prefill_ms", "prefill_ms_min", "prefill_ms_max",
+COLUMNS = ["attention", "kv_cache", "kv_kernel", "prompt_len", "batch", "repeats", "prefill_ms", "prefill_ms_min", "prefill_ms_max",
            "decode_tokens_per_s", "decode_tokens_per_s_min", "decode_tokens_per_s_max", "decode_gbps",
            "pct_peak_bandwidth", "decode_gflops", "pct_peak_fma", "top1_agreement"]
 # Meaningful digits per column, for tables people read (FORMATS for text, DIGITS for DataFrames).

@@ -7,7 +7,6 @@ medians with min-max over the rounds. Ratios should be taken within one call.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from typing import Callable
@@ -15,22 +14,19 @@ from typing import Callable
 import torch
 
 from workbench.model.attention import attention_backend
-from workbench.model.kv_formats import KERNEL_FORMATS, KVCache
+from workbench.hw.rounds import interleaved_rounds
+from workbench.model.kv_formats import KERNEL_FORMATS, KVCache, kernel_configs, kv_label
 
 
 def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
                 seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per case over `repeats` shuffled rounds (after `warmup` untimed calls each)."""
-    names = list(cases)
-    for name in names:
-        for _ in range(warmup):
-            cases[name]()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    order = random.Random(seed)
-    for _ in range(repeats):
-        for name in order.sample(names, len(names)):
-            t0 = time.perf_counter()
-            cases[name]()
+    """Seconds per case over `repeats` interleaved rounds (after `warmup` untimed ones;
+    workbench.hw.rounds)."""
+    samples: dict[str, list[float]] = {n: [] for n in cases}
+    for round_, name in interleaved_rounds(cases, repeats, warmup=warmup, seed=seed):
+        t0 = time.perf_counter()
+        cases[name]()
+        if round_ >= 0:
             samples[name].append(time.perf_counter() - t0)
     return samples
 
@@ -60,20 +56,22 @@ def prefill_comparison(ns=(256, 512, 1024), heads: int = 32, kv_heads: int = 32,
 
 def kv_dtype_comparison(batch: int = 16, heads: int = 32, kv_heads: int = 32, length: int = 1024,
                         head_dim: int = 128, repeats: int = 5, dtypes=KERNEL_FORMATS) -> list[dict]:
-    """Decode attention over a cache of each format (workbench.model.kv_formats), filled with
-    the same random K and V: median ms and the GB/s of the bytes read."""
+    """Decode attention over a cache of each format (workbench.model.kv_formats) with each
+    kernel that reads it ("int8:dot" names one), filled with the same random K and V: median
+    ms and the GB/s of the bytes read."""
     k, v = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)
     q = torch.randn(batch, heads, head_dim)
     lengths = torch.full((batch,), length)
     caches, nbytes = {}, {}
     start = torch.zeros(batch, dtype=torch.int64)
-    for d in dtypes:
-        caches[d] = KVCache(1, batch, kv_heads, length, head_dim, d)
+    for d in kernel_configs(dtypes, "all"):
+        caches[d] = KVCache(1, batch, kv_heads, length, head_dim, *d)
         caches[d].append(0, k, v, start)
         nbytes[d] = caches[d].nbytes
-    samples = interleaved({d: (lambda d=d: caches[d].attend(0, q, lengths)) for d in dtypes}, repeats)
+    samples = interleaved({d: (lambda d=d: caches[d].attend(0, q, lengths)) for d in caches}, repeats)
     rows = []
     for d, s in samples.items():
         st = summarize(s)
-        rows.append({"kv_cache": d, **st, "gbps": nbytes[d] / (st["median_ms"] / 1e3) / 1e9, "bytes": nbytes[d]})
+        rows.append({"cache": kv_label(d[0], caches[d].kernel), "kv_cache": d[0], "kv_kernel": caches[d].kernel, **st,
+                     "gbps": nbytes[d] / (st["median_ms"] / 1e3) / 1e9, "bytes": nbytes[d]})
     return rows

@@ -17,7 +17,7 @@ def forced_steps(llama, prompts: list[list[int]], continuation: torch.Tensor, sw
     """Yields (step, logits [B, vocab], record) for the prefill (step 0, the logits of each
     prompt's last token) and then for each token of continuation [B, steps] but the last:
     step s + 1 predicts continuation[:, s + 1]. Runs under inference_mode. cache: an empty
-    cache to use (new_cache_for's), else a new one in switches.kv_cache."""
+    cache to use (new_cache_for's), else a new one in switches.kv_cache / kv_kernel."""
     batch, steps = continuation.shape
     if batch != len(prompts):
         raise ValueError(f"continuation has {batch} rows for {len(prompts)} prompts")
@@ -34,7 +34,8 @@ def forced_steps(llama, prompts: list[list[int]], continuation: torch.Tensor, sw
 
 def new_cache_for(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches):
     """An empty cache long enough for the prompts and the continuation."""
-    return llama.new_cache(len(prompts), max(map(len, prompts)) + continuation.shape[1], switches.kv_cache)
+    return llama.new_cache(len(prompts), max(map(len, prompts)) + continuation.shape[1], switches.kv_cache,
+                           switches.kv_kernel)
 
 
 def forced_logits(llama, prompts: list[list[int]], continuation: torch.Tensor, switches: Switches,

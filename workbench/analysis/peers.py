@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from workbench.cache import cache_dir
+from workbench.hw.rounds import interleaved_rounds
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
         triads = []  # the STREAM triad after each round: the bandwidth our GB/s are set against
         for r in range(rounds):
             for n in prompt_lens:
-                for name in order.sample(list(workers), len(workers)):
+                for _, name in interleaved_rounds(workers, 1, seed=order.randrange(2**31)):
                     samples[(name, n)].append(workers[name].run(prompts[n], new_tokens))
                     last = samples[(name, n)][-1]
                     say(f"round {r + 1}/{rounds}, prompt {n}: {name} prefill {last['prefill_ms']:.1f} ms, decode "

@@ -11,11 +11,13 @@ show the format). Each format is compared with the fp32 cache at the same positi
     kl_nats_max              the largest at any position
     perplexity               exp(mean negative log-likelihood of the text's actual next tokens)
     bytes_per_element        storage per cached value, scales included
+    cache                    the format and, where it has several, its kernel: "int8 (tile)"
     attention_rel_error      the decode kernel's own error: its attention outputs against
                              float64 over the very values the cache stores (AttentionErrorProbe),
-                             so int8dot's query rounding and int8tile's probability rounding
-                             show apart from the cache's storage rounding
+                             so the dot kernel's query rounding and the tile kernel's
+                             probability rounding show apart from the cache's storage rounding
 
+A format may name the kernel that reads it ("int8:dot"); rows give kv_cache and kv_kernel.
 The default text is every license Debian ships (workbench.analysis.text.license_corpus).
 Formats marked kernel=False run on the labelled torch reference path
 (workbench.model.kv_quant): the same numbers a kernel would give, not its speed.
@@ -29,11 +31,13 @@ import torch
 
 from workbench.analysis.forcing import forced_logits, new_cache_for
 from workbench.analysis.text import license_corpus
-from workbench.model.kv_formats import KV_FORMATS, kv_format
+from workbench.model.kv_formats import KV_FORMATS, kernel_configs, kv_format, kv_label
 from workbench.model.kv_quant import reference_attention
 from workbench.model.switches import Switches
 
 REFERENCE = "fp32"
+# Every format, and each kernel of a format that has several (their rounding differs).
+ALL_CACHES = tuple(f"{fmt}:{kernel}" if kernel else fmt for fmt, kernel in kernel_configs(KV_FORMATS, "all"))
 
 
 def _contexts(context) -> list[int]:
@@ -43,13 +47,11 @@ def _contexts(context) -> list[int]:
     return values
 
 
-def kv_quality(model, formats=tuple(KV_FORMATS), context=1024, steps: int = 64, text: str | None = None,
+def kv_quality(model, formats=ALL_CACHES, context=1024, steps: int = 64, text: str | None = None,
                attention: str = "slim", progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per (context, format), see the module docstring. context: an int or a list
     (for example [512, 1024, 2048])."""
-    formats = list(formats)
-    for f in formats:
-        kv_format(f)
+    caches = kernel_configs(formats)  # "int8:dot" names a kernel; a plain format gets its default
     contexts = _contexts(context)
     for c in contexts:
         if not 2 <= steps < c:
@@ -66,28 +68,29 @@ def kv_quality(model, formats=tuple(KV_FORMATS), context=1024, steps: int = 64, 
         # forced_logits' position s predicts follow[s]; position 0 is the prefill's, the rest decode's.
         targets = torch.tensor(ids[c - steps + 1:c])
 
-        def logprobs(fmt: str) -> tuple[torch.Tensor, float]:
-            # The Python decode path (the same kernels, called one by one), so the probe sees
+        def logprobs(fmt: str, kernel: str | None = None) -> tuple[torch.Tensor, float]:
+            # The reference step path (the same kernels, called one by one), so the probe sees
             # every attention call.
-            switches = Switches(attention, fmt, decode="python")
+            switches = Switches(attention, fmt, kernel, step="reference")
             cache = new_cache_for(model.llama, prompt, follow, switches)
             probe = AttentionErrorProbe(cache)
             lp = forced_logits(model.llama, prompt, follow, switches, cache=cache)[0, 1:].log_softmax(-1)
             return lp, probe.mean_relative_error
 
         ref, ref_err = logprobs(REFERENCE)  # [steps - 1, vocab]: the decode steps' predictions
-        for fmt in formats:
-            lp, attn_err = (ref, ref_err) if fmt == REFERENCE else logprobs(fmt)
+        for fmt, kernel in caches:
+            kernel = kv_format(fmt).kernel(kernel, head_dim)
+            lp, attn_err = (ref, ref_err) if fmt == REFERENCE else logprobs(fmt, kernel)
             kl = (ref.exp() * (ref - lp)).sum(-1)
             nll = -lp.gather(-1, targets[:, None])
             f = KV_FORMATS[fmt]
-            rows.append({"kv_cache": fmt, "granularity": f.granularity, "bits": f.bits,
+            rows.append({"cache": kv_label(fmt, kernel), "kv_cache": fmt, "kv_kernel": kernel, "granularity": f.granularity, "bits": f.bits,
                          "bytes_per_element": f.bytes_per_element(head_dim, kv_heads), "kernel": f.has_kernel,
                          "context": c, "positions": lp.shape[0],
                          "top1_agreement_vs_fp32": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                          "kl_nats": kl.mean().item(), "kl_nats_max": kl.max().item(),
                          "perplexity": nll.mean().exp().item(), "attention_rel_error": attn_err})
-            say(f"context {c}: {fmt} KL {rows[-1]['kl_nats']:.2e}, top-1 {rows[-1]['top1_agreement_vs_fp32']:.3f}")
+            say(f"context {c}: {kv_label(fmt, kernel)} KL {rows[-1]['kl_nats']:.2e}, top-1 {rows[-1]['top1_agreement_vs_fp32']:.3f}")
     return rows
 
 
@@ -96,7 +99,7 @@ class AttentionErrorProbe:
     over `cache` is also computed in float64 over exactly the values the cache stores, and
     the relative L2 error of the kernel's output ||o - o64|| / ||o64|| (per sequence, head
     and layer) is averaged. Storage rounding is not in it (both read the same values), only
-    what the kernel adds: int8dot's query quantization, int8tile's probability rounding, fp32
+    what the kernel adds: the dot kernel's query quantization, the tile kernel's probability rounding, fp32
     accumulation order. Wraps cache.attend on this one cache object."""
 
     def __init__(self, cache):
@@ -162,7 +165,7 @@ def quality_figure(rows: list[dict]) -> dict:
         at = [r for r in rows if r["context"] == c and r["kl_nats"] > 0]
         data.append({"type": "scatter", "mode": "markers+text", "name": f"context {c}",
                      "x": [r["bytes_per_element"] for r in at], "y": [r["kl_nats"] for r in at],
-                     "text": [r["kv_cache"] for r in at], "textposition": "top center",
+                     "text": [r.get("cache", r["kv_cache"]) for r in at], "textposition": "top center",
                      "hovertemplate": "%{text}: %{x:.3f} B/element, KL %{y:.2e} nats<extra></extra>"})
     return {"data": data, "layout": {"title": {"text": "KV-cache quality vs bytes (KL to an fp32 cache; lower is better)"},
                                      "height": 460, "xaxis": {"title": {"text": "bytes per cached element (scales included)"}},

@@ -25,6 +25,7 @@ import torch
 
 from workbench.analysis.text import sample_prompts
 from workbench.distributed.cluster import Cluster
+from workbench.hw.rounds import interleaved_rounds
 
 
 def _row(out, batch: int) -> dict:
@@ -80,12 +81,11 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 model.generate(prompts, **run)  # warm-up
                 samples = {c: [] for c in combos}
                 same = {c: True for c in combos}
-                for _ in range(repeats):
-                    for c in order.sample(combos, len(combos)):
-                        model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2])
-                        out = model.generate(prompts, **run)
-                        samples[c].append(_row(out, batch))
-                        same[c] = same[c] and out.token_ids == ref.token_ids
+                for _, c in interleaved_rounds(combos, repeats, seed=order.randrange(2**31)):
+                    model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2])
+                    out = model.generate(prompts, **run)
+                    samples[c].append(_row(out, batch))
+                    same[c] = same[c] and out.token_ids == ref.token_ids
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": "on" if c[2] else "off", "threads": threads_per_rank}

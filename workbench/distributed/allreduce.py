@@ -11,7 +11,7 @@ import statistics
 import time
 
 from workbench.cache import cache_dir, cpu_key
-from workbench.distributed.comm import BACKENDS
+from workbench.distributed.backends import backend as backend_record
 
 def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2) -> dict:
     """Median all-reduce seconds per payload size (1 KB to 16 MB by default) for each backend,
@@ -52,8 +52,7 @@ def _fit_path(backend: str, ranks: int):
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    backend_record(backend)  # a ValueError naming the backends
 
 
 def cached_fit(backend: str, ranks: int = 2) -> dict | None:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from dataclasses import asdict
 from typing import Callable
 
 from workbench.distributed import engine
-from workbench.distributed.comm import (BACKENDS, create_shm_segment, remove_orphaned_segments, shm_capacity_bytes,
-                                         shm_segment_name)
+from workbench.distributed.backends import backend as backend_record
+from workbench.distributed.comm import shm_capacity_bytes
 from workbench.distributed.tp import TPOptions
 from workbench.model.switches import Switches
 from workbench.model.timing import Timings
@@ -50,12 +49,6 @@ class DistributedUsageError(DistributedError, ValueError):
 
 
 USER_ERRORS = ("ValueError", "TypeError", "ModelLoadError", "TruncatedModelWarning")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -127,13 +120,9 @@ class Cluster:
         cpus = len(os.sched_getaffinity(0))
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"ranks (-n) must be a positive integer, got {n!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if backend == "ccl":
-            from workbench.distributed import ccl
-
-            if not ccl.available():
-                raise ValueError(ccl.INSTALL_HINT)
+        record = backend_record(backend)
+        if record.unavailable() is not None:
+            raise ValueError(record.unavailable())
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
         if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
@@ -141,8 +130,9 @@ class Cluster:
         if n * threads_per_rank > cpus and not oversubscribe:
             raise ValueError(f"{n} ranks x {threads_per_rank} threads need {n * threads_per_rank} CPUs but this "
                              f"process may use {cpus}; use fewer, or pass oversubscribe=True (--oversubscribe)")
-        if backend == "shm" and launcher not in ("local", "mpi"):
-            raise ValueError("the shm backend needs every rank on this host: use launcher='local' (or 'mpi' on one host)")
+        if record.one_host and launcher not in ("local", "mpi"):
+            raise ValueError(f"the {backend} backend needs every rank on this host: use launcher='local' (or 'mpi' "
+                             f"on one host)")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.n, self.backend, self.threads_per_rank, self.pin = n, backend, threads_per_rank, pin
@@ -174,13 +164,8 @@ class Cluster:
             config = Config(self.launcher_config)
             if self.launcher == "mpi" and "MPIEngineSetLauncher" not in self.launcher_config:
                 config.MPIEngineSetLauncher = Config(mpi_defaults(self.iface))
-            if self.backend == "ccl":
-                # Given to the engines when they start: set later, from inside a running
-                # process, the same settings made a 2 KB all-reduce 10-20x slower (measured).
-                from workbench.distributed import ccl
-
-                env = ccl.environment(0, self.n, self.iface)
-                env.pop("CCL_LOCAL_RANK")  # differs per rank: each engine sets its own
+            env = backend_record(self.backend).launch_env(self)  # given to the engines when they start
+            if env:
                 config.BaseLauncher.environment = {**config.BaseLauncher.get("environment", {}), **env}
             self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40,
                                            config=config)
@@ -198,18 +183,7 @@ class Cluster:
             self._gather([self.client[eid].apply_async(engine.prepare, self.threads_per_rank, self.cpus[rank],
                                                        self.backend) for rank, eid in enumerate(ids)],
                          "building the kernels")
-            if self.backend == "gloo":
-                # rank 0 hosts the rendezvous: on its own address, on a port free there
-                host, port = (("127.0.0.1", _free_port()) if self.launcher == "local" else
-                              self.client[ids[0]].apply_sync(engine.address_and_port, self.iface))
-                rendezvous = {"init_method": f"tcp://{host}:{port}", "iface": self.iface}
-            elif self.backend == "ccl":
-                rendezvous = {"address": self.client[ids[0]].apply_sync(engine.ccl_address, self.n, self.iface),
-                              "iface": self.iface}
-            else:
-                remove_orphaned_segments(_alive)  # left by clients that were killed
-                self.shm_path = create_shm_segment(shm_segment_name(), self.n, self.shm_capacity)
-                rendezvous = {"path": str(self.shm_path), "capacity": self.shm_capacity}
+            rendezvous = backend_record(self.backend).rendezvous(self, ids)
             ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)
                    for rank, eid in enumerate(ids)]
             self.engines = self._gather(ars, "joining the collective")
@@ -280,13 +254,7 @@ class Cluster:
 
     def environment(self) -> dict:
         """The backend's settings the workbench applies on every engine."""
-        if self.backend == "gloo":
-            return {"GLOO_SOCKET_IFNAME": self.iface or "(gloo's choice)"}
-        if self.backend == "ccl":
-            from workbench.distributed import ccl
-
-            return ccl.environment(0, self.n, self.iface)  # rank 0's; CCL_LOCAL_RANK differs per rank
-        return {"segment": str(self.shm_path), "slot_bytes": self.shm_capacity}
+        return backend_record(self.backend).settings(self)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -355,36 +323,54 @@ class DistributedModel:
         self.weight_dtype = infos[0]["weight_dtype"]
         self.description = f"{infos[0]['description']}, tensor parallel over {cluster.n} ranks ({cluster.backend})"
         self.options = options
-        self._attention, self._kv_cache = "slim", "fp32"
+        self.switches = Switches()
         self._switch_listeners: list[Callable] = []
 
     # -- switches ------------------------------------------------------------------------
     def on_switch(self, listener) -> None:
         self._switch_listeners.append(listener)
 
-    def _set(self, attention: str, kv_cache: str) -> None:
-        Switches(attention, kv_cache)  # validate here: a one-line error, not a remote traceback
-        if (attention, kv_cache) != (self._attention, self._kv_cache):
-            self.cluster.run(engine.set_switches, attention, kv_cache, what="switching")
-            self._attention, self._kv_cache = attention, kv_cache
+    def _set(self, **changes) -> None:
+        from dataclasses import asdict, replace
+
+        switches = replace(self.switches, **changes)  # validated here: a one-line error, not a remote traceback
+        if switches != self.switches:
+            self.cluster.run(engine.set_switches, asdict(switches), what="switching")
+            self.switches = switches
             for listener in list(self._switch_listeners):
-                listener(Switches(attention, kv_cache))
+                listener(switches)
 
     @property
     def attention(self) -> str:
-        return self._attention
+        return self.switches.attention
 
     @attention.setter
     def attention(self, value: str) -> None:
-        self._set(value, self._kv_cache)
+        self._set(attention=value)
 
     @property
     def kv_cache(self) -> str:
-        return self._kv_cache
+        return self.switches.kv_cache
 
     @kv_cache.setter
     def kv_cache(self, value: str) -> None:
-        self._set(self._attention, value)
+        self._set(kv_cache=value, kv_kernel=None)  # a new format is read by its default kernel
+
+    @property
+    def kv_kernel(self) -> str | None:
+        return self.switches.kv_kernel
+
+    @kv_kernel.setter
+    def kv_kernel(self, value: str | None) -> None:
+        self._set(kv_kernel=value)
+
+    @property
+    def step(self) -> str:
+        return self.switches.step
+
+    @step.setter
+    def step(self, value: str) -> None:
+        self._set(step=value)
 
     def set_options(self, **changes) -> TPOptions:
         """token_broadcast / lm_head / zero_copy / topk for the next generations."""
@@ -398,12 +384,13 @@ class DistributedModel:
     def __repr__(self) -> str:
         o = self.options
         return (f"<workbench.DistributedModel {self.description}: {self.config.n_layers} layers, attention="
-                f"{self.attention}, kv_cache={self.kv_cache}, token_broadcast={o.token_broadcast}, "
+                f"{self.attention}, kv_cache={self.switches.kv_text}, token_broadcast={o.token_broadcast}, "
                 f"lm_head={o.lm_head}, zero_copy={'on' if o.zero_copy else 'off'}>")
 
     # -- inference ---------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
-                 kv_cache: str | None = None, decode: str | None = None, temperature: float = 0.0,
+                 kv_cache: str | None = None, kv_kernel: str | None = None, step: str | None = None,
+                 temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
                  on_token=None, on_step=None, check_topk: bool | None = None):
         """Model.generate on every rank at once (see workbench.runtime.model); rank 0's
@@ -414,12 +401,12 @@ class DistributedModel:
             raise ValueError(f"sampling with temperature > 0 needs top_k <= {self.options.topk} with "
                              f"lm_head={self.options.lm_head} (only that many candidates are exchanged); pass "
                              f"top_k, or use lm_head='gather'")
+        kernel = kv_kernel if kv_kernel is not None or kv_cache is not None else self.kv_kernel
         kwargs = dict(max_new_tokens=max_new_tokens, attention=attention or self.attention,
-                      kv_cache=kv_cache or self.kv_cache, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, stop_at_eos=stop_at_eos, record=record)
-        if decode is not None:  # the ranks' layers end in all-reduces, so they decode on the Python path anyway
-            kwargs["decode"] = decode
-        Switches(kwargs["attention"], kwargs["kv_cache"], decode or "fused")
+                      kv_cache=kv_cache or self.kv_cache, kv_kernel=kernel, step=step or self.step,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
+                      record=record)
+        Switches(kwargs["attention"], kwargs["kv_cache"], kernel, kwargs["step"])  # checked before the ranks see it
         seen = {"ids": 0, "steps": 0}
         live = Timings()
         ars: list = []

@@ -1,5 +1,5 @@
 """Collectives between the ranks of a tensor-parallel run: one small interface, several
-backends (`BACKENDS`).
+backends (their records: workbench.distributed.backends).
 
     all_reduce_(x)          x <- sum over ranks, in place (fp32)
     broadcast_(x, root)     x <- root's x, in place (any dtype)
@@ -244,12 +244,3 @@ class ShmComm(Communicator):
 
     def close(self) -> None:
         self.segment = self.slot = None
-
-
-BACKENDS = ("gloo", "shm", "ccl")  # ccl: workbench.distributed.ccl, with the ccl extra installed
-
-
-def available_backends() -> list[str]:
-    from workbench.distributed import ccl
-
-    return [b for b in BACKENDS if b != "ccl" or ccl.available()]

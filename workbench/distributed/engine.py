@@ -36,19 +36,9 @@ def address_and_port(iface: str | None) -> tuple[str, int]:
 
 
 def make_comm(backend: str, rank: int, world: int, timeout_s: float, rendezvous: dict):
-    from workbench.distributed import comm
+    from workbench.distributed.backends import backend as record
 
-    if backend == "gloo":
-        if rendezvous.get("iface"):
-            os.environ["GLOO_SOCKET_IFNAME"] = rendezvous["iface"]
-        return comm.GlooComm(rank, world, timeout_s, rendezvous["init_method"])
-    if backend == "shm":
-        return comm.ShmComm(rank, world, timeout_s, rendezvous["path"], rendezvous["capacity"])
-    if backend == "ccl":
-        from workbench.distributed.ccl import CclComm
-
-        return CclComm(rank, world, timeout_s, rendezvous["address"], rendezvous.get("iface"))
-    raise ValueError(f"backend must be one of {', '.join(comm.BACKENDS)}, got {backend!r}")
+    return record(backend).connect(rank, world, timeout_s, rendezvous)
 
 
 def prepare(threads: int, cpus: list[int] | None, backend: str) -> None:
@@ -59,10 +49,9 @@ def prepare(threads: int, cpus: list[int] | None, backend: str) -> None:
     from workbench.kernels import native
 
     native.ext  # compile (or load) the kernels before the collective's clock starts
-    if backend == "ccl":
-        from workbench.distributed import ccl
+    from workbench.distributed.backends import backend as record
 
-        ccl.extension()
+    record(backend).prepare()
 
 
 def ccl_address(world: int, iface: str | None) -> bytes:
@@ -113,9 +102,10 @@ def set_options(options: dict) -> dict:
     return asdict(model.tp.options)
 
 
-def set_switches(attention: str, kv_cache: str) -> None:
-    model = _model()
-    model.attention, model.kv_cache = attention, kv_cache
+def set_switches(switches: dict) -> None:
+    from workbench.model.switches import Switches
+
+    _model()._set_switches(Switches(**switches))
 
 
 def generate(prompt, kwargs: dict, check_topk: bool):

@@ -116,27 +116,28 @@ class KernelSet:
 
     def decode_attention(self, q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
                          scale: float | None = None, num_splits: int | None = None,
-                         int8_query: bool = False, tiled: bool = False) -> torch.Tensor:
+                         int8_kernel: str = "widen") -> torch.Tensor:
         """Attention of one new token per sequence over a KV cache.
 
         q [B, H, D] fp32/bf16; k_cache / v_cache [B, Hkv, Lmax, D] int8, fp16, bf16 or fp32;
         lengths [B] ints in 1..Lmax (ragged batches allowed); k_scale / v_scale [B, Hkv, Lmax]
         fp32 for an int8 cache. num_splits: split-KV chunks per (batch, KV head); default
-        picks enough for every thread when B * Hkv is small. int8_query (int8 cache only):
-        quantize each query head to int8 and compute the scores with integer dot products
-        (`decode_dot_isa()` says which instructions); False widens K to fp32. tiled (int8
-        cache only): the caches are in the tiled layout (K written with layout="k_tiles", V
-        with "v_groups"; Lmax a multiple of TILED_ALIGN, D of 4) and both the scores and P.V
-        are integer dot products, the probabilities quantized to [0, 127] per 32 tokens.
+        picks enough for every thread when B * Hkv is small.
+
+        int8_kernel, how an int8 cache is read (INT8_KERNELS; other caches take "widen"):
+          "widen"  K and V widened to fp32 in registers (the paper's kernel);
+          "dot"    each query head quantized to int8 too, the scores by integer dot products
+                   (`decode_dot_isa()` says which instructions), P.V in fp32;
+          "tile"   the caches in the tiled layout (K written with layout="k_tiles", V with
+                   "v_groups"; Lmax a multiple of TILED_ALIGN, D of 4): the scores and P.V by
+                   integer dot products, the probabilities quantized to [0, 127] per 32 tokens.
         """
         _check_tensor_args(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)
         if num_splits is not None:
             num_splits = _positive_int("num_splits", num_splits)
-        for name, flag in (("int8_query", int8_query), ("tiled", tiled)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"decode_attention: {name} must be True or False, got {flag!r}")
         return self.ext.decode_attention(q, k_cache, v_cache, lengths, k_scale=k_scale, v_scale=v_scale,
-                                         scale=scale, num_splits=num_splits, int8_query=int8_query, tiled=tiled)
+                                         scale=scale, num_splits=num_splits,
+                                         int8_kernel=_int8_kernel("decode_attention", int8_kernel))
 
     def decode_dot_isa(self) -> str:
         """The integer dot-product instructions of the int8-query decode path in this build."""
@@ -194,23 +195,27 @@ class KernelSet:
             raise ValueError(f"engine must be one of {', '.join(self.GEMM_ENGINES)}, got {engine!r}")
         self.ext.set_gemm_engine(engine)
 
-    def decode_stack(self, layers, k_cache, v_cache, k_scale, v_scale, *, heads: int, eps: float,
-                     int8_query: bool = False, tiled: bool = False):
-        """The fused decode step over a whole decoder stack (kernels/decode_step.cpp): `layers`
-        are the model's Layer objects (attn_norm, mlp_norm, and Linear wqkv, wo, w_gate_up,
-        w_down), the caches one tensor per layer (scales None unless int8). Returns an object
-        whose step(x, cos, sin, positions, timers) runs every layer for one new token per
-        sequence in one call with the GIL released: x [B, dim] fp32 updated in place, cos /
-        sin [B, head_dim], positions [B]; timers a float64 [layers, 3] tensor that receives
-        each layer's attention / MLP / norms-and-adds seconds, or None. The weights and caches
-        are held, not copied: build one per (model, cache)."""
-        def of(name):
-            return [getattr(layer, name).weight for layer in layers], [getattr(layer, name).scale for layer in layers]
+    def decode_stack(self, layers, caches, *, heads: int, eps: float, int8_kernel: str = "widen"):
+        """The fused decode step over a whole decoder stack (kernels/decode_step.cpp).
 
-        (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = of("wqkv"), of("wo"), of("w_gate_up"), of("w_down")
-        return self.ext.DecodeStack([layer.attn_norm for layer in layers], [layer.mlp_norm for layer in layers],
-                                    wqkv, sqkv, wo, so, wgu, sgu, wd, sd, list(k_cache), list(v_cache),
-                                    list(k_scale), list(v_scale), heads, float(eps), bool(int8_query), bool(tiled))
+        layers: the model's Layer objects (attn_norm, mlp_norm, and the Linear wqkv, wo,
+        w_gate_up, w_down); caches: one (k, v, k_scale, v_scale) per layer, the scales None
+        unless int8; int8_kernel: decode_attention's. Returns an object whose
+        step(x, cos, sin, positions, timers) runs every layer for one new token per sequence
+        in one call with the GIL released: x [B, dim] fp32 updated in place, cos / sin
+        [B, head_dim], positions [B]; timers a float64 [layers, parts] tensor that receives
+        each layer's seconds per part (constants()["timer_parts"]), or None. The weights and
+        caches are held, not copied: build one per (model, cache)."""
+        layers, caches = list(layers), list(caches)
+        if len(caches) != len(layers):
+            raise ValueError(f"decode_stack: caches needs one (k, v, k_scale, v_scale) per layer: {len(layers)}, "
+                             f"got {len(caches)}")
+        records = [self.ext.DecodeLayer(layer.attn_norm, layer.mlp_norm,
+                                        *(getattr(layer, n).weight for n in ("wqkv", "wo", "w_gate_up", "w_down")),
+                                        *(getattr(layer, n).scale for n in ("wqkv", "wo", "w_gate_up", "w_down")),
+                                        *cache)
+                   for layer, cache in zip(layers, caches)]
+        return self.ext.DecodeStack(records, heads, float(eps), _int8_kernel("decode_stack", int8_kernel))
 
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
         """Rotary position embedding (rotate-half layout) in place: in each row of x [T, C]
@@ -236,7 +241,7 @@ class KernelSet:
         fp16, bf16 or fp32; values (any strides, fp32/bf16/fp16) are converted, rounding to
         nearest even. The cache and scales must be contiguous: they are written in place.
         layout: "rows" (token after token), or for an int8 cache the tiled layout's "k_tiles"
-        (K) or "v_groups" (V), read by decode_attention(..., tiled=True); see untile_kv."""
+        (K) or "v_groups" (V), read by decode_attention(..., int8_kernel="tile"); see untile_kv."""
         _check_tensor_args(cache=cache, values=values, positions=positions)
         if layout not in TILED_LAYOUTS:
             raise ValueError(f"kv_cache_append: layout must be one of {', '.join(TILED_LAYOUTS)}, got {layout!r}")
@@ -246,12 +251,19 @@ class KernelSet:
 TILED_LAYOUTS = ("rows", "k_tiles", "v_groups")
 
 
+def _int8_kernel(fn: str, name) -> str:
+    if not isinstance(name, str):  # the C++ side names the accepted values for a wrong string
+        raise TypeError(f"{fn}: int8_kernel must be one of {', '.join(constants()['int8_kernels'])}, got {name!r}")
+    return name
+
+
 def constants() -> dict:
     """The constants the C++ side defines and Python needs (kernels.h, exported by the
     extension's constants(); read, never copied): weight_group (grouped int8 weights per
     scale), tiled_align / tile_tokens / v_group_tokens (the tiled int8 KV layout),
     matvec_max_rows (the matrix-vector / GEMM crossover), shm_header_bytes, weight_kernels
-    (the WeightDtype enumerators), timer_parts (the fused step's timer columns)."""
+    (the WeightDtype enumerators), timer_parts (the fused step's timer columns), int8_kernels
+    (the ways a decode kernel reads an int8 cache, Int8Kernel's order)."""
     global _CONSTANTS
     if _CONSTANTS is None:
         _CONSTANTS = dict(load_extension("native").constants())
@@ -262,6 +274,8 @@ _CONSTANTS: dict | None = None
 
 
 def __getattr__(name: str):
+    if name == "INT8_KERNELS":  # how an int8 cache can be read (kernels.h: Int8Kernel)
+        return tuple(constants()["int8_kernels"])
     if name == "TILED_ALIGN":  # the tiled layout's Lmax multiple (kernels.h: kTiledAlign)
         return constants()["tiled_align"]
     raise AttributeError(f"module 'workbench.kernels' has no attribute {name!r}")

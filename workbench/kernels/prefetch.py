@@ -20,6 +20,7 @@ import time
 import torch
 
 from workbench.cache import cache_dir, cpu_key
+from workbench.hw.rounds import interleaved_rounds
 
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
 # Decode attention's: (bytes ahead, hint, pipelined: the tiled kernel's prefetches running on
@@ -50,13 +51,12 @@ def _fastest_seconds(candidates, apply, run, repeats: int) -> dict[str, float]:
     faults, thread pool), then `repeats` interleaved rounds over all candidates."""
     run()
     best: dict[str, float] = {}
-    for _ in range(repeats):
-        for cand in candidates:
-            apply(*cand)
-            t0 = time.perf_counter()
-            run()
-            key = _key(cand)
-            best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+    for _, cand in interleaved_rounds(candidates, repeats):
+        apply(*cand)
+        t0 = time.perf_counter()
+        run()
+        key = _key(cand)
+        best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
     return best
 
 
@@ -84,8 +84,8 @@ def measure(ext, repeats: int = 3) -> dict:
     before = ext.get_prefetch()
 
     def run():
-        ext.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, scale=None, num_splits=None, int8_query=True,
-                             tiled=True)
+        ext.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, scale=None, num_splits=None,
+                             int8_kernel="tile")
 
     try:
         seconds = _fastest_seconds(CANDIDATES, lambda b, h, p: ext.set_prefetch(b, h, bool(p)), run, repeats)

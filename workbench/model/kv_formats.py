@@ -1,25 +1,29 @@
-"""KV-cache formats: one record per format, and the cache that stores K and V in one.
+"""KV-cache formats and the kernels that read them: one record per format, and the cache
+that stores K and V in one.
 
-Everything that knows about cache formats reads it from `KV_FORMATS`: the model's cache,
-the memory estimate before loading, the bytes a decode step must read, the choices of the
-CLI, the magics and the panel, the ablation grids. Adding a format is one entry here plus
-its kernels:
+A format is storage: what is kept per token (dtype, scales, bytes). A kernel is how a decode
+step reads it. Everything that knows about cache formats reads it from `KV_FORMATS`: the
+model's cache, the memory estimate before loading, the bytes a decode step must read, the
+choices of the CLI, the magics and the panel, the ablation grids. Adding a format is one
+entry here plus its kernels:
 
     name          what users type (`%kvcache int8`, `kv_cache="int8"`)
     storage       the torch dtype of the stored values
     scaled        one fp32 scale per head per token beside the values (the paper's int8
                   granularity: scale = max|x| / 127 of each head's d values)
+    kernels       the decode kernels that can read it (KV_KERNELS), the default first: the
+                  fastest whose quality on unseen text matches the paper's kernel
+                  (docs/measurements.md); `%kvcache int8 --kernel widen` picks another
     append        writes new tokens into the cache (quantizing them if scaled)
     dequantize    stored values (+ scales) -> fp32, for the reference attention paths
-    decode        the decode-attention kernel over this format
-    tiled         K and V in the tiled int8 layout (kernels/decode_tiled.cpp), not token rows
-    int8_query    its kernel quantizes the query to int8 (integer dot products for the scores)
+    decode        the decode-attention call over this format
 
 A layer's cache holds K and V as [B, Hkv, max_len, D] of `storage`, plus [B, Hkv, max_len]
 fp32 scales each when `scaled`; Hkv is the model's local KV-head count, so a tensor-parallel
-rank allocates only its own heads. A tiled format rounds the allocated max_len up to a
-multiple of 32 (kernels.TILED_ALIGN) and keeps each plane's tokens in tiles; `dequantized`
-returns token rows either way.
+rank allocates only its own heads. The "tile" kernel reads the same values and scales in a
+tiled layout: the cache rounds the allocated max_len up to a multiple of
+kernels.TILED_ALIGN and keeps each plane's tokens in tiles; `dequantized` returns token rows
+either way.
 """
 
 from __future__ import annotations
@@ -49,6 +53,15 @@ def _decode(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
     return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, **options)
 
 
+# How a decode kernel reads a cache (kernels.decode_attention's int8_kernel; kernels.h: Int8Kernel).
+KV_KERNELS = {
+    "widen": "stored values widened to fp32 in registers, fp32 scores and P.V (the paper's kernel for int8)",
+    "dot": "int8 only: the query quantized to int8, scores by integer dot products (VNNI / pmaddubsw), P.V in fp32",
+    "tile": "int8 only, the values and scales in a tiled layout: integer scores and integer P.V "
+            "(probabilities at 7 bits per 32 tokens)",
+}
+
+
 @dataclass(frozen=True)
 class KVFormat:
     name: str
@@ -61,13 +74,24 @@ class KVFormat:
     # Reference-path formats (the quality study's granularities and bit widths): how K and V
     # are quantized (workbench.model.kv_quant); None for the formats with C++ kernels.
     quant: QuantSpec | None = None
-    tiled: bool = False
-    int8_query: bool = False  # its kernel quantizes the query to int8 (integer dot products for the scores)
+    kernels: tuple[str, ...] = ("widen",)  # KV_KERNELS that read it, the default first; () on the reference path
 
-    @property
-    def kernel_options(self) -> dict:
-        """The decode kernel's switches this format sets (kernels.decode_attention's keywords)."""
-        return {name: True for name in ("int8_query", "tiled") if getattr(self, name)}
+    def kernel(self, requested: str | None = None, head_dim: int | None = None) -> str | None:
+        """The kernel that reads this format: `requested`, checked, or the default (the first
+        of `kernels` the head dim allows: "tile" needs a multiple of 4). None for a reference
+        format (decoded in torch)."""
+        if not self.kernels:
+            if requested is not None:
+                raise ValueError(f"kv_kernel: kv_cache {self.name!r} runs on the torch reference path and has no "
+                                 f"kernel to choose, got {requested!r}")
+            return None
+        if requested is None:
+            usable = [k for k in self.kernels if k != "tile" or head_dim is None or head_dim % 4 == 0]
+            return usable[0]
+        if requested not in self.kernels:
+            raise ValueError(f"kv_kernel must be one of {', '.join(self.kernels)} for kv_cache {self.name!r}, "
+                             f"got {requested!r}")
+        return requested
 
     @property
     def bits(self) -> int:
@@ -102,17 +126,12 @@ class KVFormat:
 
 def _reference(name: str, k: str, v: str | None = None, bits: int = 8, description: str = "") -> KVFormat:
     return KVFormat(name, torch.int8 if bits == 8 else torch.uint8, scaled=True, quant=QuantSpec(k, v or k, bits),
-                    description=f"{description} [reference path: torch, for quality]")
+                    description=f"{description} [reference path: torch, for quality]", kernels=())
 
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
-    KVFormat("int8", torch.int8, scaled=True,
-             description="int8, one fp32 scale per head per token (the paper's format and kernel: K widened)"),
-    KVFormat("int8dot", torch.int8, scaled=True, int8_query=True,
-             description="the int8 cache, scores by integer dot products with an int8 query (VNNI / pmaddubsw)"),
-    KVFormat("int8tile", torch.int8, scaled=True, tiled=True,
-             description="int8 in a tiled layout: integer scores and integer P.V (probabilities at 7 bits per "
-                         "32 tokens)"),
+    KVFormat("int8", torch.int8, scaled=True, kernels=("tile", "dot", "widen"),
+             description="int8, one fp32 scale per head per token (the paper's format)"),
     KVFormat("fp16", torch.float16, scaled=False, description="IEEE half precision"),
     KVFormat("bf16", torch.bfloat16, scaled=False, description="bfloat16"),
     KVFormat("fp32", torch.float32, scaled=False, description="single precision (the reference)"),
@@ -131,10 +150,55 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
 KERNEL_FORMATS = tuple(name for name, f in KV_FORMATS.items() if f.has_kernel)
 
 
-def new_kv_cache(n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str):
-    """The cache for format `fmt`: KVCache for the kernel formats, ReferenceKVCache for the rest."""
-    cls = KVCache if kv_format(fmt).has_kernel else ReferenceKVCache
-    return cls(n_layers, batch, kv_heads, max_len, head_dim, fmt)
+def kv_label(fmt: str, kernel: str | None = None) -> str:
+    """A cache as tables and reports name it: the format, and for a format with several
+    kernels the one that reads it ("int8 (tile)"; None: the default); "fp16" otherwise."""
+    record = KV_FORMATS.get(fmt)
+    if record is None or len(record.kernels) < 2:
+        return str(fmt)
+    return f"{fmt} ({kernel or record.kernels[0]})"
+
+
+def parse_kv(spec: str) -> tuple[str, str | None]:
+    """A cache named in a list ("int8", "int8:widen"): (format, kernel or None for its
+    default), checked (a ValueError naming what is accepted)."""
+    name, _, kernel = str(spec).partition(":")
+    kv_format(name).kernel(kernel or None)
+    return name, kernel or None
+
+
+def kernel_configs(formats=KERNEL_FORMATS, kernels: str | list[str] | None = None) -> list[tuple[str, str | None]]:
+    """(format, kernel) pairs for a grid. An entry "int8:dot" names its kernel; a plain format
+    is read by its default kernel (kernels None), by every kernel it has ("all"), or by those
+    of `kernels` it has (a format with none of them keeps its default). A kernel that reads
+    none of the formats is a ValueError."""
+    specs = [parse_kv(f) for f in formats]
+    if kernels is not None and kernels != "all":
+        kernels = list(kernels)
+        for k in kernels:
+            if k not in KV_KERNELS:
+                raise ValueError(f"kv_kernel must be one of {', '.join(KV_KERNELS)} (or all), got {k!r}")
+            if not any(k in kv_format(f).kernels for f, _ in specs):
+                raise ValueError(f"kv_kernel {k!r} reads none of the formats {', '.join(map(str, formats))}")
+    pairs = []
+    for name, kernel in specs:
+        fmt = kv_format(name)
+        if kernel is not None or kernels is None or not fmt.kernels:
+            pairs.append((name, kernel))
+        else:
+            have = fmt.kernels if kernels == "all" else [k for k in kernels if k in fmt.kernels]
+            pairs += [(name, k) for k in have] if have else [(name, None)]
+    return list(dict.fromkeys(pairs))
+
+
+def new_kv_cache(n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str,
+                 kernel: str | None = None):
+    """The cache for format `fmt` read by `kernel` (None: the format's default): KVCache for
+    the kernel formats, ReferenceKVCache for the rest."""
+    if kv_format(fmt).has_kernel:
+        return KVCache(n_layers, batch, kv_heads, max_len, head_dim, fmt, kernel)
+    kv_format(fmt).kernel(kernel)  # a reference format takes no kernel: say so
+    return ReferenceKVCache(n_layers, batch, kv_heads, max_len, head_dim, fmt)
 
 
 def kv_format(name: str) -> KVFormat:
@@ -146,18 +210,21 @@ def kv_format(name: str) -> KVFormat:
 
 
 class KVCache:
-    """Preallocated K/V for every layer in one format; `lengths` [B] counts each sequence's
-    tokens (the next position to write)."""
+    """Preallocated K/V for every layer in one format, laid out for the kernel that reads it
+    (`kernel`: KV_KERNELS); `lengths` [B] counts each sequence's tokens (the next position
+    to write)."""
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str):
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str,
+                 kernel: str | None = None):
         self.format = kv_format(fmt)
+        self.kernel = self.format.kernel(kernel, head_dim)
         self.max_len = max_len
         self.kv_heads, self.head_dim = kv_heads, head_dim
         stored = max_len
-        if self.format.tiled:
+        if self.tiled:
             if head_dim % 4:
-                raise ValueError(f"kv_cache {fmt!r} (tiled layout) needs a head_dim that is a multiple of 4, "
-                                 f"got {head_dim}; use int8 or int8dot")
+                raise ValueError(f"kv_kernel 'tile' (the tiled layout) needs a head_dim that is a multiple of 4, "
+                                 f"got {head_dim}; use kv_kernel 'dot' or 'widen'")
             stored = kernels.tiled_length(max_len)
         shape = (batch, kv_heads, stored, head_dim)  # per layer
         zeros = memory.zeros  # on huge pages where the OS allows: decode streams these from DRAM
@@ -179,15 +246,25 @@ class KVCache:
         append(self.v[layer][rows], None if v_scale is None else v_scale[rows], v, positions, v_layout)
 
     @property
+    def tiled(self) -> bool:
+        """K and V in the tiled int8 layout (kernels/decode_tiled.cpp), not token rows."""
+        return self.kernel == "tile"
+
+    @property
     def layouts(self) -> tuple[str, str]:
         """How K and V planes are stored (kernels.kv_cache_append's layout)."""
-        return ("k_tiles", "v_groups") if self.format.tiled else ("rows", "rows")
+        return ("k_tiles", "v_groups") if self.tiled else ("rows", "rows")
+
+    @property
+    def per_layer(self) -> list[tuple]:
+        """(k, v, k_scale, v_scale) of each layer (the fused step's caches)."""
+        return list(zip(self.k, self.v, self.k_scale, self.v_scale))
 
     def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
-        """Decode attention of q [B, H, D] over this layer's cache with this format's kernel
-        (options: the kernel's, such as num_splits)."""
+        """Decode attention of q [B, H, D] over this layer's cache with its kernel (options:
+        the kernel's, such as num_splits)."""
         return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths,
-                                  **self.format.kernel_options, **options)
+                                  int8_kernel=self.kernel, **options)
 
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K, V [Hkv, length, D] of sequence b (for the reference attention paths)."""
@@ -214,6 +291,9 @@ class ReferenceKVCache(KVCache):
     """A reference-path format (workbench.model.kv_quant): K and V stored quantized at the
     format's granularity and bit width, dequantized and attended in torch. For measuring
     quality; its timings are not a kernel's speed."""
+
+    kernel = None  # decoded in torch
+    tiled = False
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str):
         self.format = kv_format(fmt)

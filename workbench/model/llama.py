@@ -190,9 +190,11 @@ class LlamaModel:
         row = self.embedding.shape[1] * self.embedding.element_size()
         return tokens * row + NORM_BYTES_PER_ELEM * self.final_norm.numel() + self.lm_head.nbytes
 
-    def new_cache(self, batch: int, max_len: int, kv_cache: str) -> KVCache:
-        """An empty KV cache for this model's (local) KV heads."""
-        return new_kv_cache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache)
+    def new_cache(self, batch: int, max_len: int, kv_cache: str, kv_kernel: str | None = None) -> KVCache:
+        """An empty KV cache for this model's (local) KV heads, laid out for `kv_kernel` (None:
+        the format's default)."""
+        return new_kv_cache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache,
+                            kv_kernel)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens].float()
@@ -273,9 +275,9 @@ class LlamaModel:
 
     def fused_decode_blocker(self, switches: Switches, cache: KVCache) -> str | None:
         """Why a decode step with these switches over this cache runs the Python path, or
-        None when the fused C++ step (switches.decode == "fused") runs it."""
-        if switches.decode != "fused":
-            return "decode='python' was asked for"
+        None when the fused C++ step (switches.step == "fused") runs it."""
+        if switches.step != "fused":
+            return f"step={switches.step!r} was asked for"
         if not attention_backend(switches.attention).decode_kernel:
             return f"attention {switches.attention!r} decodes in PyTorch, not with our kernel"
         if type(cache) is not KVCache:
@@ -288,8 +290,8 @@ class LlamaModel:
     def _fused_stack(self, cache: KVCache):
         stack = self._stacks.get(cache)
         if stack is None:
-            stack = kernels.decode_stack(self.layers, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                         heads=self.n_heads, eps=self.cfg.norm_eps, **cache.format.kernel_options)
+            stack = kernels.decode_stack(self.layers, cache.per_layer, heads=self.n_heads, eps=self.cfg.norm_eps,
+                                         int8_kernel=cache.kernel)
             self._stacks[cache] = stack
         return stack
 

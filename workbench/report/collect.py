@@ -66,7 +66,7 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
         "workload": {"prompt": prompt, "prompt_tokens": [len(p) for p in result.prompt_token_ids], "batch": batch,
                      "new_tokens": len(decode) + 1 if prefill else len(decode), "threads": torch.get_num_threads(),
                      "attention": result.switches.attention, "kv_cache": result.switches.kv_cache,
-                     "decode": result.decode_path},
+                     "kv_kernel": result.switches.kv_kernel, "step": result.step_path},
         "prefill_ms": 1e3 * prefill.total_s if prefill else None,
         "time_to_first_token_ms": 1e3 * t.time_to_first_token_s,
         "decode_step_ms": _stats([1e3 * s.total_s for s in decode]),

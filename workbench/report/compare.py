@@ -20,6 +20,8 @@ import html
 import json
 from pathlib import Path
 
+from workbench.model.kv_formats import kv_label
+
 
 def load(path) -> dict:
     path = Path(path)
@@ -55,14 +57,14 @@ def measurements(report: dict) -> dict[str, dict]:
         if kind == "generation":
             w = e["workload"]
             ranks = (e.get("model") or {}).get("ranks", 1)
-            key = (f"generation {model} {w['attention']}/{w['kv_cache']} batch {w['batch']} prompt "
+            key = (f"generation {model} {w['attention']}/{kv_label(w['kv_cache'], w.get('kv_kernel'))} batch {w['batch']} prompt "
                    f"{max(w['prompt_tokens'])} threads {w['threads']} ranks {ranks}")
             s = e["decode_step_ms"]
             add(key, _metric("decode ms per step", "ms", "lower", s["median"], s["min"], s["max"], len(s["samples"])))
             add(key, _metric("prefill ms", "ms", "lower", e.get("prefill_ms")))
         elif kind == "ablation":
             for r in e["rows"]:
-                key = f"ablation {model} {r['attention']}/{r['kv_cache']} batch {r['batch']} prompt {r['prompt_len']}"
+                key = f"ablation {model} {r['attention']}/{kv_label(r['kv_cache'], r.get('kv_kernel'))} batch {r['batch']} prompt {r['prompt_len']}"
                 add(key, _metric("decode tokens/s", "tokens/s", "higher", r["decode_tokens_per_s"]))
                 add(key, _metric("prefill ms", "ms", "lower", r["prefill_ms"]))
         elif kind == "tp_ablation":

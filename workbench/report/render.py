@@ -9,6 +9,7 @@ import html
 import json
 from pathlib import Path
 
+from workbench.model.kv_formats import kv_label
 from workbench.report.collect import build
 
 
@@ -26,7 +27,7 @@ def _roofline_spec(report: dict) -> dict | None:
                            e["decode_gflops"]))
         for r in e.get("rows", []):
             if r.get("decode_gbps") and r.get("decode_gflops"):  # ablation rows (peers rows have no FLOPs)
-                points.append((f"entry {i} {r.get('attention')}/{r.get('kv_cache')} len {r.get('prompt_len')} "
+                points.append((f"entry {i} {r.get('attention')}/{kv_label(r.get('kv_cache'), r.get('kv_kernel'))} len {r.get('prompt_len')} "
                                f"b{r.get('batch')}", r["decode_gflops"] / r["decode_gbps"], r["decode_gflops"]))
     if not points:
         return None
@@ -179,7 +180,7 @@ def _summary_row(i: int, e: dict) -> dict:
     model = (e.get("model") or {}).get("description")
     if e["kind"] == "generation":
         w = e["workload"]
-        return {"entry": i, "kind": "generation", "model": model, "switches": f"{w['attention']} / {w['kv_cache']}",
+        return {"entry": i, "kind": "generation", "model": model, "switches": f"{w['attention']} / {kv_label(w['kv_cache'], w.get('kv_kernel'))}",
                 "batch": w["batch"], "prefill ms": e["prefill_ms"],
                 "decode ms per step (median)": e["decode_step_ms"]["median"],
                 "decode tokens/s": e["decode_tokens_per_s"], "GB/s": e["decode_gbps"], "GFLOP/s": e["decode_gflops"]}

@@ -29,8 +29,8 @@ class GenerationResult:
     token_ids: list[int] | list[list[int]]
     prompt_token_ids: list[list[int]]
     timings: Timings
-    switches: Switches
-    decode_path: str = "python"  # the decode path that ran: "fused" or "python" (see Switches.decode)
+    switches: Switches  # as they ran: kv_kernel is the kernel that read the cache
+    step_path: str = "reference"  # the path decode steps ran: "fused" or "reference" (Switches.step asks)
     max_new_tokens: int | None = None  # what was asked for: fewer tokens means a sequence stopped at end-of-sequence
 
     def summary_line(self) -> str:
@@ -38,7 +38,7 @@ class GenerationResult:
         s = self.timings.summary()
         return (f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s, "
                 f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | "
-                f"attention={self.switches.attention} kv_cache={self.switches.kv_cache} decode={self.decode_path}")
+                f"attention={self.switches.attention} kv_cache={self.switches.kv_text} step={self.step_path}")
 
     def report(self) -> str:
         """A few lines: the tokens and the summary line, then the per-layer split of a decode
@@ -114,16 +114,26 @@ class Model:
 
     @kv_cache.setter
     def kv_cache(self, value: str) -> None:
-        self._set_switches(replace(self.switches, kv_cache=value))
+        """A new format is read by its default kernel (set kv_kernel after it for another)."""
+        self._set_switches(replace(self.switches, kv_cache=value, kv_kernel=None))
 
     @property
-    def decode(self) -> str:
-        """"fused" (one C++ call per decode step, where the switches allow) or "python"."""
-        return self.switches.decode
+    def kv_kernel(self) -> str | None:
+        """The kernel that reads the cache (KV_KERNELS), or None for the format's default."""
+        return self.switches.kv_kernel
 
-    @decode.setter
-    def decode(self, value: str) -> None:
-        self._set_switches(replace(self.switches, decode=value))
+    @kv_kernel.setter
+    def kv_kernel(self, value: str | None) -> None:
+        self._set_switches(replace(self.switches, kv_kernel=value))
+
+    @property
+    def step(self) -> str:
+        """"fused" (one C++ call per decode step, where the switches allow) or "reference"."""
+        return self.switches.step
+
+    @step.setter
+    def step(self, value: str) -> None:
+        self._set_switches(replace(self.switches, step=value))
 
     @property
     def threads(self) -> int:
@@ -137,7 +147,7 @@ class Model:
         c = self.config
         return (f"<workbench.Model {self.description}: {c.n_layers} layers, dim {c.dim}, {c.n_heads} heads "
                 f"({c.n_kv_heads} KV), vocab {c.vocab_size}, weights {self.llama.weight_dtype}, "
-                f"attention={self.attention}, kv_cache={self.kv_cache}>")
+                f"attention={self.attention}, kv_cache={self.switches.kv_text}>")
 
     # -- inference --------------------------------------------------------------------------
 
@@ -177,13 +187,15 @@ class Model:
         return out
 
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,
-                 kv_cache: str | None = None, decode: str | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 kv_cache: str | None = None, kv_kernel: str | None = None, step: str | None = None,
+                 temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, record: bool = True,
                  on_token: Callable[[int, list[int]], None] | None = None,
                  on_step: Callable[[StepRecord, Timings], None] | None = None) -> GenerationResult:
         """Generate up to max_new_tokens for one prompt or a batch of prompts of any lengths.
 
-        attention / kv_cache / decode override the model's switches for this call. temperature 0 is
+        attention / kv_cache / kv_kernel / step override the model's switches for this call (a
+        kv_cache given without kv_kernel is read by its default kernel). temperature 0 is
         greedy; otherwise top_k / top_p sampling with `seed`. on_token(step, ids) is called
         after every step with the new token of each sequence (for streaming); on_step(record,
         timings) after every recorded forward step (for live plots, see workbench.plots)."""
@@ -193,7 +205,8 @@ class Model:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        sw = Switches(attention or self.attention, kv_cache or self.kv_cache, decode or self.decode)
+        kernel = kv_kernel if kv_kernel is not None or kv_cache is not None else self.kv_kernel
+        sw = Switches(attention or self.attention, kv_cache or self.kv_cache, kernel, step or self.step)
         seqs = self._encode(prompt)
         self._check_ids(seqs)
         lens = [len(s) for s in seqs]
@@ -206,7 +219,8 @@ class Model:
         except ModelLoadError as e:
             raise ValueError(str(e)) from None
         gen = torch.Generator().manual_seed(seed)
-        cache = self.llama.new_cache(len(seqs), max_len, sw.kv_cache)
+        cache = self.llama.new_cache(len(seqs), max_len, sw.kv_cache, sw.kv_kernel)
+        sw = replace(sw, kv_kernel=cache.kernel)  # recorded as it runs
         timings = Timings()
         eos = self.tokenizer.eos_id
         out: list[list[int]] = [[] for _ in seqs]
@@ -243,7 +257,7 @@ class Model:
 
         texts = [self.tokenizer.decode([t for t in o if t != eos]) for o in out]
         single = isinstance(prompt, str) or (seqs and len(seqs) == 1 and not isinstance(prompt[0], (list, str)))
-        path = "python" if self.llama.fused_decode_blocker(sw, cache) else "fused"
+        path = "reference" if self.llama.fused_decode_blocker(sw, cache) else "fused"
         return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw, path,
                                 max_new_tokens=max_new_tokens)
 

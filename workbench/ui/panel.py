@@ -64,7 +64,7 @@ class Panel:
                                        tooltip="random presets: keep this many layers")
         self.load_button = W.Button(description="Load", icon="download")
         # Tensor parallel: 1 rank is this process; more start ipyparallel engines on Load.
-        from workbench.distributed.comm import BACKENDS
+        from workbench.distributed.backends import BACKENDS
 
         cpus = len(os.sched_getaffinity(0))
         self.ranks = W.Dropdown(options=list(range(1, cpus + 1)), value=1, description="ranks",
