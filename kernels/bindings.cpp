@@ -575,8 +575,9 @@ class DecodeStack {
   }
 
   // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, kTimerParts]
-  // float64 (attention, mlp, other seconds added) or None.
-  void step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+  // float64 (attention, mlp, other seconds added) or None. Returns the seconds spent waking
+  // the thread pool before layer 0.
+  double step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
             const std::optional<Tensor>& timers) {
     const char* fn = "DecodeStack.step";
     const int64_t B = batch_, D = shape_.D;
@@ -607,7 +608,7 @@ class DecodeStack {
                                     shape_.Lmax);
     wbk::StepArgs a{x.data_ptr<float>(), B, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
                     lp, splits, tm};
-    wbk::decode_stack_step(shape_, layers_, a, buffers_);
+    return wbk::decode_stack_step(shape_, layers_, a, buffers_);
   }
 
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }

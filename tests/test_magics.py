@@ -42,7 +42,7 @@ def test_load_switch_generate(shell, capsys):
     _, err = run(shell, "%generate -n 6 The capital of France is")
     assert err is None
     out = capsys.readouterr().out
-    assert "Paris" in out and "tokens/s" in out and "per decode step, all 30 layers" in out
+    assert "Paris" in out and "tokens/s" in out and "per decode step (" in out and "median of 5), all 30 layers" in out
     assert shell.user_ns["wb_result"].switches.kv_cache == "int8"
     assert run(shell, "%attention")[1] is None and run(shell, "%kvcache")[1] is None  # no argument: the current one
     assert capsys.readouterr().out.splitlines() == [

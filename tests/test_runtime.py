@@ -377,3 +377,32 @@ def test_the_report_says_when_a_sequence_stopped_at_end_of_sequence(model):
     assert ("stopped at end-of-sequence before the 200 asked for" in first) == eos_stop
     full = model.generate("The capital of France is", max_new_tokens=3, stop_at_eos=False)
     assert "stopped" not in full.report().splitlines()[0]
+
+
+def test_one_definition_per_quantity_medians_over_steps():
+    """Step ms, per-layer and per-part figures are medians over steps (a stray 500 ms step
+    moves none of them); tokens/s is tokens over wall time; the fused step's thread wake-up
+    is kept out of the layers (workbench.model.timing's definitions)."""
+    from workbench.model.timing import PART_NAMES, StepRecord, Timings
+
+    def step(ms, layer0_ms):
+        parts = {p: [0.0, 0.0] for p in PART_NAMES}
+        parts["attention"] = [layer0_ms / 1e3, 0.001]
+        return StepRecord("decode", 1, parts, 0.0, [0, 0], [0, 0], 0, ms / 1e3)
+
+    t = Timings(steps=[step(543.0, 6.0), step(20.0, 1.0), step(22.0, 1.0)], decode_s=0.585, decode_tokens=3)
+    assert t.step_ms() == pytest.approx(22.0)
+    assert t.per_layer()[0]["attention_ms"] == pytest.approx(1.0)  # not the mean (2.67): the first step's 6 ms
+    assert t.per_part_ms()["attention"] == pytest.approx(2.0)
+    assert t.decode_tokens_per_s == pytest.approx(3 / 0.585)
+    assert "median of 3" in t.per_part_text() and t.summary()["decode_step_ms"] == pytest.approx(22.0)
+
+
+def test_the_fused_step_books_the_thread_wake_up_apart(model):
+    out = model.generate("Hello there", max_new_tokens=6, stop_at_eos=False, step="fused")
+    for s in out.timings.decode_steps:
+        layers = sum(sum(v) for v in s.parts_s.values())
+        # the wake-up is outside the layers: in the step's non-layer time, not in any layer's parts
+        assert s.wake_s > 0 and s.head_s >= s.wake_s and layers <= s.total_s - s.head_s + 1e-9
+    ref = model.generate("Hello there", max_new_tokens=3, stop_at_eos=False, step="reference")
+    assert all(s.wake_s == 0 for s in ref.timings.decode_steps)

@@ -38,6 +38,7 @@ stated parameters, for projections (notebooks/05-cost-model.ipynb: the paper's T
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
 PHASES = ("prefill", "decode")
@@ -193,18 +194,19 @@ class Prediction:
         return out
 
     def compare(self, timings) -> list[dict]:
-        """Predicted vs measured per phase and part (all layers; decode: mean per step), the
-        ratio measured / predicted, and where it is outside 1.5x either way, why."""
+        """Predicted vs measured per phase and part (all layers; decode: the median over steps,
+        as every summary of the workbench: workbench.model.timing), the ratio measured /
+        predicted, and where it is outside 1.5x either way, why."""
         out = []
         n = self.config.n_layers
         for phase in PHASES:
             steps = timings.phase_steps(phase)
             if not steps:
                 continue
-            layers = timings.per_layer(phase)  # mean ms per step of each part, per layer
-            measured = {p: sum(r[f"{p}_ms"] for r in layers) for p in LAYER_PARTS}
-            measured["head"] = 1e3 * sum(s.head_s for s in steps) / len(steps)
-            measured["step"] = 1e3 * sum(s.total_s for s in steps) / len(steps)
+            totals = timings.per_part_ms(phase)  # median over steps of each part's per-step total
+            measured = {p: totals[p] for p in LAYER_PARTS}
+            measured["head"] = 1e3 * statistics.median(s.head_s for s in steps)
+            measured["step"] = timings.step_ms(phase)
             predicted = {p: n * 1e3 * c.seconds for p, c in self.layers[phase].items()}
             predicted["head"] = 1e3 * self.head[phase].seconds
             predicted["step"] = self.step_ms(phase)

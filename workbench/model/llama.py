@@ -321,16 +321,19 @@ class LlamaModel:
         if self.fused_decode_blocker(switches, cache) is None:
             parts = kernels.constants()["timer_parts"]  # the C++ timers' columns, by name
             timers = torch.zeros(len(self.layers), len(parts), dtype=torch.float64) if record else None
-            self._fused_stack(cache).step(x, cos, sin, positions, timers)  # x updated in place
+            wake_s = self._fused_stack(cache).step(x, cos, sin, positions, timers)  # x updated in place
             if record:
                 for i, row in enumerate(timers.tolist()):
                     for part, seconds in zip(parts, row):
                         clock.add(part, i, seconds)
         else:
+            wake_s = 0.0
             x = self._layers(x, attend, clock)
-        layers_s = clock.t() - t_layers
+        layers_s = clock.t() - t_layers - wake_s
         logits = self._head(x)
         cache.lengths = lengths
-        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
-                                    cache.bytes_read(lengths) if record else 0, int(lengths.sum()),
-                                    logits.shape[0])
+        rec = self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
+                           cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0])
+        if rec is not None:
+            rec.wake_s = wake_s
+        return logits, rec

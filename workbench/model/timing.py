@@ -7,13 +7,22 @@ bandwidth and the FMA peak.
     StepRecord    one prefill or decode step
     Timings       the records of one generation, with the summaries people ask for
 
-Rates are aggregated one way everywhere: total bytes (or FLOPs) over total step time, never
-a mean of per-step rates. Step time is the forward pass (`StepRecord.total_s`); tokens/s
-is wall time, sampling included.
+One definition per quantity, used by every summary, table, report and figure:
+
+    decode step ms        the median over decode steps of a step's forward pass
+                          (StepRecord.total_s): a slow first step or a stray one moves it little
+    per-layer / per-part  the median over steps of each layer's (or part's) time
+    decode tokens/s       tokens after the first, all sequences, over the wall time of all
+                          decode steps, sampling and streaming included (a throughput)
+    GB/s, GFLOP/s         total bytes (or FLOPs) over total step time, never a mean of
+                          per-step rates
+    thread wake-up        the median over steps of waking the thread pool before layer 0
+                          (the fused step does it apart, so it is not booked to layer 0)
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +68,9 @@ class StepRecord:
     # head_s) and the payload bytes this rank sent in all of the step's collectives.
     head_comm_s: float = 0.0
     comm_bytes: int = 0
+    # Waking the thread pool before the first layer (the fused step does it apart, outside
+    # the layers' times; part of head_s): after an idle gap between steps the workers sleep.
+    wake_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -127,6 +139,17 @@ class Timings:
         """Tokens per second after the first, all sequences of the batch, wall time."""
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
+    def step_ms(self, phase: str = "decode") -> float:
+        """The median over the phase's steps of a step's forward pass, in ms (0 without steps)."""
+        steps = self.phase_steps(phase)
+        return 1e3 * statistics.median(s.total_s for s in steps) if steps else 0.0
+
+    @property
+    def wake_ms(self) -> float:
+        """The median over decode steps of waking the thread pool before layer 0, in ms."""
+        steps = self.decode_steps
+        return 1e3 * statistics.median(s.wake_s for s in steps) if steps else 0.0
+
     def gbps(self, phase: str = "decode") -> float:
         """Achieved bandwidth of the phase: all bytes its steps read / their total time."""
         return _rate(self.phase_steps(phase), lambda s: s.bytes_read)
@@ -137,18 +160,27 @@ class Timings:
         return _rate(self.phase_steps(phase), lambda s: s.total_flops)
 
     def per_layer(self, phase: str = "decode") -> list[dict]:
-        """Mean milliseconds per step of each part, for each layer, over the phase's steps."""
+        """Milliseconds of each part, for each layer: the median over the phase's steps."""
         steps = self.phase_steps(phase)
         if not steps:
             return []
-        n = len(steps)
-        return [{"layer": i, **{f"{p}_ms": 1e3 * sum(s.parts_s[p][i] for s in steps) / n for p in PART_NAMES}}
+        return [{"layer": i, **{f"{p}_ms": 1e3 * statistics.median(s.parts_s[p][i] for s in steps)
+                                for p in PART_NAMES}}
                 for i in range(steps[0].n_layers)]
+
+    def per_part_ms(self, phase: str = "decode") -> dict[str, float]:
+        """Each part's milliseconds per step, all layers: the median over steps of the part's
+        per-step total."""
+        steps = self.phase_steps(phase)
+        if not steps:
+            return {}
+        return {p: 1e3 * statistics.median(sum(s.parts_s[p]) for s in steps) for p in PART_NAMES}
 
     def summary(self) -> dict:
         return {
             "prefill_ms": 1e3 * self.prefill.total_s if self.prefill else 0.0,
             "time_to_first_token_ms": 1e3 * self.time_to_first_token_s,
+            "decode_step_ms": self.step_ms("decode"),
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "decode_gbps": self.gbps("decode"),
             "decode_gflops": self.gflops("decode"),
@@ -163,29 +195,34 @@ class Timings:
     def _repr_html_(self) -> str:
         s = self.summary()
         rows = [("prefill", f"{s['prefill_ms']:.1f} ms"), ("time to first token", f"{s['time_to_first_token_ms']:.1f} ms"),
-                ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s (all sequences)"),
+                ("decode step", f"{s['decode_step_ms']:.2f} ms (median of {len(self.decode_steps)} steps)"),
+                ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s (all sequences, over the wall time)"),
                 ("decode bandwidth", f"{s['decode_gbps']:.2f} GB/s (bytes read / step time)"),
                 ("decode arithmetic", f"{s['decode_gflops']:.1f} GFLOP/s")]
         for phase in ("prefill", "decode"):
-            layers = self.per_layer(phase)
-            if layers:
-                split = ", ".join(f"{p.label.split(' (')[0]} {sum(r[p.name + '_ms'] for r in layers):.2f} ms"
-                                  for p in PARTS)
-                rows.append((f"{phase} step, all layers", split))
+            totals = self.per_part_ms(phase)
+            if totals:
+                split = ", ".join(f"{p.label.split(' (')[0]} {totals[p.name]:.2f} ms" for p in PARTS)
+                rows.append((f"{phase} step, all layers (median)", split))
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
                        for k, v in rows)
         return f"<table>{body}</table>"
 
     def per_part_text(self, phase: str = "decode") -> str:
-        """'per step, all N layers: attention x ms (a%), MLP ...': the split of a step."""
+        """'per decode step (median of N), all L layers: attention x ms (a% of the step), ...':
+        the split of a step, each part's share of the median step."""
         layers = self.per_layer(phase)
         if not layers:
             return ""
-        totals = {p.name: sum(r[f"{p.name}_ms"] for r in layers) for p in PARTS}
-        whole = sum(totals.values()) or 1.0
+        totals = self.per_part_ms(phase)
+        step = self.step_ms(phase) or 1.0
         shown = [p for p in PARTS if totals[p.name] or p.name != "comm"]  # no empty comm line in one process
-        parts = ", ".join(f"{p.label.split(' (')[0]} {totals[p.name]:.2f} ms ({100 * totals[p.name] / whole:.0f}%)"
+        parts = ", ".join(f"{p.label.split(' (')[0]} {totals[p.name]:.2f} ms ({100 * totals[p.name] / step:.0f}%)"
                           for p in shown)
+        n = len(self.phase_steps(phase))
+        rest = step - sum(totals.values())
+        wake = f", of which thread wake-up {self.wake_ms:.2f} ms" if phase == "decode" and self.wake_ms else ""
         slowest = max(layers, key=lambda r: sum(r[f"{p}_ms"] for p in PART_NAMES))
-        return (f"per {phase} step, all {len(layers)} layers: {parts}\n"
-                f"slowest layer {slowest['layer']}: {sum(slowest[f'{p}_ms'] for p in PART_NAMES):.3f} ms")
+        return (f"per {phase} step ({step:.2f} ms, median of {n}), all {len(layers)} layers: {parts}; outside the "
+                f"layers (embedding, LM head{', collectives' if totals.get('comm') else ''}) {rest:.2f} ms{wake}\n"
+                f"slowest layer {slowest['layer']}: {sum(slowest[f'{p}_ms'] for p in PART_NAMES):.3f} ms (median)")

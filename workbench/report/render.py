@@ -183,7 +183,14 @@ def _summary_row(i: int, e: dict) -> dict:
         return {"entry": i, "kind": "generation", "model": model, "switches": f"{w['attention']} / {kv_label(w['kv_cache'], w.get('kv_kernel'))}",
                 "batch": w["batch"], "prefill ms": e["prefill_ms"],
                 "decode ms per step (median)": e["decode_step_ms"]["median"],
-                "decode tokens/s": e["decode_tokens_per_s"], "GB/s": e["decode_gbps"], "GFLOP/s": e["decode_gflops"]}
+                "decode tokens/s (over the wall time)": e["decode_tokens_per_s"], "GB/s": e["decode_gbps"],
+                "GFLOP/s": e["decode_gflops"]}
+    if e["kind"] == "ablation" and e.get("rows") and "decode_tokens_per_s" in e["rows"][0]:
+        best = max(e["rows"], key=lambda r: r["decode_tokens_per_s"])
+        return {"entry": i, "kind": "ablation", "model": model, "rows": len(e["rows"]),
+                "switches": f"fastest: {best['attention']} / {kv_label(best['kv_cache'], best.get('kv_kernel'))}",
+                "batch": best.get("batch"), "prefill ms": best.get("prefill_ms"),
+                "decode tokens/s (over the wall time)": best["decode_tokens_per_s"]}
     if e["kind"] == "profile":
         return {"entry": i, "kind": "profile", "model": model, "statement": e.get("statement")}
     return {"entry": i, "kind": e["kind"], "model": model, "rows": len(e["rows"])}

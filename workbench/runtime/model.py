@@ -9,6 +9,7 @@ attention backend, KV-cache dtype and thread count, with per-layer timings built
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -36,7 +37,8 @@ class GenerationResult:
     def summary_line(self) -> str:
         """One line for people: prefill time, decode rate, achieved GB/s and GFLOP/s, switches."""
         s = self.timings.summary()
-        return (f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s, "
+        return (f"prefill {s['prefill_ms']:.1f} ms | decode {s['decode_tokens_per_s']:.1f} tokens/s (over the wall "
+                f"time), step {s['decode_step_ms']:.2f} ms (median), "
                 f"{s['decode_gbps']:.2f} GB/s, {s['decode_gflops']:.1f} GFLOP/s | "
                 f"attention={self.switches.attention} kv_cache={self.switches.kv_text} step={self.step_path}")
 
@@ -55,11 +57,12 @@ class GenerationResult:
         lines = [f"{n} tokens{stop} | {self.summary_line()}", split]
         decode = self.timings.decode_steps
         if decode and decode[0].comm_bytes:  # tensor parallel: what the collectives cost per token
-            comm_ms = 1e3 * sum(s.comm_s for s in decode) / len(decode)
-            step_ms = 1e3 * sum(s.total_s for s in decode) / len(decode)
-            kb = sum(s.comm_bytes for s in decode) / len(decode) / 1e3
-            lines.append(f"communication per decode step: {comm_ms:.2f} ms ({100 * comm_ms / step_ms:.0f}% of the "
-                         f"step), {kb:.1f} KB sent by rank 0")
+            comm_ms = 1e3 * statistics.median(s.comm_s for s in decode)
+            step_ms = self.timings.step_ms("decode")
+            kb = statistics.median(s.comm_bytes for s in decode) / 1e3
+            lines.append(f"communication per decode step, the layers' all-reduces and the head's collectives "
+                         f"(median): {comm_ms:.2f} ms ({100 * comm_ms / step_ms:.0f}% of the median step), "
+                         f"{kb:.1f} KB sent by rank 0")
         checks = getattr(self, "topk_log", None)
         if checks:
             agree = sum(c["top1_agrees"] for c in checks)

@@ -26,6 +26,8 @@ updates did not survive a reload.
 
 from __future__ import annotations
 
+import statistics
+
 import time
 
 import plotly.graph_objects as go
@@ -93,9 +95,9 @@ def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-
               "legend": {"orientation": "h", "y": -0.25},
               "xaxis": _axis("layer", domain=[0, 0.46]), "xaxis2": _axis("layer", domain=[0.54, 1], anchor="y2"),
               "yaxis": _axis("ms per prompt", rangemode="tozero"),
-              "yaxis2": _axis("ms per token", rangemode="tozero", anchor="x2"),
+              "yaxis2": _axis("ms per token (median of steps)", rangemode="tozero", anchor="x2"),
               "annotations": [{**note, "x": 0.23, "text": "prefill: ms per prompt, per layer"},
-                              {**note, "x": 0.77, "text": "decode: ms per token, per layer"}]}
+                              {**note, "x": 0.77, "text": "decode: ms per token, per layer (median)"}]}
     return {"data": data, "layout": layout}
 
 
@@ -145,10 +147,10 @@ def comm_spec(timings: Timings) -> dict:
             {"type": "bar", "name": "communication (all-reduces)", "x": x, "y": [r["comm_ms"] for r in layers],
              "marker": {"color": "#ab63fa"}}]
     decode = timings.decode_steps
-    head = 1e3 * sum(s.head_comm_s for s in decode) / len(decode) if decode else 0.0
-    layout = {"title": {"text": f"Compute vs communication per layer, per decode token (head's collectives: "
-                                f"{head:.2f} ms)"}, "barmode": "group", "height": 300, "margin": MARGIN,
-              "xaxis": _axis("layer"), "yaxis": _axis("ms per token", rangemode="tozero")}
+    head = 1e3 * statistics.median(s.head_comm_s for s in decode) if decode else 0.0
+    layout = {"title": {"text": f"Compute vs communication per layer, per decode token, median of steps (head's "
+                                f"collectives: {head:.2f} ms)"}, "barmode": "group", "height": 300, "margin": MARGIN,
+              "xaxis": _axis("layer"), "yaxis": _axis("ms per token (median)", rangemode="tozero")}
     return {"data": data, "layout": layout}
 
 
