@@ -178,3 +178,48 @@ def test_mpi_launcher_with_the_ccl_extras_mpiexec(single):
         assert cluster.environment()["CCL_ATL_TRANSPORT"] == "ofi"
     finally:
         cluster.stop()
+
+
+CLIENT = """
+import json, os, sys, time
+from workbench.distributed.cluster import Cluster, _cmdline, _descendants
+cluster = Cluster(2, backend="shm").start()
+cluster.load_model("smollm2-135m")
+procs = [p for p in _descendants(os.getpid()) if "watchdog" not in _cmdline(p)]
+security = os.path.join(cluster.ipp_cluster.profile_dir, "security")
+conn = [os.path.join(security, f) for f in os.listdir(security) if cluster.ipp_cluster.cluster_id in f]
+print(json.dumps({"procs": procs, "shm": str(cluster.shm_path), "conn": conn, "log": str(cluster.watchdog_log)}),
+      flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_client_leaves_no_process_segment_or_connection_file(tmp_path):
+    """SIGKILL the process that started a 2-rank cluster (as the OOM killer would a notebook
+    kernel): within 10 s no process of its cluster is left, nor its shared-memory segment
+    or ipyparallel connection files; a new cluster then starts and stops cleanly."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    client = subprocess.Popen([sys.executable, "-c", CLIENT], stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(client.stdout.readline())
+    finally:
+        client.kill()
+        client.wait()
+    assert len(info["procs"]) >= 3 and info["conn"]  # controller, two engines (and their nannies)
+    assert Path(info["shm"]).exists()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (any(_alive(p) for p in info["procs"]) or Path(info["shm"]).exists()):
+        time.sleep(0.2)
+    left = [p for p in info["procs"] if _alive(p)]
+    assert left == [], f"still running 10 s after the client died: {left}"
+    assert not Path(info["shm"]).exists() and not any(Path(f).exists() for f in info["conn"])
+    log = Path(info["log"]).read_text()
+    assert "is gone: stopping its cluster" in log and "removed" in log, log
+    cluster = Cluster(2, backend="shm").start()
+    cluster.stop()
+    assert not cluster.shm_path.exists()

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from dataclasses import asdict
 from typing import Callable
 
-from workbench.distributed import engine
+from workbench.distributed import engine, watchdog
 from workbench.distributed.backends import backend as backend_record
 from workbench.distributed.comm import shm_capacity_bytes
 from workbench.distributed.tp import TPOptions
@@ -51,18 +52,33 @@ class DistributedUsageError(DistributedError, ValueError):
 USER_ERRORS = ("ValueError", "TypeError", "ModelLoadError", "TruncatedModelWarning")
 
 
-def _alive(pid: int) -> bool:
+_alive = watchdog.alive  # the process exists and is not a zombie
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root` in the process tree (from /proc)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().split(")")[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, ppid in parent.items() if ppid in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _cmdline(pid: int) -> str:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return False
+        return ""
 
 
 def numa_cpus() -> list[list[int]]:
@@ -146,6 +162,8 @@ class Cluster:
         self.engines: list[dict] = []
         self.shm_path = None
         self.model: DistributedModel | None = None
+        self._watchdog = None  # the process that cleans up if this one dies (_start_watchdog)
+        self.watchdog_log = None
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -187,15 +205,46 @@ class Cluster:
             ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)
                    for rank, eid in enumerate(ids)]
             self.engines = self._gather(ars, "joining the collective")
+            self._start_watchdog()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _start_watchdog(self) -> None:
+        """A process that stops this cluster and removes its files if this one dies by any
+        signal (workbench.distributed.watchdog); stop() ends it first."""
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        from workbench.cache import cache_dir
+
+        ours = [pid for pid in _descendants(os.getpid()) if "ipyparallel" in _cmdline(pid)]
+        pids = sorted({*ours, *(e["pid"] for e in self.engines if e.get("host") == socket.gethostname())})
+        security = Path(self.ipp_cluster.profile_dir) / "security"
+        files = [*security.glob(f"*{self.ipp_cluster.cluster_id}*")]
+        if self.shm_path is not None:
+            files.append(self.shm_path)
+        log = cache_dir() / "distributed" / f"watchdog-{os.getpid()}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.watchdog_log = log
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "workbench.distributed.watchdog", "--client", str(os.getpid()),
+             "--pids", ",".join(map(str, pids)), "--files", ",".join(map(str, files)), "--log", str(log)],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def stop(self) -> None:
         """Stop the engines and the controller, also after a failure; idempotent."""
         global _running
         pids = [e["pid"] for e in self.engines]
+        if self._watchdog is not None:  # a clean stop: nothing for it to do
+            self._watchdog.terminate()
+            try:
+                self._watchdog.wait(timeout=5)
+            except Exception:
+                self._watchdog.kill()
+            self._watchdog = None
         if self.client is not None:
             self._close_communicators()
             try:
