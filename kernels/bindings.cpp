@@ -646,6 +646,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
         py::arg("int8_kernel") = "widen", py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
+  m.def("wake_threads", &wbk::wake_threads, py::call_guard<py::gil_scoped_release>());
   m.def("set_prefetch", [](int64_t bytes, int hint, bool pipeline) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
                       bytes, ", ", hint);

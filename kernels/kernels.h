@@ -183,8 +183,10 @@ inline constexpr const char* kTimerPartNames[kTimerParts] = {"attention", "mlp",
 struct StepBuffers {  // scratch reused from step to step
   std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
 };
+// Wakes the thread pool (an empty parallel region) and returns the seconds it took.
+double wake_threads();
 // Runs every layer for one token per sequence; returns the seconds spent waking the thread
-// pool before layer 0 (kept out of the layers' timers).
+// pool before layer 0 (wake_threads, kept out of the layers' timers).
 double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layers, const StepArgs& a,
                          StepBuffers& buf);
 

@@ -256,3 +256,13 @@ def test_wb_report_is_callable_and_draws_bandwidth_per_step(tmp_path):
     report.clear()
     page = paths["html"].read_text()
     assert paths["entries"] == 1 and "fig-bandwidth-0" in page and "bandwidth per decode step" in page
+
+
+def test_machine_and_software_tables_read_as_text(written):
+    """The Machine and Software sections show "name: value" pairs, not JSON dicts."""
+    page = written["html"].read_text()
+    machine = page.split("<h2>Machine</h2>", 1)[1].split("<h2>", 1)[0]
+    software = page.split("<h2>Software</h2>", 1)[1].split("<h2>", 1)[0]
+    for section in (machine, software):
+        assert "{&quot;" not in section and '{"' not in section and "[&quot;" not in section, section[:400]
+    assert "triad" in machine

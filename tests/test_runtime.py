@@ -405,4 +405,4 @@ def test_the_fused_step_books_the_thread_wake_up_apart(model):
         # the wake-up is outside the layers: in the step's non-layer time, not in any layer's parts
         assert s.wake_s > 0 and s.head_s >= s.wake_s and layers <= s.total_s - s.head_s + 1e-9
     ref = model.generate("Hello there", max_new_tokens=3, stop_at_eos=False, step="reference")
-    assert all(s.wake_s == 0 for s in ref.timings.decode_steps)
+    assert all(s.wake_s > 0 and s.head_s >= s.wake_s for s in ref.timings.decode_steps)  # the same there

@@ -327,7 +327,7 @@ class LlamaModel:
                     for part, seconds in zip(parts, row):
                         clock.add(part, i, seconds)
         else:
-            wake_s = 0.0
+            wake_s = kernels.native.ext.wake_threads() if record else 0.0  # as the fused step does, apart
             x = self._layers(x, attend, clock)
         layers_s = clock.t() - t_layers - wake_s
         logits = self._head(x)

@@ -60,8 +60,22 @@ def _table(rows: list[dict], columns: list[str] | None = None) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _readable(v) -> str:
+    """A value as a reader meets it: nested records as "name: value" pairs, lists joined,
+    floats to four significant digits (the JSON keeps every digit)."""
+    if isinstance(v, dict):
+        return "; ".join(f"{str(k).replace('_', ' ')}: {_readable(x)}" for k, x in v.items()) or "-"
+    if isinstance(v, (list, tuple)):
+        if len(v) > 12 and all(isinstance(x, (int, float)) for x in v):
+            return f"{len(v)} values, {_readable(min(v))} to {_readable(max(v))}"
+        return ", ".join(_readable(x) for x in v) or "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
 def _kv(d: dict) -> str:
-    return _table([{"field": k, "value": json.dumps(v) if isinstance(v, (dict, list)) else v} for k, v in d.items()])
+    return _table([{"field": str(k).replace("_", " "), "value": _readable(v)} for k, v in d.items()])
 
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}
