@@ -262,12 +262,7 @@ class Cluster:
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for p in pids:  # anything that ignored the polite stop
-            if _alive(p):
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        watchdog.signal_all([p for p in pids if _alive(p)], signal.SIGKILL)  # what ignored the polite stop
         if self.shm_path is not None and self.shm_path.exists():
             self.shm_path.unlink()
         self.client = self.ipp_cluster = None

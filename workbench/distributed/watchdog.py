@@ -38,23 +38,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def signal_all(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 def clean(pids: list[int], files: list[Path], say) -> None:
     """SIGTERM every live pid, SIGKILL what is left after GRACE_S, then remove the files."""
     live = [p for p in pids if alive(p)]
-    for p in live:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    signal_all(live, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while any(alive(p) for p in live) and time.monotonic() < deadline:
         time.sleep(0.1)
     stubborn = [p for p in live if alive(p)]
-    for p in stubborn:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_all(stubborn, signal.SIGKILL)
     removed = []
     for f in files:
         try:
