@@ -295,7 +295,7 @@ class WorkbenchMagics(Magics):
           In [2]: %ablate --kvcache int8,fp16 --new-tokens 32 -o results
           In [3]: %ablate --ranks 1,2 --backend gloo,shm --zero-copy on,off -o tp
         """
-        from workbench.analysis.ablation import rows_as_dicts, run_ablation
+        from workbench.analysis.ablation import rows_as_dicts, run_ablation, spread_warnings
         from workbench.distributed.cluster import DistributedModel, running
 
         args = parse_argstring(self.ablate, line)
@@ -336,6 +336,8 @@ class WorkbenchMagics(Magics):
               "(naive attention with an fp32 KV cache, same prompts); decode rates: all sequences together")
         display(table.round(DIGITS) if hasattr(table, "round") else table)  # -o keeps full precision
         display(ablation_figure(rows))
+        for warning in spread_warnings(rows):
+            print(f"warning: {warning}")
 
     def _tp_ablate(self, args):
         from workbench.analysis.tp_ablation import tp_ablation

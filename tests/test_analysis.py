@@ -65,3 +65,18 @@ def test_int8_weights_quality_and_generation(model):
     grouped = wb.load_model("smollm2-135m", dtype="int8-g32")  # a scale per 32 weights: closer to fp32
     g = weight_quality(model, grouped, context=256)
     assert g["kl_nats"] < q["kl_nats"] and g["top1_agreement"] >= 0.95
+
+
+def test_spread_warnings_name_the_rows_the_table_cannot_rank():
+    from workbench.analysis.ablation import AblationRow, spread_warnings
+
+    def row(attention, kv, rate, lo, hi, repeats=3):
+        return AblationRow(attention, kv, "tile" if kv == "int8" else "widen", 16, 1, 4, 1.0, rate, 1.0, 1.0, 1.0, 1.0,
+                           1.0, repeats, 1.0, 1.0, lo, hi)
+
+    apart = [row("slim", "int8", 30.0, 29.0, 31.0), row("flash", "fp16", 20.0, 19.0, 21.0)]
+    assert spread_warnings(apart) == []
+    close = [row("slim", "int8", 30.0, 22.0, 31.0), row("flash", "fp16", 24.0, 19.0, 25.0)]
+    (line,) = spread_warnings(close)
+    assert "flash / fp16 (24.0) and slim / int8 (tile) (30.0) overlap" in line
+    assert spread_warnings([row("slim", "int8", 30.0, 30.0, 30.0, 1), row("flash", "fp16", 30.0, 30.0, 30.0, 1)]) == []

@@ -52,7 +52,7 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     import torch
 
-    from workbench.analysis.ablation import rows_as_dicts
+    from workbench.analysis.ablation import rows_as_dicts, spread_warnings
     from workbench.analysis.demo import format_table, run_demo
     from workbench.model.kv_formats import kv_label
 
@@ -69,6 +69,8 @@ def cmd_demo(args) -> int:
                     new_tokens=args.new_tokens, progress=progress, repeats=args.repeats)
     print()
     print(format_table(rows))
+    for warning in spread_warnings(rows):
+        print(f"warning: {warning}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

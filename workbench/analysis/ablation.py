@@ -39,7 +39,7 @@ from workbench.analysis.tables import format_table as _format_table
 from workbench.analysis.text import sample_prompts
 from workbench.hw.rounds import interleaved_rounds
 from workbench.model.attention import ATTENTION_BACKENDS
-from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, kernel_configs, kv_format
+from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, kernel_configs, kv_format, kv_label
 from workbench.model.switches import Switches
 from workbench.model.timing import Timings
 
@@ -141,6 +141,26 @@ def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_F
             if progress:
                 progress(len(rows), total, rows[-1])
     return rows
+
+
+def spread_warnings(rows: list[AblationRow], metric: str = "decode_tokens_per_s") -> list[str]:
+    """One line per pair of configurations (same prompt length and batch) whose min-max
+    ranges of `metric` overlap: their difference is within the run-to-run spread, so the
+    table cannot rank them. Empty when every row has one sample (nothing to compare with)."""
+    lines = []
+    groups: dict[tuple, list[AblationRow]] = {}
+    for r in rows:
+        groups.setdefault((r.prompt_len, r.batch), []).append(r)
+    for (prompt_len, batch), group in groups.items():
+        ranged = sorted((r for r in group if r.repeats > 1), key=lambda r: getattr(r, metric))
+        for lo, hi in zip(ranged, ranged[1:]):
+            if getattr(hi, f"{metric}_min") <= getattr(lo, f"{metric}_max"):
+                def name(r):
+                    return f"{r.attention} / {kv_label(r.kv_cache, r.kv_kernel)}"
+                lines.append(f"prompt {prompt_len}, batch {batch}: {name(lo)} ({getattr(lo, metric):.1f}) and "
+                             f"{name(hi)} ({getattr(hi, metric):.1f}) overlap in their min-max ranges: the "
+                             f"difference is within the run-to-run spread (more --repeats, a quieter machine)")
+    return lines
 
 
 def rows_as_dicts(rows: list[AblationRow]) -> list[dict]:
