@@ -133,7 +133,8 @@ def test_reproduce_commands_reproduce_the_switches(tmp_path, capsys):
     for line in command.splitlines():
         assert sh.run_cell(line).error_in_exec is None, line
     again = report.recorded()[-1]
-    keys = ("attention", "kv_cache", "kv_kernel", "step", "threads", "prompt_tokens", "new_tokens")
+    keys = ("attention", "kv_cache", "kv_kernel", "step", "threads", "prompt_tokens", "new_tokens", "sampling",
+            "gemm_engine", "prompt_sha256")
     assert {k: again["workload"][k] for k in keys} == {k: first["workload"][k] for k in keys}
     assert (first["workload"]["attention"], first["workload"]["kv_cache"], first["workload"]["kv_kernel"]) == \
         ("flash", "int8", "dot")

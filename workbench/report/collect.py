@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import resource
@@ -53,6 +54,13 @@ def model_identity(model) -> dict:
             "ranks": getattr(getattr(model, "cluster", None), "n", 1)}
 
 
+def _gemm_engine() -> str | None:
+    """The micro-kernel our GEMM runs for bf16 weights now (workbench.kernels.gemm_engine)."""
+    from workbench import kernels
+
+    return kernels.gemm_engine()  # a generation ran, so the kernels are built
+
+
 def generation_entry(result, model=None, command: str | None = None, prompt: str | None = None) -> dict:
     """A GenerationResult as a report entry: raw per-step samples and their statistics."""
     import torch
@@ -66,7 +74,9 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
         "workload": {"prompt": prompt, "prompt_tokens": [len(p) for p in result.prompt_token_ids], "batch": batch,
                      "new_tokens": len(decode) + 1 if prefill else len(decode), "threads": torch.get_num_threads(),
                      "attention": result.switches.attention, "kv_cache": result.switches.kv_cache,
-                     "kv_kernel": result.switches.kv_kernel, "step": result.step_path},
+                     "kv_kernel": result.switches.kv_kernel, "step": result.step_path,
+                     "sampling": getattr(result, "sampling", None), "gemm_engine": _gemm_engine(),
+                     "prompt_sha256": hashlib.sha256(json.dumps(result.prompt_token_ids).encode()).hexdigest()},
         "prefill_ms": 1e3 * prefill.total_s if prefill else None,
         "time_to_first_token_ms": 1e3 * t.time_to_first_token_s,
         "decode_step_ms": _stats([1e3 * s.total_s for s in decode]),

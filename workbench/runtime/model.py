@@ -33,6 +33,7 @@ class GenerationResult:
     switches: Switches  # as they ran: kv_kernel is the kernel that read the cache
     step_path: str = "reference"  # the path decode steps ran: "fused" or "reference" (Switches.step asks)
     max_new_tokens: int | None = None  # what was asked for: fewer tokens means a sequence stopped at end-of-sequence
+    sampling: dict | None = None  # temperature, top_k, top_p, seed, stop_at_eos as they ran
 
     def summary_line(self) -> str:
         """One line for people: prefill time, decode rate, achieved GB/s and GFLOP/s, switches."""
@@ -262,7 +263,9 @@ class Model:
         single = isinstance(prompt, str) or (seqs and len(seqs) == 1 and not isinstance(prompt[0], (list, str)))
         path = "reference" if self.llama.fused_decode_blocker(sw, cache) else "fused"
         return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw, path,
-                                max_new_tokens=max_new_tokens)
+                                max_new_tokens=max_new_tokens,
+                                sampling={"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                                          "stop_at_eos": stop_at_eos})
 
 
 def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,
