@@ -201,7 +201,7 @@ class WorkbenchMagics(Magics):
             args.dtype = model.kv_cache
         try:
             if args.dtype is not None:
-                parse_kv(f"{args.dtype}:{args.kernel}" if args.kernel else args.dtype)  # both checked before either is set
+                KV_FORMATS[args.dtype].kernel(args.kernel)  # both checked before either is set
                 model.kv_cache = args.dtype  # resets the kernel to the format's default
             if args.kernel is not None:
                 model.kv_kernel = args.kernel

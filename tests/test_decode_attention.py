@@ -368,3 +368,11 @@ def test_tiled_rejects_what_it_cannot_read(kernels):
         kernels.kv_cache_append(i8.float(), torch.zeros(1, 1, 1, 16), torch.tensor([0]), layout="k_tiles")
     with pytest.raises(TypeError, match="int8_kernel must be one of"):
         kernels.decode_attention(q, i8, i8, torch.tensor([8]), int8_kernel=1, **s)
+
+
+def test_the_kv_kernels_are_the_cpp_enums():
+    """kv_formats.KV_KERNELS names the C++ side's Int8Kernel values, in its order."""
+    from workbench import kernels as ks
+    from workbench.model.kv_formats import KV_KERNELS
+
+    assert list(KV_KERNELS) == ks.constants()["int8_kernels"]

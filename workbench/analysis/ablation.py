@@ -147,6 +147,9 @@ def spread_warnings(rows: list[AblationRow], metric: str = "decode_tokens_per_s"
     """One line per pair of configurations (same prompt length and batch) whose min-max
     ranges of `metric` overlap: their difference is within the run-to-run spread, so the
     table cannot rank them. Empty when every row has one sample (nothing to compare with)."""
+    def name(r):
+        return f"{r.attention} / {kv_label(r.kv_cache, r.kv_kernel)}"
+
     lines = []
     groups: dict[tuple, list[AblationRow]] = {}
     for r in rows:
@@ -155,8 +158,6 @@ def spread_warnings(rows: list[AblationRow], metric: str = "decode_tokens_per_s"
         ranged = sorted((r for r in group if r.repeats > 1), key=lambda r: getattr(r, metric))
         for lo, hi in zip(ranged, ranged[1:]):
             if getattr(hi, f"{metric}_min") <= getattr(lo, f"{metric}_max"):
-                def name(r):
-                    return f"{r.attention} / {kv_label(r.kv_cache, r.kv_kernel)}"
                 lines.append(f"prompt {prompt_len}, batch {batch}: {name(lo)} ({getattr(lo, metric):.1f}) and "
                              f"{name(hi)} ({getattr(hi, metric):.1f}) overlap in their min-max ranges: the "
                              f"difference is within the run-to-run spread (more --repeats, a quieter machine)")

@@ -34,7 +34,7 @@ from workbench.distributed import engine, watchdog
 from workbench.distributed.backends import backend as backend_record
 from workbench.distributed.comm import shm_capacity_bytes
 from workbench.distributed.tp import TPOptions
-from workbench.model.switches import Switches
+from workbench.model.switches import SwitchProperties, Switches
 from workbench.model.timing import Timings
 
 LAUNCHERS = ("local", "mpi", "ssh", "slurm")
@@ -356,7 +356,7 @@ class Cluster:
         return results[0]
 
 
-class DistributedModel:
+class DistributedModel(SwitchProperties):
     """A model sharded over a cluster's engines, with the Model API."""
 
     def __init__(self, cluster: Cluster, infos: list[dict], options: TPOptions):
@@ -374,47 +374,17 @@ class DistributedModel:
     def on_switch(self, listener) -> None:
         self._switch_listeners.append(listener)
 
-    def _set(self, **changes) -> None:
-        from dataclasses import asdict, replace
+    def _set_switches(self, switches: Switches) -> None:
+        """Every rank takes the new switches (validated here first, as Switches: a one-line
+        error, not a remote traceback); attention / kv_cache / kv_kernel / step come from
+        SwitchProperties."""
+        from dataclasses import asdict
 
-        switches = replace(self.switches, **changes)  # validated here: a one-line error, not a remote traceback
         if switches != self.switches:
             self.cluster.run(engine.set_switches, asdict(switches), what="switching")
             self.switches = switches
             for listener in list(self._switch_listeners):
                 listener(switches)
-
-    @property
-    def attention(self) -> str:
-        return self.switches.attention
-
-    @attention.setter
-    def attention(self, value: str) -> None:
-        self._set(attention=value)
-
-    @property
-    def kv_cache(self) -> str:
-        return self.switches.kv_cache
-
-    @kv_cache.setter
-    def kv_cache(self, value: str) -> None:
-        self._set(kv_cache=value, kv_kernel=None)  # a new format is read by its default kernel
-
-    @property
-    def kv_kernel(self) -> str | None:
-        return self.switches.kv_kernel
-
-    @kv_kernel.setter
-    def kv_kernel(self, value: str | None) -> None:
-        self._set(kv_kernel=value)
-
-    @property
-    def step(self) -> str:
-        return self.switches.step
-
-    @step.setter
-    def step(self, value: str) -> None:
-        self._set(step=value)
 
     def set_options(self, **changes) -> TPOptions:
         """token_broadcast / lm_head / zero_copy / topk for the next generations."""
@@ -445,12 +415,10 @@ class DistributedModel:
             raise ValueError(f"sampling with temperature > 0 needs top_k <= {self.options.topk} with "
                              f"lm_head={self.options.lm_head} (only that many candidates are exchanged); pass "
                              f"top_k, or use lm_head='gather'")
-        kernel = kv_kernel if kv_kernel is not None or kv_cache is not None else self.kv_kernel
-        kwargs = dict(max_new_tokens=max_new_tokens, attention=attention or self.attention,
-                      kv_cache=kv_cache or self.kv_cache, kv_kernel=kernel, step=step or self.step,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
-                      record=record)
-        Switches(kwargs["attention"], kwargs["kv_cache"], kernel, kwargs["step"])  # checked before the ranks see it
+        sw = self.switches.overridden(attention, kv_cache, kv_kernel, step)  # checked before the ranks see it
+        kwargs = dict(max_new_tokens=max_new_tokens, attention=sw.attention, kv_cache=sw.kv_cache,
+                      kv_kernel=sw.kv_kernel, step=sw.step, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, stop_at_eos=stop_at_eos, record=record)
         seen = {"ids": 0, "steps": 0}
         live = Timings()
         ars: list = []

@@ -124,7 +124,7 @@ class KernelSet:
         fp32 for an int8 cache. num_splits: split-KV chunks per (batch, KV head); default
         picks enough for every thread when B * Hkv is small.
 
-        int8_kernel, how an int8 cache is read (INT8_KERNELS; other caches take "widen"):
+        int8_kernel, how an int8 cache is read (constants()["int8_kernels"]; other caches take "widen"):
           "widen"  K and V widened to fp32 in registers (the paper's kernel);
           "dot"    each query head quantized to int8 too, the scores by integer dot products
                    (`decode_dot_isa()` says which instructions), P.V in fp32;
@@ -274,8 +274,6 @@ _CONSTANTS: dict | None = None
 
 
 def __getattr__(name: str):
-    if name == "INT8_KERNELS":  # how an int8 cache can be read (kernels.h: Int8Kernel)
-        return tuple(constants()["int8_kernels"])
     if name == "TILED_ALIGN":  # the tiled layout's Lmax multiple (kernels.h: kTiledAlign)
         return constants()["tiled_align"]
     raise AttributeError(f"module 'workbench.kernels' has no attribute {name!r}")

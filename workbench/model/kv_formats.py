@@ -53,7 +53,8 @@ def _decode(q, k, v, k_scale, v_scale, lengths, **options) -> torch.Tensor:
     return kernels.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, **options)
 
 
-# How a decode kernel reads a cache (kernels.decode_attention's int8_kernel; kernels.h: Int8Kernel).
+# How a decode kernel reads a cache (kernels.decode_attention's int8_kernel): the names are
+# kernels.h's Int8Kernel, exported as kernels.constants()["int8_kernels"] (a test checks they agree).
 KV_KERNELS = {
     "widen": "stored values widened to fp32 in registers, fp32 scores and P.V (the paper's kernel for int8)",
     "dot": "int8 only: the query quantized to int8, scores by integer dot products (VNNI / pmaddubsw), P.V in fp32",

@@ -224,7 +224,7 @@ class LlamaModel:
         return x
 
     def _record(self, clock: Clock, phase: str, tokens: int, t_start: float, layers_s: float,
-                kv_bytes: int, attention_pairs: int, head_rows: int) -> StepRecord | None:
+                kv_bytes: int, attention_pairs: int, head_rows: int, wake_s: float = 0.0) -> StepRecord | None:
         if not clock.enabled:
             return None
         total = clock.t() - t_start
@@ -234,7 +234,7 @@ class LlamaModel:
                           kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
                           total_s=total,
                           flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
-                          head_flops=2 * head_rows * self.lm_head.weight.numel())
+                          head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s)
 
     def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
                 record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
@@ -332,8 +332,6 @@ class LlamaModel:
         layers_s = clock.t() - t_layers - wake_s
         logits = self._head(x)
         cache.lengths = lengths
-        rec = self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
-                           cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0])
-        if rec is not None:
-            rec.wake_s = wake_s
-        return logits, rec
+        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
+                                    cache.bytes_read(lengths) if record else 0, int(lengths.sum()),
+                                    logits.shape[0], wake_s)

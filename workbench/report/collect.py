@@ -75,7 +75,7 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
                      "new_tokens": len(decode) + 1 if prefill else len(decode), "threads": torch.get_num_threads(),
                      "attention": result.switches.attention, "kv_cache": result.switches.kv_cache,
                      "kv_kernel": result.switches.kv_kernel, "step": result.step_path,
-                     "sampling": getattr(result, "sampling", None), "gemm_engine": _gemm_engine(),
+                     "sampling": result.sampling, "gemm_engine": _gemm_engine(),
                      "prompt_sha256": hashlib.sha256(json.dumps(result.prompt_token_ids).encode()).hexdigest()},
         "prefill_ms": 1e3 * prefill.total_s if prefill else None,
         "time_to_first_token_ms": 1e3 * t.time_to_first_token_s,

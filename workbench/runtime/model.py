@@ -18,7 +18,7 @@ import torch
 
 from workbench.model.llama import LlamaModel
 from workbench.model.loaders import ModelLoadError, check_memory, resolve
-from workbench.model.switches import Switches
+from workbench.model.switches import SwitchProperties, Switches
 from workbench.runtime.sampling import sample
 from workbench.runtime.threads import get_threads, set_threads
 from workbench.model.timing import StepRecord, Timings
@@ -73,7 +73,7 @@ class GenerationResult:
         return "\n".join(line for line in lines if line)
 
 
-class Model:
+class Model(SwitchProperties):
     """A loaded model and its switches. Create with workbench.load_model()."""
 
     def __init__(self, llama: LlamaModel, tokenizer, description: str):
@@ -102,42 +102,7 @@ class Model:
     def weight_dtype(self) -> str:
         return self.llama.weight_dtype
 
-    # -- switches (validated; changing them never touches the weights) --------------------
-
-    @property
-    def attention(self) -> str:
-        return self.switches.attention
-
-    @attention.setter
-    def attention(self, value: str) -> None:
-        self._set_switches(replace(self.switches, attention=value))
-
-    @property
-    def kv_cache(self) -> str:
-        return self.switches.kv_cache
-
-    @kv_cache.setter
-    def kv_cache(self, value: str) -> None:
-        """A new format is read by its default kernel (set kv_kernel after it for another)."""
-        self._set_switches(replace(self.switches, kv_cache=value, kv_kernel=None))
-
-    @property
-    def kv_kernel(self) -> str | None:
-        """The kernel that reads the cache (KV_KERNELS), or None for the format's default."""
-        return self.switches.kv_kernel
-
-    @kv_kernel.setter
-    def kv_kernel(self, value: str | None) -> None:
-        self._set_switches(replace(self.switches, kv_kernel=value))
-
-    @property
-    def step(self) -> str:
-        """"fused" (one C++ call per decode step, where the switches allow) or "reference"."""
-        return self.switches.step
-
-    @step.setter
-    def step(self, value: str) -> None:
-        self._set_switches(replace(self.switches, step=value))
+    # attention / kv_cache / kv_kernel / step: SwitchProperties (validated; never touching the weights)
 
     @property
     def threads(self) -> int:
@@ -209,8 +174,7 @@ class Model:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        kernel = kv_kernel if kv_kernel is not None or kv_cache is not None else self.kv_kernel
-        sw = Switches(attention or self.attention, kv_cache or self.kv_cache, kernel, step or self.step)
+        sw = self.switches.overridden(attention, kv_cache, kv_kernel, step)
         seqs = self._encode(prompt)
         self._check_ids(seqs)
         lens = [len(s) for s in seqs]
