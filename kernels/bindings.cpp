@@ -80,9 +80,10 @@ Tensor checked_positions(const Tensor& t, const char* fn, const char* name, int6
 
 // The packed keys of one call live in a buffer kept by the calling thread, so repeated
 // calls do not page-fault tens of megabytes in each time (profiled: first-touch page
-// clearing took a sixth of a decode benchmark's time). Buffers above the cap are
-// allocated per call: their attention is long enough that the faults do not matter.
-constexpr int64_t kWorkspaceCapFloats = int64_t{16} << 20;  // 64 MiB
+// clearing took a sixth of a decode benchmark's time). The cap holds a 4096-token prompt of
+// 32 KV heads of 128 (K and V in bf16 tiles, or K alone in fp32); buffers above it are
+// allocated per call.
+constexpr int64_t kWorkspaceCapFloats = int64_t{32} << 20;  // 128 MiB
 
 float* packed_keys_workspace(int64_t floats, Tensor& fallback) {
   thread_local std::unique_ptr<float[]> buffer;
@@ -124,8 +125,28 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
   TORCH_CHECK_VALUE(block_n >= 1, fn, ": block_n must be >= 1, got ", block_n);
   const float s = checked_scale(scale, D, fn);
 
+  if (q.numel() == 0) return at::empty({B, H, N, D}, q.options());
+  // bf16 inputs run on the bf16 engine in force (prefill_tiles.cpp), as the GEMM does for bf16
+  // weights; set_gemm_engine("fma") sends them to the fp32 kernels below.
+  const wbk::GemmEngine engine = wbk::gemm_engine();
+  if (q.scalar_type() == at::kBFloat16 &&
+      (engine == wbk::GemmEngine::kAmxBf16 || engine == wbk::GemmEngine::kAvx512Bf16)) {
+    Tensor qb = q.contiguous(), kb = k.contiguous(), vb = v.contiguous();
+    const int64_t per_head = wbk::packed_kv_tile_elems(Nk, D);
+    Tensor fallback;
+    auto* kp = reinterpret_cast<uint16_t*>(packed_keys_workspace(B * Hkv * per_head, fallback));  // K, then V
+    uint16_t* vp = kp + B * Hkv * per_head;
+    const auto bits = [](const Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    wbk::pack_kv_tiles(bits(kb), bits(vb), kp, vp, B * Hkv, Nk, D);
+    // Whole 32-row pairs of queries and whole 32-key blocks: the tiles' granularity.
+    const int64_t bm = std::clamp<int64_t>((std::min(block_m, N) + 31) / 32 * 32, 32, wbk::kMaxTileBlockM);
+    Tensor out16 = at::empty({B, H, N, D}, q.options());  // written in bf16 by the kernel
+    const wbk::PrefillTileArgs a{bits(qb), kp, vp, reinterpret_cast<uint16_t*>(out16.data_ptr()), B, H, Hkv, N, Nk,
+                                 D, causal, s, bm, (block_n + 31) / 32 * 32};
+    wbk::attention_tiles(engine, a, slim);
+    return out16;
+  }
   Tensor out = at::empty({B, H, N, D}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return out.to(q.scalar_type());
   // bf16 is widened once up front: O(N D) work against the O(N^2 D) of attention.
   // Keys are packed into the micro-kernel's panels of K^T (and widened) in one pass.
   Tensor qf = q.to(at::kFloat).contiguous();

@@ -40,14 +40,11 @@
 #include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tiles.h"
 
 namespace wbk {
 namespace {
 
-#define WBK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-constexpr int64_t kTileRows = 16;   // rows of a tile
-constexpr int64_t kTileK = 32;      // bf16 values of K per tile row (64 bytes)
 constexpr int64_t kRows = 128;      // rows of w per task (whole 32-row blocks)
 constexpr int64_t kTokens = 512;    // tokens per block of packed x (whole 32-token blocks)
 constexpr int64_t kKC = 1024;       // K per slice (a multiple of kTileK)
@@ -153,86 +150,7 @@ const Status& status() {
 
 std::atomic<int> g_engine{static_cast<int>(GemmEngine::kAuto)};
 
-// -- the tile micro-kernel ---------------------------------------------------------------------
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-WBK_AMX_TARGET void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// C (32 rows of w x 32 tokens, fp32, ldc floats a row) = or += the product over kc (a
-// multiple of 32) of the A rows a (lda bytes apart) and packed x b (tile after tile, 1 KB
-// each, the two token tiles of one k step side by side: b_step bytes per k step).
-WBK_AMX_TARGET void block_2x2(int64_t kc, const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t b_step,
-                              float* c, int64_t ldc, bool accumulate) {
-  const int64_t ldc_bytes = ldc * 4;
-  if (accumulate) {
-    _tile_loadd(0, c, ldc_bytes);
-    _tile_loadd(1, c + 16, ldc_bytes);
-    _tile_loadd(2, c + 16 * ldc, ldc_bytes);
-    _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const char* a0 = reinterpret_cast<const char*>(a);
-  const char* a1 = a0 + 16 * lda_bytes;
-  const char* bp = reinterpret_cast<const char*>(b);
-  for (int64_t k = 0; k < kc; k += kTileK) {
-    _tile_loadd(4, a0 + 2 * k, lda_bytes);
-    _tile_loadd(5, a1 + 2 * k, lda_bytes);
-    _tile_loadd(6, bp, 64);
-    _tile_loadd(7, bp + 1024, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    bp += b_step;
-  }
-  _tile_stored(0, c, ldc_bytes);
-  _tile_stored(1, c + 16, ldc_bytes);
-  _tile_stored(2, c + 16 * ldc, ldc_bytes);
-  _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
-}
-
-// r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit elements, in registers.
-WBK_AMX_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
+// -- the tile micro-kernel (block_2x2, tiles.h) and its packing ------------------------------
 
 // Packed x for one block of `tokens` tokens starting at m0: [K tiles][token tiles][16 pairs]
 // [16 tokens][2] bf16 (a token tile of one k step is 1 KB; the token tiles of a step follow

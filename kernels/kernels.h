@@ -128,6 +128,27 @@ bool amx_bf16_available(std::string* reason);
 bool avx512_bf16_available(std::string* reason);
 void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                       int64_t K);
+// Prefill attention on a bf16 engine (prefill_tiles.cpp): SlimAttention (slim) or
+// FlashAttention-2 with Q K^T and P V as bf16 products accumulated in fp32, the softmax in
+// fp32. q [B, H, N, D] bf16 bits; kp / vp: k and v [B*Hkv, Nk, D] packed by pack_kv_tiles;
+// out [B, H, N, D] bf16 bits. block_m (query rows per task) and block_n (flash's key tile) are
+// multiples of 32, block_m at most kMaxTileBlockM. `engine` is kAmxBf16 or kAvx512Bf16 and
+// may run here (the caller checked).
+inline constexpr int64_t kMaxTileBlockM = 512;
+struct PrefillTileArgs {
+  const uint16_t* q;
+  const uint16_t* kp;
+  const uint16_t* vp;
+  uint16_t* out;
+  int64_t B, H, Hkv, N, Nk, D;
+  bool causal;
+  float scale;
+  int64_t block_m, block_n;
+};
+int64_t packed_kv_tile_elems(int64_t Nk, int64_t D);  // bf16 values per KV head, of K and of V each
+void pack_kv_tiles(const uint16_t* k, const uint16_t* v, uint16_t* kp, uint16_t* vp, int64_t BHkv, int64_t Nk,
+                   int64_t D);
+void attention_tiles(GemmEngine engine, const PrefillTileArgs& a, bool slim);
 // tdpbf16ps on tiles already loaded, `iterations` x 4 per thread; returns the FLOPs executed
 // (0 where AMX may not run). The matrix engine's peak, timed by the caller (bench/peaks.py).
 double amx_bf16_loop(int64_t iterations_per_thread);

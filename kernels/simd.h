@@ -315,6 +315,22 @@ inline VecF vexp(VecF x) {
   return p * exp2_int(n);
 }
 
+// exp(x) for x <= 0 where the result is rounded to bf16 next (softmax numerators on the
+// matrix engines): vexp's range reduction with a degree-5 Taylor polynomial for exp(r)
+// (relative error below 3e-6 on |r| <= ln2/2, far under bf16's 2^-9) and no upper clamp.
+inline VecF vexp_nonpositive(VecF x) {
+  x = vmax(x, VecF::set1(-87.3365447504f));
+  VecF n = round_nearest(x * VecF::set1(1.44269504088896341f));
+  VecF r = fmadd(n, VecF::set1(-0.693359375f), x);
+  r = fmadd(n, VecF::set1(2.12194440e-4f), r);
+  VecF p = VecF::set1(1.0f / 120);
+  p = fmadd(p, r, VecF::set1(1.0f / 24));
+  p = fmadd(p, r, VecF::set1(1.0f / 6));
+  p = fmadd(p, r, VecF::set1(0.5f));
+  p = fmadd(p, r * r, r + VecF::set1(1.0f));  // 1 + r + r^2 / 2 + ... + r^5 / 120
+  return p * exp2_int(n);
+}
+
 // Integer dot products of int8 vectors, for decode attention with an int8 query (scores
 // as llama.cpp computes q8_0 x q8_0: integer products, one float scale per token):
 //   VecB          I8B int8 values; VecB::load(p), VecB::load(p, n) (the rest zero),

@@ -4,8 +4,12 @@ Tolerances (inputs ~ N(0, 1), outputs are convex combinations of V rows, |o| <~ 
 - fp32: 2e-5 absolute + 2e-5 relative. Each score is a D-term fp32 dot product (relative
   error ~ D * 2^-24 ~ 1e-5 of |q||k|/sqrt(D)), the exp polynomial is good to ~1e-7
   relative, and the P.V sums add ~N * 2^-24 relative; measured worst cases are ~1e-6.
-- bf16: the kernels compute in fp32 and round the output once to bf16 (8 significant
-  bits: half an ulp is 2^-9 relative), so 4e-3 relative + 4e-3 absolute.
+- bf16 under the "fma" engine: the kernels compute in fp32 and round the output once to bf16
+  (8 significant bits: half an ulp is 2^-9 relative), so 4e-3 relative + 4e-3 absolute.
+- bf16 on a bf16 engine (the default where the CPU has AMX or AVX512-BF16 and the build targets
+  AVX-512): Q K^T and P V on tiles, each probability rounded to bf16 once more, which moves an
+  output by at most 2^-9 max|v| beyond that; test_prefill_tiles.py holds those kernels to a
+  reference that rounds the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from hypothesis import strategies as st
 from reference import attention_reference
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=4e-3, rtol=4e-3)}
+
+
+def tolerance(kernels, dtype, v) -> dict:
+    if dtype == torch.bfloat16 and kernels.gemm_engine() != "fma":
+        return dict(atol=4e-3 + 2.0**-9 * v.double().abs().max().item(), rtol=4e-3)
+    return TOL[dtype]
 
 
 @st.composite
@@ -54,7 +64,7 @@ def test_slim_attention_matches_reference(kernels, c):
     out = kernels.slim_attention(q, k, v, causal=c["causal"], block_m=c["block_m"])
     assert out.dtype == c["dtype"] and out.shape == q.shape
     ref = attention_reference(q, k, v, causal=c["causal"])
-    torch.testing.assert_close(out.double(), ref, **TOL[c["dtype"]])
+    torch.testing.assert_close(out.double(), ref, **tolerance(kernels, c["dtype"], v))
 
 
 @given(c=prefill_case())
@@ -63,7 +73,7 @@ def test_flash_attention_matches_reference(kernels, c):
     out = kernels.flash_attention(q, k, v, causal=c["causal"], block_m=c["block_m"], block_n=c["block_n"])
     assert out.dtype == c["dtype"] and out.shape == q.shape
     ref = attention_reference(q, k, v, causal=c["causal"])
-    torch.testing.assert_close(out.double(), ref, **TOL[c["dtype"]])
+    torch.testing.assert_close(out.double(), ref, **tolerance(kernels, c["dtype"], v))
 
 
 @pytest.mark.parametrize("algorithm", ["slim_attention", "flash_attention"])

@@ -90,6 +90,11 @@ class KernelSet:
         q [B, H, N, D], k / v [B, Hkv, Nk, D] (fp32 or bf16) -> [B, H, N, D] like q.
         causal: query i sees keys 0 .. i + (Nk - N) (needs Nk >= N); only those are computed.
         scale: softmax scale, default 1/sqrt(D). block_m: query rows per task (default from L2).
+
+        bf16 inputs run on the bf16 engine in force (gemm_engine(): AMX tiles or AVX512-BF16):
+        Q K^T and P V as bf16 products with fp32 accumulation, the softmax in fp32 and each
+        row's probabilities rounded to bf16 for P V; block_m rounds up to whole 32-row pairs.
+        Under "fma" they are widened to fp32 and run the fp32 kernels.
         """
         _check_tensor_args(q=q, k=k, v=v)
         if block_m is None and q.dim() == 4 and k.dim() == 4:
@@ -103,7 +108,8 @@ class KernelSet:
                         block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
         """FlashAttention-2 prefill: block_m x block_n tiles, online softmax with rescaling.
 
-        Same contract as slim_attention; built from the same micro-kernel and exp.
+        Same contract as slim_attention (bf16 inputs on the bf16 engine in force, block_n rounded
+        up to whole 32-key blocks there); built from the same micro-kernels and exp.
         """
         _check_tensor_args(q=q, k=k, v=v)
         block_m = FLASH_BLOCK_M if block_m is None else block_m
@@ -184,7 +190,9 @@ class KernelSet:
         """The micro-kernel the GEMM runs for bf16 weights now: "amx_bf16" (x rounded to bf16,
         fp32 accumulation, on the AMX tiles), "avx512_bf16" (the same rounding, vdpbf16ps) or
         "fma" (fp32 FMAs, x kept in fp32). The matrix-vector kernel of few rows is the same
-        for all."""
+        for all. Prefill attention (slim_attention, flash_attention) of bf16 q / k / v runs on
+        the same engine: Q K^T and P V as bf16 products (kernels/prefill_tiles.cpp), or, under
+        "fma", widened to fp32."""
         return self.ext.gemm_engine()
 
     def set_gemm_engine(self, engine: str) -> None:

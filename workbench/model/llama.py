@@ -140,6 +140,7 @@ class LlamaModel:
         fmt = weight_format(weight_dtype_name)  # a ValueError naming the accepted formats
         self.cfg = cfg
         self.weight_dtype = weight_dtype_name
+        self.format = fmt
         self.source: str | None = None  # the file or directory the weights came from (None: random)
         keep = shard or (lambda cfg, layer, w: w)
         # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
@@ -245,6 +246,7 @@ class LlamaModel:
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         backend = attention_backend(switches.attention)
+        act = self.attention_dtype
         offsets = [0]
         for n in seq_lens:
             offsets.append(offsets[-1] + n)
@@ -260,7 +262,7 @@ class LlamaModel:
                 s = slice(offsets[b], offsets[b + 1])
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
                 cache.append(i, kb, vb, start, rows=slice(b, b + 1))
-                out[s] = backend.prefill(qb, kb, vb)[0].transpose(0, 1)
+                out[s] = backend.prefill(qb.to(act), kb.to(act), vb.to(act))[0].transpose(0, 1)
             return layer.wo(out.view(-1, H * D))
 
         x = self._embed(tokens)  # [T, dim]
@@ -272,6 +274,14 @@ class LlamaModel:
         cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
                                     sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """What prefill attention runs in: bf16 where the weights' products run on a bf16 engine
+        (WeightFormat.matrix_engine and kernels.gemm_engine() not "fma"), else fp32."""
+        if self.format.matrix_engine and kernels.gemm_engine() != "fma":
+            return torch.bfloat16
+        return torch.float32
 
     def fused_decode_blocker(self, switches: Switches, cache: KVCache) -> str | None:
         """Why a decode step with these switches over this cache runs the Python path, or

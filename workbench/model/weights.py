@@ -30,6 +30,10 @@ class WeightFormat:
     kernel: str            # the C++ WeightDtype enumerator that reads them (kernels.constants()["weight_kernels"])
     prefetch: str          # the matrix-vector kernel's prefetch table entry for them (workbench.kernels.prefetch)
     description: str
+    # Products of more than a few rows (prefill, batched decode) run on the bf16 engine in force
+    # (kernels.gemm_engine(): AMX tiles or AVX512-BF16, activations rounded to bf16 at each product,
+    # fp32 accumulation), and so does prefill attention; "fma" keeps them in fp32.
+    matrix_engine: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -69,7 +73,8 @@ class WeightFormat:
 WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp32", torch.float32, torch.float32, "none", "float32", "float32", "fp32 weights, the exact path"),
     WeightFormat("bf16", torch.bfloat16, torch.bfloat16, "none", "bfloat16", "bfloat16",
-                 "bf16 weights (widened to fp32 in registers)"),
+                 "bf16 weights: products and prefill attention on the bf16 engine (AMX or AVX512-BF16) where "
+                 "the CPU has one, decode's matrix-vector kernel widening them to fp32", matrix_engine=True),
     WeightFormat("int8", torch.int8, torch.float32, "row", "int8", "int8",
                  "weight-only int8, one fp32 scale per output row"),
     WeightFormat("int8-g32", torch.int8, torch.float32, "group", "int8_group", "int8",
