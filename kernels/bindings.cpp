@@ -740,6 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("constants", [] {
     py::dict d, weights, parts;
     d["weight_group"] = wbk::kWeightGroup;
+    d["tile_max_block_m"] = wbk::kMaxTileBlockM;
     d["tiled_align"] = wbk::kTiledAlign;
     d["int8_kernels"] = std::vector<std::string>(std::begin(wbk::kInt8KernelNames), std::end(wbk::kInt8KernelNames));
     d["tile_tokens"] = wbk::kTileTokens;

@@ -277,20 +277,12 @@ void run(bool amx, bool slim, const PrefillTileArgs& a) {
 // of the 16 keys. Keys past Nk and d past D are zero.
 WBK_AMX_TARGET void pack_key_block(const uint16_t* k, int64_t Nk, int64_t D, int64_t block, uint16_t* dst) {
   const int64_t Dp = round_up(D, 32);
-  for (int64_t step = 0; step < Dp / 32; ++step) {
-    const int64_t n = std::min<int64_t>(32, D - step * 32);
-    const __mmask32 mask = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1);
+  for (int64_t step = 0; step < Dp / 32; ++step)
     for (int64_t tile = 0; tile < 2; ++tile) {
-      __m512i r[16];
-      for (int64_t kk = 0; kk < 16; ++kk) {
-        const int64_t j = block * 32 + tile * 16 + kk;
-        r[kk] = j < Nk ? _mm512_maskz_loadu_epi16(mask, k + j * D + step * 32) : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      uint16_t* t = dst + (step * 2 + tile) * 512;
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(t + p * 32, r[p]);
+      const int64_t j = block * 32 + tile * 16;
+      pack_b_tile(k + j * D + step * 32, std::clamp<int64_t>(Nk - j, 0, 16), D, D - step * 32,
+                  dst + (step * 2 + tile) * 512);
     }
-  }
 }
 
 // The values of one 32-key step as B tiles of O = P V: for each 32-wide block of d, a tile of

@@ -137,4 +137,15 @@ WBK_AMX_TARGET inline void transpose16(__m512i r[16]) {
   }
 }
 
+// One B tile from 16 rows of bf16 values (row r at src + r ld, 32 values of the reduction
+// each, the first `kvalid` read, the rest zero; rows from `rows` on zero): the rows become the
+// tile's 16 columns, their 16 pairs its rows (a 16 x 16 transpose of 32-bit pairs).
+WBK_AMX_TARGET inline void pack_b_tile(const uint16_t* src, int64_t rows, int64_t ld, int64_t kvalid, uint16_t* dst) {
+  const __mmask32 mask = kvalid >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << kvalid) - 1);
+  __m512i r[16];
+  for (int64_t i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_maskz_loadu_epi16(mask, src + i * ld) : _mm512_setzero_si512();
+  transpose16(r);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 32, r[p]);
+}
+
 }  // namespace wbk

@@ -156,3 +156,15 @@ def test_long_prompt_and_model_shapes(kernels):
                 torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
     finally:
         kernels.set_gemm_engine("auto")
+
+
+def test_default_tile_block_is_whole_pairs_and_leaves_work_for_every_thread(kernels):
+    from workbench.kernels import constants
+
+    limit = constants()["tile_max_block_m"]
+    threads = torch.get_num_threads()
+    for n, tasks in ((1, 1), (31, 9), (1024, 9), (1024, 32), (4096, 32), (5000, 1), (100, 1)):
+        block = kernels.default_block_m(n, n, 64, tasks, tiles=True)
+        assert block % 32 == 0 and 32 <= block <= limit, (n, tasks, block)
+        if block > 32:  # halved no further than four tasks per thread
+            assert tasks * -(-n // block) >= 4 * threads, (n, tasks, block)

@@ -64,8 +64,10 @@ class KernelSet:
 
     # -- prefill ---------------------------------------------------------------------
 
-    def default_block_m(self, n_queries: int, n_keys: int, head_dim: int, tasks_per_block: int) -> int:
-        """SlimAttention's query block, from the detected L2 size.
+    def default_block_m(self, n_queries: int, n_keys: int, head_dim: int, tasks_per_block: int,
+                        tiles: bool = False) -> int:
+        """SlimAttention's query block, from the detected L2 size (`tiles`: for bf16 inputs on a
+        bf16 engine, _tile_block_m).
 
         Each task streams the K and V rows its block can see, so its arithmetic intensity
         grows with block_m; its score buffer (block_m x n_keys fp32) grows too. The sweep in
@@ -75,6 +77,8 @@ class KernelSet:
         micro-kernel's row tile, and small enough to leave four tasks per thread
         (tasks_per_block = B * H tasks for each query block)."""
         mr = self.ext.gemm_mr()
+        if tiles:
+            return self._tile_block_m(n_queries, tasks_per_block)
         budget = 8 * machine_info().l2_bytes
         block = budget // (4 * (n_keys + head_dim))
         block = _round_down(min(block, SLIM_MAX_BLOCK_M), mr)
@@ -82,6 +86,22 @@ class KernelSet:
         while block > mr and tasks_per_block * -(-n_queries // block) < 4 * threads:
             block = _round_down(block // 2, mr)
         return max(1, min(block, n_queries))
+
+    def _tile_block_m(self, n_queries: int, tasks_per_block: int) -> int:
+        """The query block on the bf16 engines (prefill_tiles.cpp). A task walks its rows 32 at a
+        time with that pair's scores in L2 whatever the block, and the pairs of one task read
+        the same K and V one after the other, so the longest block measured fastest (the tile
+        sweep of bench/prefill_attention.py), up to the kernel's limit (constants()
+        ["tile_max_block_m"]): halved while fewer than four tasks per thread would be left."""
+        block = min(constants()["tile_max_block_m"], -(-n_queries // 32) * 32)
+        threads = torch.get_num_threads()
+        while block > 32 and tasks_per_block * -(-n_queries // block) < 4 * threads:
+            block //= 2
+        return max(32, block // 32 * 32)
+
+    def on_tiles(self, q) -> bool:
+        """Whether prefill attention of `q` runs on a bf16 engine (bf16 input, engine not "fma")."""
+        return q.dtype == torch.bfloat16 and self.gemm_engine() != "fma"
 
     def slim_attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
                        block_m: int | None = None) -> torch.Tensor:
@@ -98,7 +118,8 @@ class KernelSet:
         """
         _check_tensor_args(q=q, k=k, v=v)
         if block_m is None and q.dim() == 4 and k.dim() == 4:
-            block_m = self.default_block_m(q.shape[2], k.shape[2], q.shape[3], q.shape[0] * q.shape[1])
+            block_m = self.default_block_m(q.shape[2], k.shape[2], q.shape[3], q.shape[0] * q.shape[1],
+                                           tiles=isinstance(q, torch.Tensor) and self.on_tiles(q))
         elif block_m is None:
             block_m = 1  # the extension rejects the shapes with a message naming them
         return self.ext.slim_attention(q, k, v, causal=bool(causal), scale=scale,
@@ -269,7 +290,8 @@ def constants() -> dict:
     """The constants the C++ side defines and Python needs (kernels.h, exported by the
     extension's constants(); read, never copied): weight_group (grouped int8 weights per
     scale), tiled_align / tile_tokens / v_group_tokens (the tiled int8 KV layout),
-    matvec_max_rows (the matrix-vector / GEMM crossover), shm_header_bytes, weight_kernels
+    matvec_max_rows (the matrix-vector / GEMM crossover), tile_max_block_m (the most query rows
+    of a prefill task on the bf16 engines), shm_header_bytes, weight_kernels
     (the WeightDtype enumerators), timer_parts (the fused step's timer columns), int8_kernels
     (the ways a decode kernel reads an int8 cache, Int8Kernel's order)."""
     global _CONSTANTS
