@@ -406,6 +406,18 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   return y;
 }
 
+Tensor silu_mul(const Tensor& gate_up) {
+  const char* fn = "silu_mul";
+  check_tensor(gate_up, fn, "gate_up", 2, "[T, 2F]");
+  TORCH_CHECK_TYPE(gate_up.scalar_type() == at::kFloat, fn, ": gate_up must be float32, got ", gate_up.scalar_type());
+  TORCH_CHECK_VALUE(gate_up.size(1) % 2 == 0, fn, ": gate_up must have an even number of columns [gate | up], got ",
+                    gate_up.size(1));
+  const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
+  Tensor out = at::empty({T, F}, gate_up.options());
+  if (out.numel() > 0) wbk::silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, F);
+  return out;
+}
+
 void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t head_dim) {
   const char* fn = "rope_";
   check_tensor(x, fn, "x", 2, "[T, C]", /*need_contiguous=*/false);
@@ -691,6 +703,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),

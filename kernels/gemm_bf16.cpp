@@ -48,6 +48,7 @@ namespace {
 constexpr int64_t kRows = 128;      // rows of w per task (whole 32-row blocks)
 constexpr int64_t kTokens = 512;    // tokens per block of packed x (whole 32-token blocks)
 constexpr int64_t kKC = 1024;       // K per slice (a multiple of kTileK)
+constexpr int64_t kStreamBytes = int64_t{2} << 20;  // outputs from this size on (about a core's L2) are streamed
 
 // -- may the matrix engine run here? ---------------------------------------------------------
 
@@ -184,9 +185,10 @@ WBK_AMX_TARGET void pack_x_block(const float* x, int64_t M, int64_t K, int64_t m
 }
 
 // y[m0 + m][n0 + r] = ct[r][m] for r < rows, m < tokens: 16 x 16 blocks transposed in
-// registers, each stored as 16 consecutive outputs of one token.
+// registers, each stored as 16 consecutive outputs of one token. With `stream`, whole aligned
+// 64-byte pieces of y are written with non-temporal stores (the caller fences once at the end).
 WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows, int64_t tokens, float* y,
-                                     int64_t ldy) {
+                                     int64_t ldy, bool stream) {
   for (int64_t m = 0; m < tokens; m += 16) {
     const int64_t mt = std::min<int64_t>(16, tokens - m);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
@@ -196,8 +198,14 @@ WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows,
       for (int i = 0; i < 16; ++i)  // rows past `rows` hold what ct holds there: never stored
         v[i] = _mm512_loadu_si512(ct + (r0 + i) * ldc + m);
       transpose16(v);
-      for (int64_t i = 0; i < mt; ++i)
-        _mm512_mask_storeu_ps(y + (m + i) * ldy + r0, mask, reinterpret_cast<__m512>(v[i]));
+      for (int64_t i = 0; i < mt; ++i) {
+        float* dst = y + (m + i) * ldy + r0;
+        if (stream && rt == 16 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+          _mm512_stream_ps(dst, reinterpret_cast<__m512>(v[i]));
+        } else {
+          _mm512_mask_storeu_ps(dst, mask, reinterpret_cast<__m512>(v[i]));
+        }
+      }
     }
   }
 }
@@ -243,7 +251,7 @@ WBK_AMX_TARGET void block_8x32_dp(const uint16_t* w, int64_t K, int64_t rows, co
 // tiles over all of K, then the transposed store.
 WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K,
                                  int64_t tokens_per_block, int64_t token_tiles, int64_t block_elems,
-                                 int64_t n_blocks, const uint16_t* xp, int64_t begin, int64_t end) {
+                                 int64_t n_blocks, const uint16_t* xp, bool stream, int64_t begin, int64_t end) {
   Scratch cs(0, kRows * tokens_per_block);
   float* ct = cs.data();
   for (int64_t t = begin; t < end; ++t) {
@@ -255,8 +263,9 @@ WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t
       for (int64_t r0 = 0; r0 < rows; r0 += 8)
         block_8x32_dp(w + (n0 + r0) * K, K, rows - r0, xb, token_tiles, jt, ct + r0 * tokens_per_block + jt * 16,
                       tokens_per_block);
-    store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N);
+    store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N, stream);
   }
+  if (stream) _mm_sfence();
 }
 
 struct Shape {
@@ -265,6 +274,7 @@ struct Shape {
   float* y;
   int64_t M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks;
   const uint16_t* xp;
+  bool stream;
 };
 
 // Tasks [begin, end) of one thread: its tiles configured once, released at the end.
@@ -309,8 +319,9 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
           block_2x2(kc, reinterpret_cast<const uint16_t*>(a + r * 32 * lda_bytes), lda_bytes, bk + j * 512,
                     token_tiles * 1024, ct + r * 32 * tokens_per_block + j * 16, tokens_per_block, k0 > 0);
     }
-    store_transposed(ct, tokens_per_block, rows, tokens, s.y + m0 * N + n0, N);
+    store_transposed(ct, tokens_per_block, rows, tokens, s.y + m0 * N + n0, N, s.stream);
   }
+  if (s.stream) _mm_sfence();
   _tile_release();
 }
 
@@ -340,14 +351,18 @@ void gemm_bf16(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N
       pack_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_tiles, xp + mb * block_elems);
   });
 
+  // An output larger than a core's L2 is mostly evicted before anything reads it again: its lines
+  // are written with non-temporal stores rather than each read in first (measured faster on the
+  // prefill shapes against torch in the same run); a small one (batched decode) stays cached.
+  const bool stream = M * N * 4 >= kStreamBytes;
   // Tasks: token block outer, so a thread's consecutive tasks share one block of packed x.
   if (!tiles) {
     at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
-      run_tasks_dp(w, y, M, N, K, tokens_per_block, token_tiles, block_elems, n_blocks, xp, begin, end);
+      run_tasks_dp(w, y, M, N, K, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream, begin, end);
     });
     return;
   }
-  const Shape shape{x, w, y, M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks, xp};
+  const Shape shape{x, w, y, M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream};
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_amx(shape, begin, end); });
 }
 

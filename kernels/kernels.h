@@ -155,6 +155,10 @@ double amx_bf16_loop(int64_t iterations_per_thread);
 // The same for vdpbf16ps on 16 independent accumulators (0 where AVX512-BF16 may not run).
 double avx512_bf16_loop(int64_t iterations_per_thread);
 
+// out [T, F] = SiLU(gate) * up for each row [gate | up] of gate_up [T, 2F] (decode_step.cpp's
+// row function, rows in parallel): the MLP's activation of a prefill in one pass.
+void silu_mul_rows(const float* gate_up, float* out, int64_t T, int64_t F);
+
 // RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
 // T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).
 void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,

@@ -58,6 +58,13 @@ def check_engines(kernels, engines, M, N, K, seed):
         torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{engine}: {m}")
 
 
+@pytest.mark.parametrize("M,N,K", [(1030, 600, 40), (520, 1024, 33)])
+def test_outputs_large_enough_to_stream(kernels, engines, M, N, K):
+    """Outputs of 2 MiB and more are written with non-temporal stores where a whole aligned
+    64-byte piece allows (rows of 600 floats alternate in alignment), masked stores elsewhere."""
+    check_engines(kernels, engines, M, N, K, seed=M)
+
+
 def test_the_engines_say_why(kernels, engines):
     status = kernels.gemm_engines()
     assert set(status) == {"fma", "amx_bf16", "avx512_bf16"} and status["fma"][0]

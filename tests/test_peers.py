@@ -46,6 +46,22 @@ def test_q8_0_conversion_quantizes_matrices_within_its_rounding_bound():
         assert (err <= step * (0.5 + 127 * 2.0 ** -11) * 1.001 + 1e-7).all()
 
 
+def test_f16_conversion_rounds_matrices_to_fp16_and_keeps_norms():
+    import gguf
+
+    f16 = gguf.GGUFReader(converted_gguf("F16"))
+    f32 = {t.name: t for t in gguf.GGUFReader(converted_gguf("F32")).tensors}
+    assert f16.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+    for t in f16.tensors[:8]:
+        ref = np.asarray(f32[t.name].data, dtype=np.float32)
+        if ref.ndim == 1:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(np.asarray(t.data), ref)
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F16
+            np.testing.assert_array_equal(np.asarray(t.data), ref.astype(np.float16))
+
+
 def test_harness_runs_engines_in_their_own_processes_interleaved(tmp_path):
     pytest.importorskip("transformers")
     rows = run_peers(engines=["transformers fp32"], prompt_lens=(16,), new_tokens=6, rounds=2)
@@ -84,3 +100,14 @@ def test_llama_cpp_f32_reproduces_our_greedy_tokens():
     rows = run_peers(engines=["llama.cpp F32"], prompt_lens=(32,), new_tokens=12, rounds=1)
     cpp = next(r for r in rows if r["engine"] == "llama.cpp F32")
     assert cpp["status"] == "ok" and cpp["same_tokens_as_workbench_fp32"] == 12
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None, reason="openvino-genai (the peers extra) absent")
+def test_openvino_genai_runs_the_same_prompt_as_a_peer():
+    rows = run_peers(engines=["OpenVINO GenAI F16"], prompt_lens=(32,), new_tokens=8, rounds=2)
+    ov = next(r for r in rows if r["engine"] == "OpenVINO GenAI F16")
+    assert ov["status"] == "ok", ov["status"]
+    assert len(ov["prefill_ms"]["samples"]) == 2 and min(ov["prefill_ms"]["samples"]) > 0
+    assert ov["decode_tokens_per_s"]["median"] > 0 and ov["ours_over_peer"]["median"] > 0
+    # its own precision (bf16 where the CPU has it), so not every token need match fp32's; the first does
+    assert ov["same_tokens_as_workbench_fp32"] >= 1

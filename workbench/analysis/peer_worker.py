@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _workbench(spec: dict):
@@ -134,7 +135,35 @@ def _llama_cpp(spec: dict):
     return run, f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), KV {spec.get('kv', 'f16')}{note}"
 
 
-ENGINES = {"workbench": _workbench, "transformers": _transformers, "llama.cpp": _llama_cpp}
+def _openvino(spec: dict):
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as genai
+
+    # Prefix caching off: every round sends the same prompt, and a cached prefix would be timed
+    # as a prefill. The whole prompt in one scheduler batch (its default splits prefill into
+    # 256-token chunks, which measured slower here): its best time to first token.
+    scheduler = genai.SchedulerConfig()
+    scheduler.enable_prefix_caching = False
+    scheduler.max_num_batched_tokens = max(spec.get("n_ctx", 4096), 256)
+    pipe = genai.LLMPipeline(spec["path"], "CPU", scheduler_config=scheduler, INFERENCE_NUM_THREADS=spec["threads"])
+
+    def run(prompt: list[int], n: int) -> dict:
+        config = genai.GenerationConfig()
+        config.max_new_tokens = config.min_new_tokens = n  # no stop at EOS
+        config.do_sample = False
+        ids = np.array([prompt], dtype=np.int64)
+        out = pipe.generate(genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids))), config)
+        metrics = out.perf_metrics  # its own clocks: time to first token, then the gap before each token
+        return {"prefill_ms": metrics.get_ttft().mean,
+                "decode_ms": [us / 1e3 for us in metrics.raw_metrics.m_durations][: n - 1],
+                "tokens": [int(t) for t in out.tokens[0]]}
+
+    return run, (f"OpenVINO GenAI {genai.get_version()}, {Path(spec['path']).name}, prefix caching off, "
+                 "whole prompt in one batch")
+
+
+ENGINES = {"workbench": _workbench, "transformers": _transformers, "llama.cpp": _llama_cpp, "openvino": _openvino}
 
 
 def main() -> int:

@@ -17,6 +17,9 @@ dropped):
     llama.cpp F32, q8_0 KV       llama.cpp's 8-bit KV cache (flash attention on, as it requires)
     llama.cpp Q4_1               the file as shipped
     llama.cpp Q8_0               a Q8_0 conversion of the F32 weights: the int8 weights comparison
+    OpenVINO GenAI Q4_1 / F16 / Q8_0   OpenVINO GenAI's LLMPipeline on the GGUF file itself
+                                 (it reads Q4_1, Q8_0 and F16, not F32), prefix caching off, the
+                                 prompt in one batch; its own perf metrics time the tokens
     IPEX                         only in a side environment with torch 2.8 (README): absent here
 Each row: prefill ms and decode tokens/s, median (min-max) over the rounds, and the ratio of
 its matched workbench row's decode speed to its own (> 1: ours faster), with the spread of
@@ -45,7 +48,7 @@ class Engine:
     spec: dict  # the worker's spec (workbench.analysis.peer_worker); "path" filled in at start
     package: str | None  # the module it needs, or None
     matched: str  # the workbench row its decode speed is compared with
-    gguf: str | None = None  # "F32" / "Q8_0" conversions, "Q4_1" the bundled file
+    gguf: str | None = None  # "F32" / "F16" / "Q8_0" conversions, "Q4_1" the bundled file
 
 
 ENGINES: tuple[Engine, ...] = (
@@ -65,16 +68,20 @@ ENGINES: tuple[Engine, ...] = (
            "F32"),
     Engine("llama.cpp Q4_1", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench bf16", "Q4_1"),
     Engine("llama.cpp Q8_0", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench int8-g32", "Q8_0"),
+    Engine("OpenVINO GenAI Q4_1", {"engine": "openvino"}, "openvino_genai", "workbench bf16", "Q4_1"),
+    Engine("OpenVINO GenAI F16", {"engine": "openvino"}, "openvino_genai", "workbench bf16", "F16"),
+    Engine("OpenVINO GenAI Q8_0", {"engine": "openvino"}, "openvino_genai", "workbench int8-g32", "Q8_0"),
 )
 IPEX_ABSENT = ("IPEX", "not run: intel-extension-for-pytorch is end-of-life and pinned to torch 2.8, and this "
                        "environment has torch 2.13; README 'Peers' has the side-environment recipe")
 INSTALL = {"llama_cpp": "pip install -e '.[peers]' (compiles llama.cpp: minutes on 2 cores)",
-           "transformers": "pip install -e '.[test]'"}
+           "transformers": "pip install -e '.[test]'", "openvino_genai": "pip install -e '.[peers]'"}
 
 
 def converted_gguf(kind: str, source: Path | None = None) -> Path:
     """The bundled model's GGUF as `kind`: "Q4_1" is the file itself; "F32" dequantizes every
-    tensor with gguf (lossless: the F32 values are exactly what Q4_1 decodes to); "Q8_0"
+    tensor with gguf (lossless: the F32 values are exactly what Q4_1 decodes to); "F16" the
+    same values in fp16 for the matrices (OpenVINO GenAI reads F16 GGUF, not F32); "Q8_0"
     quantizes the F32 weights (2-D tensors; norms stay F32). All metadata is kept (the file
     type updated). Cached under the workbench cache directory."""
     import gguf
@@ -85,9 +92,10 @@ def converted_gguf(kind: str, source: Path | None = None) -> Path:
     source = source or bundled_gguf_path()
     if kind == "Q4_1":
         return source
-    qtype = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}.get(kind)
+    qtype = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
+             "Q8_0": gguf.GGMLQuantizationType.Q8_0}.get(kind)
     if qtype is None:
-        raise ValueError(f"kind must be Q4_1, F32 or Q8_0, got {kind!r}")
+        raise ValueError(f"kind must be Q4_1, F32, F16 or Q8_0, got {kind!r}")
     out = cache_dir() / "models" / f"{source.stem.replace('.Q4_1', '')}.{kind}.gguf"
     if out.is_file():
         return out
@@ -96,7 +104,8 @@ def converted_gguf(kind: str, source: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     writer = gguf.GGUFWriter(tmp, arch)
-    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself
@@ -110,6 +119,8 @@ def converted_gguf(kind: str, source: Path | None = None) -> Path:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         if qtype == gguf.GGMLQuantizationType.Q8_0 and values.ndim == 2 and values.shape[-1] % 32 == 0:
             writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        elif qtype == gguf.GGMLQuantizationType.F16 and values.ndim == 2:
+            writer.add_tensor(t.name, values.astype(np.float16))
         else:
             writer.add_tensor(t.name, values)
     writer.write_header_to_file()

@@ -255,6 +255,12 @@ class KernelSet:
         self.ext.rope_(x, cos, sin, _positive_int("heads", heads, 0), _positive_int("head_dim", head_dim))
         return x
 
+    def silu_mul(self, gate_up) -> torch.Tensor:
+        """The MLP's activation in one pass: gate_up [T, 2F] fp32 (each row [gate | up], as the
+        fused gate/up product writes it) -> SiLU(gate) * up [T, F]."""
+        _check_tensor_args(gate_up=gate_up)
+        return self.ext.silu_mul(gate_up)
+
     # -- KV cache --------------------------------------------------------------------
 
     def quantize_kv_int8(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,4 +401,5 @@ gemm_engine = native.gemm_engine
 set_gemm_engine = native.set_gemm_engine
 gemm_engines = native.gemm_engines
 rope_ = native.rope_
+silu_mul = native.silu_mul
 decode_stack = native.decode_stack

@@ -127,8 +127,13 @@ class Layer:
         kernels.rope_(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads, head_dim=self.head_dim)
         return qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split([self.ffn_dim, self.ffn_dim], dim=-1)
+    def mlp(self, x: torch.Tensor, one_pass: bool = False) -> torch.Tensor:
+        """down(SiLU(gate(x)) * up(x)); with one_pass (prefill) the activation is one kernel pass
+        over the [gate | up] rows (kernels.silu_mul), else the torch expression (the reference)."""
+        gate_up = self.w_gate_up(x)
+        if one_pass:
+            return self.w_down(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split([self.ffn_dim, self.ffn_dim], dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 
@@ -203,8 +208,9 @@ class LlamaModel:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(rms_norm(x, self.final_norm, self.cfg.norm_eps))
 
-    def _layers(self, x: torch.Tensor, attend, clock: Clock) -> torch.Tensor:
-        """The decoder stack: x += attend(i, layer, norm(x)); x += mlp(norm(x)), timing each part."""
+    def _layers(self, x: torch.Tensor, attend, clock: Clock, one_pass: bool = False) -> torch.Tensor:
+        """The decoder stack: x += attend(i, layer, norm(x)); x += mlp(norm(x)), timing each part
+        (x updated in place; one_pass: Layer.mlp's)."""
         eps = self.cfg.norm_eps
         for i, layer in enumerate(self.layers):
             t0 = clock.t()
@@ -212,12 +218,12 @@ class LlamaModel:
             t1 = clock.t()
             o = attend(i, layer, h)
             t2 = clock.t()
-            x = x + o
+            x += o
             h = rms_norm(x, layer.mlp_norm, eps)
             t3 = clock.t()
-            m = layer.mlp(h)
+            m = layer.mlp(h, one_pass)
             t4 = clock.t()
-            x = x + m
+            x += m
             if clock.enabled:
                 clock.add("attention", i, t2 - t1)
                 clock.add("mlp", i, t4 - t3)
@@ -267,7 +273,7 @@ class LlamaModel:
 
         x = self._embed(tokens)  # [T, dim]
         t_layers = clock.t()
-        x = self._layers(x, attend, clock)
+        x = self._layers(x, attend, clock, one_pass=True)
         layers_s = clock.t() - t_layers
         last = torch.tensor([o - 1 for o in offsets[1:]])
         logits = self._head(x if all_logits else x[last])
