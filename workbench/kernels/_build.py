@@ -193,6 +193,8 @@ def build_info(variant: str = "native") -> dict:
         # the GEMM (batched decode, prefill) per weight type: bf16 on the engine in force,
         # fp32 and int8 on the FMA micro-kernel; and why the matrix engine may or may not run
         "gemm_engine": {"float32": "fma", "bfloat16": module.gemm_engine(), "int8": "fma"},
+        # prefill attention per input dtype: bf16 q / k / v on the same engine (prefill_tiles.cpp)
+        "prefill_attention": {"float32": "fma", "bfloat16": module.gemm_engine()},
         "amx_bf16": module.gemm_engines()["amx_bf16"][1],
         "prefetch": dict(zip(("bytes", "hint", "pipeline"), module.get_prefetch())),
         "matvec_prefetch": {name: dict(zip(("bytes", "hint", "max_chunk_bytes"), module.get_matvec_prefetch(name)))

@@ -210,7 +210,8 @@ def software() -> dict:
     info = build_info()
     return {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
             "compiler": info["compiler"], "flags": info["flags"], "kernels_isa": info["isa"],
-            "gemm_tile": info["gemm_tile"], "gemm_engine": info["gemm_engine"], "amx_bf16": info["amx_bf16"],
+            "gemm_tile": info["gemm_tile"], "gemm_engine": info["gemm_engine"],
+            "prefill_attention": info["prefill_attention"], "amx_bf16": info["amx_bf16"],
             "packages": versions, "git": _git()}
 
 
