@@ -34,6 +34,8 @@ def main() -> None:
          else "not on this CPU", "threads": p.threads},
         {"peak": "AMX bf16 tiles", "value": f"{p.amx_bf16_gflops:.0f} GFLOP/s" if p.amx_bf16_gflops
          else f"not here: {p.amx_reason}", "threads": p.threads},
+        {"peak": "AMX int8 tiles", "value": f"{p.amx_int8_gops:.0f} GOP/s" if p.amx_int8_gops
+         else f"not here: {p.amx_int8_reason}", "threads": p.threads},
     ]
     print_table(rows, ["peak", "value", "threads"], title=f"Machine peaks (measured {p.measured_at})")
     write_results("peaks", {"peaks": p.as_dict()})

@@ -749,6 +749,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("amx_bf16_loop", &wbk::amx_bf16_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
   m.def("avx512_bf16_loop", &wbk::avx512_bf16_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
+  m.def("amx_int8_loop", &wbk::amx_int8_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
+  m.def("amx_int8_status", [] {
+    std::string why;
+    const bool ok = wbk::amx_int8_available(&why);
+    return py::make_tuple(ok, why);
+  });
   // The constants Python needs from this side, so none is copied there by hand.
   m.def("constants", [] {
     py::dict d, weights, parts;

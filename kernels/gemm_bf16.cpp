@@ -469,6 +469,56 @@ double avx512_bf16_loop(int64_t iterations_per_thread) {
   return on_every_thread(iterations_per_thread, 16.0 * 16 * 2 * 2, dp_loop_thread);
 }
 
+namespace {
+#define WBK_AMX_INT8_TARGET \
+  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// tdpbssd (int8 x int8 -> int32) on tiles already loaded, like amx_loop_thread.
+WBK_AMX_INT8_TARGET double amx_int8_loop_thread(int64_t iterations) {
+  configure_tiles();
+  alignas(64) static const int8_t zeros[1024] = {};
+  _tile_loadd(4, zeros, 64);
+  _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64);
+  _tile_loadd(7, zeros, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  alignas(64) int32_t sink[256];
+  _tile_stored(0, sink, 64);
+  _tile_release();
+  return sink[0];
+}
+
+bool amx_int8_cpu() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+}
+}  // namespace
+
+bool amx_int8_available(std::string* reason) {
+  if (!status().amx_bf16) {
+    if (reason) *reason = status().reason;  // the tiles themselves may not run
+    return false;
+  }
+  const bool ok = amx_int8_cpu();
+  if (reason) *reason = ok ? "AMX int8 tiles available and permitted" : "this CPU has AMX bf16 but no AMX int8";
+  return ok;
+}
+
+double amx_int8_loop(int64_t iterations_per_thread) {
+  if (!amx_int8_available(nullptr)) return 0.0;
+  // Each tdpbssd: 16 x 16 outputs, 64 products each, 2 ops a product; 4 per iteration.
+  return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 64 * 2, amx_int8_loop_thread);
+}
+
 double amx_bf16_loop(int64_t iterations_per_thread) {
   if (!status().amx_bf16) return 0.0;
   // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product; 4 per iteration.

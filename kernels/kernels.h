@@ -152,6 +152,10 @@ void attention_tiles(GemmEngine engine, const PrefillTileArgs& a, bool slim);
 // tdpbf16ps on tiles already loaded, `iterations` x 4 per thread; returns the FLOPs executed
 // (0 where AMX may not run). The matrix engine's peak, timed by the caller (bench/peaks.py).
 double amx_bf16_loop(int64_t iterations_per_thread);
+// The same for tdpbssd (int8 products, int32 sums): the AMX int8 peak in ops (0 where it may not
+// run; amx_int8_available says why).
+bool amx_int8_available(std::string* reason);
+double amx_int8_loop(int64_t iterations_per_thread);
 // The same for vdpbf16ps on 16 independent accumulators (0 where AVX512-BF16 may not run).
 double avx512_bf16_loop(int64_t iterations_per_thread);
 

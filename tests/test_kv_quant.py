@@ -41,11 +41,14 @@ def test_each_granularity_within_half_a_step(g, bits, Hkv, T, D, spread, seed):
         step = (a.amax(dim=(0, 2), keepdim=True) / qmax).expand_as(x)
     elif g == "head_token":
         step = (a.amax(dim=2, keepdim=True) / qmax).expand_as(x)
-    else:  # block32: one scale per 32 values, stored in fp16 (relative rounding 2^-11)
+    else:  # block32: one scale per 32 values, stored in fp16: rounded by 2^-11 of itself where it
+        # is a normal fp16, by half fp16's smallest subnormal (2^-25) below 2^-14 (tiny values)
         pad = (-D) % 32
         blocks = torch.nn.functional.pad(a, (0, pad)).reshape(Hkv, T, -1, 32)
-        step = (blocks.amax(-1, keepdim=True) / qmax * (1 + 2.0 ** -10)).expand_as(blocks).reshape(Hkv, T, -1)[..., :D]
-        step = step + qmax * step * 2.0 ** -10  # the rounded scale times at most qmax
+        exact = (blocks.amax(-1, keepdim=True) / qmax).expand_as(blocks).reshape(Hkv, T, -1)[..., :D]
+        scale_err = torch.maximum(exact * 2.0 ** -11, torch.full_like(exact, 2.0 ** -25))
+        step = exact + scale_err
+        step = step + 2 * qmax * scale_err  # a rounded-down scale clamps: off by qmax times its error
     assert torch.all((back - x).abs() <= step / 2 * 1.0001 + 1e-6 * spread), g
 
 

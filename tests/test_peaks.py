@@ -32,6 +32,14 @@ def test_peaks_are_measured_cached_and_remeasured(tmp_path, monkeypatch):
         assert first.compute_peak_gflops(engine) == value
     assert first.amx_reason == can["amx_bf16"][1]
     assert first.compute_peak_gflops("fma") == first.fma_gflops
+    from workbench.kernels import native  # AMX int8: measured where the tiles and the CPU allow it
+
+    int8_ok, int8_why = native.ext.amx_int8_status()
+    assert first.amx_int8_reason == int8_why and isinstance(int8_why, str) and int8_why
+    assert (math.isfinite(first.amx_int8_gops) and first.amx_int8_gops > 0) if int8_ok else first.amx_int8_gops == 0
+    assert first.compute_peak_gflops("amx_int8") == first.amx_int8_gops
+    if int8_ok:
+        assert can["amx_bf16"][0]  # int8 tiles only where the tile state was granted
 
     assert peaks.measured_peaks() == first  # from the cache, not measured again
 

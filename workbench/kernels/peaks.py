@@ -16,9 +16,12 @@ and cached per CPU and thread count under the workbench cache directory.
                       threads (0 where AMX may not run; amx_reason says why)
     avx512_bf16_gflops  independent vdpbf16ps chains in registers, all threads (0 where the CPU
                       has no AVX512-BF16)
+    amx_int8_gops     the matrix engine on int8: independent tdpbssd on loaded tiles, all threads,
+                      in integer ops (0 where AMX int8 may not run; amx_int8_reason says why)
 
 A kernel's result is set against the peak of the unit it ran on: `compute_peak_gflops(engine)`
-for the GEMM engine in force ("fma", "amx_bf16" or "avx512_bf16", workbench.kernels.gemm_engine()).
+for the GEMM engine in force ("fma", "amx_bf16" or "avx512_bf16", workbench.kernels.gemm_engine()),
+or "amx_int8" for an int8 product on the tiles.
 """
 
 from __future__ import annotations
@@ -44,20 +47,24 @@ class Peaks:
     amx_bf16_gflops: float = 0.0
     amx_reason: str = ""
     avx512_bf16_gflops: float = 0.0
+    amx_int8_gops: float = 0.0
+    amx_int8_reason: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def compute_peak_gflops(self, engine: str = "fma") -> float:
-        """The compute roof of `engine`: "fma" (fp32 FMA units), "amx_bf16" (the tiles) or
-        "avx512_bf16" (vdpbf16ps)."""
+        """The compute roof of `engine`: "fma" (fp32 FMA units), "amx_bf16" (the tiles),
+        "avx512_bf16" (vdpbf16ps) or "amx_int8" (the tiles on int8, giga-ops)."""
         if engine == "amx_bf16":
             return self.amx_bf16_gflops
+        if engine == "amx_int8":
+            return self.amx_int8_gops
         if engine == "avx512_bf16":
             return self.avx512_bf16_gflops
         if engine == "fma":
             return self.fma_gflops
-        raise ValueError(f"engine must be 'fma', 'amx_bf16' or 'avx512_bf16', got {engine!r}")
+        raise ValueError(f"engine must be 'fma', 'amx_bf16', 'avx512_bf16' or 'amx_int8', got {engine!r}")
 
 
 def _best(fn, repeats: int) -> float:
@@ -133,10 +140,18 @@ def measure_avx512_bf16_gflops(threads: int, iterations: int = 5_000_000, repeat
     return _loop_gflops(native.ext.avx512_bf16_loop, threads, iterations, repeats)
 
 
+def measure_amx_int8_gops(threads: int, iterations: int = 2_000_000, repeats: int = 5) -> tuple[float, str]:
+    """The AMX int8 peak in giga-ops (best of `repeats`) and why it is 0 where it may not run."""
+    from workbench.kernels import native
+
+    available, reason = native.ext.amx_int8_status()
+    return (_loop_gflops(native.ext.amx_int8_loop, threads, iterations, repeats) if available else 0.0), reason
+
+
 def _cache_path():
     # v2: measured on huge pages (workbench.hw.memory), as the kernels' big buffers are;
-    # v3: the AMX bf16 peak; v4: the AVX512-BF16 peak
-    return cache_dir() / f"peaks-v4-{cpu_key()}-{torch.get_num_threads()}threads.json"
+    # v3: the AMX bf16 peak; v4: the AVX512-BF16 peak; v5: the AMX int8 peak
+    return cache_dir() / f"peaks-v5-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measured_peaks(refresh: bool = False) -> Peaks:
@@ -149,6 +164,7 @@ def measured_peaks(refresh: bool = False) -> Peaks:
             pass  # an old or damaged cache file: measure again
     threads = torch.get_num_threads()
     amx, amx_reason = measure_amx_bf16_gflops(threads)
+    amx_int8, amx_int8_reason = measure_amx_int8_gops(threads)
     peaks = Peaks(
         threads=threads,
         triad_gbps=measure_triad_gbps(),
@@ -160,6 +176,8 @@ def measured_peaks(refresh: bool = False) -> Peaks:
         amx_bf16_gflops=amx,
         amx_reason=amx_reason,
         avx512_bf16_gflops=measure_avx512_bf16_gflops(threads),
+        amx_int8_gops=amx_int8,
+        amx_int8_reason=amx_int8_reason,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(peaks.as_dict(), indent=2))
