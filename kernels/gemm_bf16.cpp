@@ -410,9 +410,15 @@ void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, floa
 
 // The matrix engine's peak: independent tdpbf16ps on tiles already loaded, on every thread.
 namespace {
-WBK_AMX_TARGET double amx_loop_thread(int64_t iterations) {
+#define WBK_AMX_INT8_TARGET \
+  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// Four independent tile products per iteration on tiles already loaded (zeros): tdpbssd
+// (int8 x int8 -> int32) with Int8, else tdpbf16ps. The matrix engine's peak on one thread.
+template <bool Int8>
+WBK_AMX_INT8_TARGET double tile_loop_thread(int64_t iterations) {
   configure_tiles();
-  alignas(64) static const uint16_t zeros[512] = {};
+  alignas(64) static const uint8_t zeros[1024] = {};
   _tile_loadd(4, zeros, 64);
   _tile_loadd(5, zeros, 64);
   _tile_loadd(6, zeros, 64);
@@ -422,12 +428,19 @@ WBK_AMX_TARGET double amx_loop_thread(int64_t iterations) {
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t i = 0; i < iterations; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (Int8) {
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
-  alignas(64) float sink[256];
+  alignas(64) int32_t sink[256];  // kept, so the loop is not optimised away
   _tile_stored(0, sink, 64);
   _tile_release();
   return sink[0];
@@ -470,33 +483,6 @@ double avx512_bf16_loop(int64_t iterations_per_thread) {
 }
 
 namespace {
-#define WBK_AMX_INT8_TARGET \
-  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-// tdpbssd (int8 x int8 -> int32) on tiles already loaded, like amx_loop_thread.
-WBK_AMX_INT8_TARGET double amx_int8_loop_thread(int64_t iterations) {
-  configure_tiles();
-  alignas(64) static const int8_t zeros[1024] = {};
-  _tile_loadd(4, zeros, 64);
-  _tile_loadd(5, zeros, 64);
-  _tile_loadd(6, zeros, 64);
-  _tile_loadd(7, zeros, 64);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t i = 0; i < iterations; ++i) {
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  }
-  alignas(64) int32_t sink[256];
-  _tile_stored(0, sink, 64);
-  _tile_release();
-  return sink[0];
-}
-
 bool amx_int8_cpu() {
   unsigned a, b, c, d;
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
@@ -516,13 +502,13 @@ bool amx_int8_available(std::string* reason) {
 double amx_int8_loop(int64_t iterations_per_thread) {
   if (!amx_int8_available(nullptr)) return 0.0;
   // Each tdpbssd: 16 x 16 outputs, 64 products each, 2 ops a product; 4 per iteration.
-  return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 64 * 2, amx_int8_loop_thread);
+  return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 64 * 2, tile_loop_thread<true>);
 }
 
 double amx_bf16_loop(int64_t iterations_per_thread) {
   if (!status().amx_bf16) return 0.0;
   // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product; 4 per iteration.
-  return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 32 * 2, amx_loop_thread);
+  return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 32 * 2, tile_loop_thread<false>);
 }
 
 }  // namespace wbk

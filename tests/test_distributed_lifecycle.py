@@ -196,8 +196,10 @@ time.sleep(600)
 
 def test_a_killed_client_leaves_no_process_segment_or_connection_file(tmp_path):
     """SIGKILL the process that started a 2-rank cluster (as the OOM killer would a notebook
-    kernel): within 10 s no process of its cluster is left, nor its shared-memory segment
-    or ipyparallel connection files; a new cluster then starts and stops cleanly."""
+    kernel): its cluster stops on its own, leaving no process, shared-memory segment or
+    ipyparallel connection file; a new cluster then starts and stops cleanly. How soon is not
+    asserted (a loaded machine is slower): the wait below only keeps a hang from blocking the
+    suite. The watchdog (workbench.distributed.watchdog) polls the client's pid every POLL_S."""
     import json
     import subprocess
     import sys
@@ -212,11 +214,11 @@ def test_a_killed_client_leaves_no_process_segment_or_connection_file(tmp_path):
         client.wait()
     assert len(info["procs"]) >= 3 and info["conn"]  # controller, two engines (and their nannies)
     assert Path(info["shm"]).exists()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (any(_alive(p) for p in info["procs"]) or Path(info["shm"]).exists()):
+    hang_guard = time.monotonic() + 120
+    while time.monotonic() < hang_guard and (any(_alive(p) for p in info["procs"]) or Path(info["shm"]).exists()):
         time.sleep(0.2)
     left = [p for p in info["procs"] if _alive(p)]
-    assert left == [], f"still running 10 s after the client died: {left}"
+    assert left == [], f"still running 2 minutes after the client died: {left}"
     assert not Path(info["shm"]).exists() and not any(Path(f).exists() for f in info["conn"])
     log = Path(info["log"]).read_text()
     assert "is gone: stopping its cluster" in log and "removed" in log, log

@@ -76,9 +76,9 @@ class KernelSet:
         the hardware prefetcher keeps up), capped at SLIM_MAX_BLOCK_M rows, a multiple of the
         micro-kernel's row tile, and small enough to leave four tasks per thread
         (tasks_per_block = B * H tasks for each query block)."""
-        mr = self.ext.gemm_mr()
         if tiles:
             return self._tile_block_m(n_queries, tasks_per_block)
+        mr = self.ext.gemm_mr()
         budget = 8 * machine_info().l2_bytes
         block = budget // (4 * (n_keys + head_dim))
         block = _round_down(min(block, SLIM_MAX_BLOCK_M), mr)
@@ -119,7 +119,7 @@ class KernelSet:
         _check_tensor_args(q=q, k=k, v=v)
         if block_m is None and q.dim() == 4 and k.dim() == 4:
             block_m = self.default_block_m(q.shape[2], k.shape[2], q.shape[3], q.shape[0] * q.shape[1],
-                                           tiles=isinstance(q, torch.Tensor) and self.on_tiles(q))
+                                           tiles=self.on_tiles(q))
         elif block_m is None:
             block_m = 1  # the extension rejects the shapes with a message naming them
         return self.ext.slim_attention(q, k, v, causal=bool(causal), scale=scale,
