@@ -35,8 +35,25 @@ def fmt_ms(s: dict) -> str:
     return f"{s['median_ms']:.2f} ({s['min_ms']:.2f}-{s['max_ms']:.2f})"
 
 
+# Every table a script prints is also written into its results JSON ("tables": the cells as
+# printed), so docs/measurements.md can be generated from the JSON (bench/measurements.py).
+_PRINTED: list[dict] = []
+
+
 def print_table(rows: list[dict], columns: list[str], title: str | None = None) -> None:
     print(("\n" if title else "") + format_table(rows, columns, title=title))
+    _PRINTED.append({"title": title or "", "columns": list(columns),
+                     "rows": [[str(r.get(c, "")) for c in columns] for r in rows]})
+
+
+def command_line() -> str:
+    """How this run was started, as a reader would type it from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(ROOT)
+    except ValueError:
+        pass
+    return " ".join(["python", str(script), *sys.argv[1:]])
 
 
 def environment() -> dict:
@@ -49,7 +66,7 @@ def environment() -> dict:
     except OSError:
         commit = ""
     return {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "git_commit": commit,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -65,6 +82,6 @@ def write_results(name: str, payload: dict, out_dir: Path | None = None) -> Path
     out_dir = out_dir or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    path.write_text(json.dumps({"environment": environment(), "tables": _PRINTED, **payload}, indent=2))
     print(f"\nwrote {path}")
     return path

@@ -1,0 +1,78 @@
+"""docs/measurements.md is generated from the results JSON in docs/results/ (bench/measurements.py):
+the committed page is exactly what the JSON renders to, and the render carries each run's
+machine, peaks, command and tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("bench_measurements", ROOT / "bench" / "measurements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_page_is_the_render_of_the_committed_results():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "measurements.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_committed_result_names_its_command_machine_and_peaks():
+    for path in sorted((ROOT / "docs" / "results").glob("*.json")):
+        env = json.loads(path.read_text())["environment"]
+        assert env["command"].startswith("python bench/"), (path.name, env["command"])
+        assert env["machine"]["flags"] and env["peaks"]["triad_gbps"] > 0, path.name
+        assert len(env["git_commit"]) == 40, path.name
+
+
+def _result(time: str, flags: list[str], title: str, rows: list[list[str]]) -> dict:
+    return {
+        "environment": {
+            "command": "python bench/linear.py --m 32", "git_commit": "0123456789" * 4, "python": "3.11.7",
+            "torch": "2.13.0+cpu", "threads": 2, "time": time, "kernels": {"isa": "avx512"},
+            "machine": {"cpu_model": "Some CPU", "logical_cpus": 2, "flags": flags,
+                        "caches": [{"level": 1, "kind": "Data", "size_bytes": 49152},
+                                   {"level": 1, "kind": "Instruction", "size_bytes": 32768},
+                                   {"level": 2, "kind": "Unified", "size_bytes": 2 << 20}]},
+            "peaks": {"threads": 2, "triad_gbps": 28.94, "triad_gbps_1t": 15.8, "fma_gflops": 428.4,
+                      "avx512_bf16_gflops": 221.0, "amx_bf16_gflops": 6256.0, "amx_int8_gops": 0.0,
+                      "measured_at": "2026-12-02T10:00:00"},
+        },
+        "tables": [{"title": title, "columns": ["case", "ms median (min-max)"], "rows": rows}],
+    }
+
+
+def test_render_groups_by_host_and_day_and_keeps_every_cell(tmp_path):
+    gen = _generator()
+    amx = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    runs = [("linear", _result("2026-12-01T09:00:00+0000", amx, "Linear", [["ours | bf16", "1.00 (0.90-1.10)"]])),
+            ("peaks", _result("2026-12-02T09:00:00+0000", ["avx2", "fma"], "", [["triad", "28.9 GB/s"]]))]
+    page = gen.render(runs)
+    newer, older = page.index("## 2026-12-02"), page.index("## 2026-12-01")
+    assert newer < older  # newest first
+    assert "AVX-512, AVX512-BF16, AMX; 48 KiB L1d, 2 MiB L2" in page
+    assert "AVX2, no AMX" in page
+    assert "triad 28.9 GB/s (15.8 on one thread), fp32 FMA 428 GFLOP/s, AVX512-BF16 221 GFLOP/s, AMX bf16 6256" in page
+    assert "`python bench/linear.py --m 32` at commit 0123456789" in page
+    assert "| ours \\| bf16 | 1.00 (0.90-1.10) |" in page  # a cell's pipe cannot split the row
+    assert "**Linear**" in page
+
+
+def test_a_result_without_tables_is_refused(tmp_path):
+    gen = _generator()
+    (tmp_path / "old.json").write_text(json.dumps({"environment": {"time": "2026-12-01"}}))
+    try:
+        gen.load(tmp_path)
+    except SystemExit as e:
+        assert "old.json" in str(e) and "tables" in str(e)
+    else:
+        raise AssertionError("a result without tables was accepted")
