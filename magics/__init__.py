@@ -67,6 +67,12 @@ def _kv_list(option: str):
     return parse
 
 
+def _start_command(cluster) -> str:
+    """%distributed start as `cluster` was started (its ranks, backend, threads, pinning, launcher)."""
+    return (f"%distributed start -n {cluster.n} --backend {cluster.backend} --threads-per-rank {cluster.threads_per_rank}"
+            + (" --pin" if cluster.pin else "") + (f" --launcher {cluster.launcher}" if cluster.launcher != "local" else ""))
+
+
 @magics_class
 class WorkbenchMagics(Magics):
     """The workbench's magics. The loaded model is the session's (workbench.runtime.session),
@@ -108,12 +114,21 @@ class WorkbenchMagics(Magics):
         configuration, not the defaults)."""
         from workbench.runtime.threads import get_threads
 
+        cluster = getattr(self.model, "cluster", None)  # a tensor-parallel model: its cluster first
         lines = ["%load_ext workbench"]
+        if cluster is not None:
+            lines.append(_start_command(cluster))
         if self._last_load_line:
             lines.append(f"%load_model {self._last_load_line}")
         if self.model is not None and magic != "load_model":
             lines += [f"%attention {self.model.attention}", self._kv_command()]
+        if cluster is not None:
+            o = self.model.options
+            lines.append(f"%distributed --token-broadcast {o.token_broadcast} --lm-head {o.lm_head} "
+                         f"--zero-copy {'on' if o.zero_copy else 'off'} --check-topk {'on' if o.check_topk else 'off'}")
         lines += [f"%threads {get_threads()}", f"%{magic} {line}".strip()]
+        if cluster is not None:
+            lines.append("%distributed stop")  # the commands leave nothing running
         return "\n".join(lines)
 
     def _require_model(self):
@@ -304,7 +319,7 @@ class WorkbenchMagics(Magics):
             raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
         tp_options = (args.ranks, args.backend, args.token_broadcast, args.lm_head, args.zero_copy)
         if any(v is not None for v in tp_options):
-            return self._tp_ablate(args)
+            return self._tp_ablate(args, line)
         if isinstance(model, DistributedModel) or running() is not None:
             raise UsageError("a cluster is running: use %ablate --ranks 1,2 ... for a tensor-parallel grid, or "
                              "%distributed stop for the single-process one")
@@ -339,7 +354,7 @@ class WorkbenchMagics(Magics):
         for warning in spread_warnings(rows):
             print(f"warning: {warning}")
 
-    def _tp_ablate(self, args):
+    def _tp_ablate(self, args, line: str):
         from workbench.analysis.tp_ablation import tp_ablation
         from workbench.distributed.cluster import DistributedError, running
 
@@ -366,7 +381,7 @@ class WorkbenchMagics(Magics):
 
         from workbench import report
 
-        report.record(rows, kind="tp_ablation", command=self._command("ablate", "--ranks " + ",".join(map(str, args.ranks or [1, 2]))))
+        report.record(rows, kind="tp_ablation", command=self._command("ablate", line))
         display(table.round(2) if hasattr(table, "round") else table)
 
     @magic_arguments()

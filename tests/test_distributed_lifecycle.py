@@ -94,6 +94,9 @@ def test_distributed_magics_in_a_real_shell(capsys):
     from IPython.core.error import UsageError
     from IPython.core.interactiveshell import InteractiveShell
 
+    from workbench import report
+    from workbench.distributed.cluster import running
+
     sh = InteractiveShell.instance()
     sh.run_line_magic("load_ext", "workbench")
 
@@ -121,8 +124,10 @@ def test_distributed_magics_in_a_real_shell(capsys):
         assert err is None and "Paris" in out and "communication per decode step" in out
         out, err = run("%distributed --token-broadcast embeddings --lm-head gather --zero-copy off --check-topk on")
         assert err is None and "lm_head = gather" in out and "zero_copy = False" in out
+        report.clear()
         out, err = run("%generate -n 4 The capital of France is")
         assert err is None and "top-1 agrees at 4 of 4 positions" in out
+        first = report.recorded()[-1]
         out, err = run("%distributed status")
         assert "rank 1: KV heads (2, 3)" in out and "segment" in out
         assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
@@ -130,6 +135,23 @@ def test_distributed_magics_in_a_real_shell(capsys):
         out, err = run("%distributed stop")
     assert err is None and "cluster stopped" in out
     assert sh.user_ns["wb_model"] is single  # the single-process model is back
+
+    # The 2-rank generation's Reproduce commands, run as written, start the same cluster, set the
+    # same switches, measure the same configuration and stop the cluster again.
+    report.clear()
+    for line in first["command"].splitlines():
+        out, err = run(line)
+        assert err is None, (line, err)
+    again = report.recorded()[-1]
+    keys = ("attention", "kv_cache", "kv_kernel", "step", "prompt_tokens", "new_tokens", "sampling", "prompt_sha256",
+            "tensor_parallel")
+    assert {k: again["workload"][k] for k in keys} == {k: first["workload"][k] for k in keys}
+    assert first["workload"]["tensor_parallel"] == {
+        "ranks": 2, "backend": "shm", "threads_per_rank": 1, "pin": True, "launcher": "local",
+        "token_broadcast": "embeddings", "lm_head": "gather", "zero_copy": False, "topk": 8, "check_topk": True}
+    assert again["model"]["ranks"] == 2 and again["text"] == first["text"]
+    assert running() is None and sh.user_ns["wb_model"] is single  # the commands stopped their cluster
+    report.clear()
     out, err = run("%ablate --ranks 1,2 --backend shm --zero-copy on,off --new-tokens 4 --repeats 1 --prompt-len 16 -o tp")
     assert err is None, err
     df = sh.user_ns["tp"]

@@ -349,6 +349,7 @@ class Cluster:
         options = options or TPOptions()
         infos, _ = self.run(engine.load, name, kwargs, asdict(options), what=f"loading {name}")
         self.model = DistributedModel(self, infos, options)
+        self.model.load_args = {"name_or_path": name, **kwargs}
         return self.model
 
     def comm_latency(self, sizes: list[int], repeats: int = 20) -> list[dict]:
@@ -369,6 +370,7 @@ class DistributedModel(SwitchProperties):
         self.options = options
         self.switches = Switches()
         self._switch_listeners: list[Callable] = []
+        self.load_args: dict = {}  # Cluster.load_model's name and arguments
 
     # -- switches ------------------------------------------------------------------------
     def on_switch(self, listener) -> None:

@@ -61,6 +61,17 @@ def _gemm_engine() -> str | None:
     return kernels.gemm_engine()  # a generation ran, so the kernels are built
 
 
+def _tp_config(model) -> dict | None:
+    """A tensor-parallel model's cluster and the paper's switches (None for one process)."""
+    from dataclasses import asdict
+
+    cluster = getattr(model, "cluster", None)
+    if cluster is None:
+        return None
+    return {"ranks": cluster.n, "backend": cluster.backend, "threads_per_rank": cluster.threads_per_rank,
+            "pin": cluster.pin, "launcher": cluster.launcher, **asdict(model.options)}
+
+
 def generation_entry(result, model=None, command: str | None = None, prompt: str | None = None) -> dict:
     """A GenerationResult as a report entry: raw per-step samples and their statistics."""
     import torch
@@ -76,7 +87,8 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
                      "attention": result.switches.attention, "kv_cache": result.switches.kv_cache,
                      "kv_kernel": result.switches.kv_kernel, "step": result.step_path,
                      "sampling": result.sampling, "gemm_engine": _gemm_engine(),
-                     "prompt_sha256": hashlib.sha256(json.dumps(result.prompt_token_ids).encode()).hexdigest()},
+                     "prompt_sha256": hashlib.sha256(json.dumps(result.prompt_token_ids).encode()).hexdigest(),
+                     "tensor_parallel": _tp_config(model)},
         "prefill_ms": 1e3 * prefill.total_s if prefill else None,
         "time_to_first_token_ms": 1e3 * t.time_to_first_token_s,
         "decode_step_ms": _stats([1e3 * s.total_s for s in decode]),
@@ -130,6 +142,7 @@ def record(item, model=None, command: str | None = None, prompt: str | None = No
                  "model": model_identity(model) if model is not None else None, "rows": rows, "command": command}
     else:
         raise TypeError(f"record() takes a GenerationResult or a list of ablation rows, got {type(item).__name__}")
+    _take_session_measurements()
     _log.append(entry)
     return entry
 
@@ -138,15 +151,31 @@ def add_entry(entry: dict) -> dict:
     """Add an entry already in the report's shape (a profile, a peers run read back)."""
     if not isinstance(entry, dict) or "kind" not in entry or "time" not in entry:
         raise TypeError("add_entry() takes a dict with at least 'kind' and 'time'")
+    _take_session_measurements()
     _log.append(entry)
     return entry
 
 
+def _take_session_measurements() -> None:
+    """The panel's runs (workbench.runtime.session), in the order they were measured."""
+    from workbench.runtime.session import current
+
+    while current.measured:
+        m = current.measured.pop(0)
+        entry = generation_entry(m["result"], m["model"], m["command"], m["prompt"])
+        entry["time"] = m["time"]
+        _log.append(entry)
+
+
 def recorded() -> list[dict]:
+    _take_session_measurements()
     return list(_log)
 
 
 def clear() -> None:
+    from workbench.runtime.session import current
+
+    current.measured.clear()
     _log.clear()
 
 

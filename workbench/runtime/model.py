@@ -82,6 +82,7 @@ class Model(SwitchProperties):
         self.description = description
         self.switches = Switches()
         self._switch_listeners: list[Callable[[Switches], None]] = []
+        self.load_args: dict = {}  # how load_model() was called: what a reproduce command loads again
 
     def on_switch(self, listener: Callable[[Switches], None]) -> None:
         """listener(switches) after every change of attention or kv_cache (the panel's toggles
@@ -242,7 +243,10 @@ def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, laye
     native.ext  # compile the kernels now if they are not built yet, not inside the first timed step
     llama, tokenizer, description = resolve(name_or_path, random=random, layers=layers, dtype=dtype, seed=seed,
                                             max_batch=max_batch, max_seq_len=max_seq_len, shard=shard)
-    return Model(llama, tokenizer, description)
+    model = Model(llama, tokenizer, description)
+    model.load_args = {"name_or_path": name_or_path, "random": random, "layers": layers, "dtype": dtype, "seed": seed,
+                       "max_batch": max_batch, "max_seq_len": max_seq_len}
+    return model
 
 
 __all__ = ["GenerationResult", "Model", "load_model"]
