@@ -1,11 +1,15 @@
 """Reports as a user shares them: the JSON validates against its schema, the HTML page opens
 offline in a real browser (no network request, the figures drawn), every user string is
-escaped, and %report writes what the session measured."""
+escaped, the page leads with what was found in words that respect the spread, its tables
+speak labels rather than JSON keys, and %report writes what the session measured."""
 
 from __future__ import annotations
 
 import contextlib
+import html
 import json
+import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -17,13 +21,17 @@ from workbench.analysis.ablation import run_ablation
 
 HOSTILE = "<script>alert('pwned')</script>"
 SCHEMA = json.loads((Path(report.__file__).parent / "schema.json").read_text())
+# a prompt long enough to be folded on the page (the demo's is a thousand tokens)
+LONG = ("Paris is the capital and largest city of France. It lies on the Seine, in the north of the country, "
+        "at the heart of the Ile-de-France region. The city has been a centre of finance, diplomacy, commerce, "
+        "fashion and science for centuries. The capital of France is")
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     model = wb.load_model("smollm2-135m")
     report.clear()
-    prompt = f"The capital of France is {HOSTILE}"
+    prompt = f"The capital of France is {HOSTILE}. {LONG}"
     out = model.generate(prompt, max_new_tokens=6, stop_at_eos=False)
     report.record(out, model, command="workbench generate 'The capital of France is' --max-new-tokens 6", prompt=prompt)
     report.record(run_ablation(model, ["slim", "naive"], ["int8", "fp32"], prompt_lens=[16], new_tokens=3), model)
@@ -82,10 +90,15 @@ def offline_page(path: Path):
 
 def test_report_opens_offline_in_a_browser(written):
     with offline_page(written["html"]) as (page, requests, dialogs):
-        page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 2")  # roofline, latency
+        # the roofline, the latency, and a figure per switch the ablation varies
+        page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 4")
         roofline = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
         assert roofline == 1 + 4  # the generation and the four ablation rows, each a point
+        legend = page.evaluate("() => document.getElementById('fig-ablation-1-attention').data"
+                               ".filter(t => t.showlegend).map(t => t.name)")
+        assert legend == ["slim", "naive"]
         assert HOSTILE in page.inner_text("h1")  # shown as text
+        assert page.inner_text("details summary").startswith("The capital of France is <script>")  # the prompt, folded
     assert requests == [] and dialogs == []  # no network, and the hostile script never ran
 
 
@@ -142,6 +155,36 @@ def test_reproduce_commands_reproduce_the_switches(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_an_ablations_reproduce_commands_reproduce_its_grid(capsys):
+    """%ablate's recorded commands, run as written in a session whose switches and threads have
+    moved on, measure the same grid: every row's configuration and the repeats per row."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "workbench")
+    report.clear()
+    for line in ("%load_model smollm2-135m", "%threads 1",
+                 "%ablate --attention flash,slim --kvcache int8:dot,fp16 --prompt-len 12 --new-tokens 3 --repeats 2"):
+        assert sh.run_cell(line).error_in_exec is None, line
+    first = report.recorded()[-1]
+    sh.run_cell("%threads 2")
+    report.clear()
+    for line in first["command"].splitlines():
+        assert sh.run_cell(line).error_in_exec is None, line
+    again = report.recorded()[-1]
+
+    def grid(entry):
+        return [{k: r[k] for k in ("attention", "kv_cache", "kv_kernel", "prompt_len", "batch", "new_tokens", "repeats")}
+                for r in entry["rows"]]
+
+    assert grid(again) == grid(first) and len(grid(first)) == 4
+    assert ("int8", "dot") in {(r["kv_cache"], r["kv_kernel"]) for r in first["rows"]}
+    assert "%threads 1" in first["command"]
+    sh.run_cell("%threads 2")
+    report.clear()
+    capsys.readouterr()
+
+
 def _one_run_report(model, title: str, **kw) -> dict:
     report.clear()
     out = model.generate("The capital of France is", max_new_tokens=24, stop_at_eos=False, **kw)
@@ -192,7 +235,14 @@ def test_compare_says_within_noise_for_overlapping_ranges_and_names_a_regression
     bad = subprocess.run([*cli, str(tmp_path / "a.json"), str(tmp_path / "slow.json"), "-o",
                           str(tmp_path / "diff.html"), "--fail-on-regression"], capture_output=True, text=True)
     assert bad.returncode == 1 and "regression" in bad.stdout
-    assert "regression" in (tmp_path / "diff.html").read_text()
+    diff = (tmp_path / "diff.html").read_text()  # the verdict first, then the rows in labels and rounded figures
+    assert diff.index("<h2>Verdict</h2>") < diff.index("<h2>Every measurement</h2>")
+    verdict = _section(diff, "Verdict")
+    assert "<b>1 regression</b>" in verdict and "decode ms per step of generation smollm2-135m" in verdict
+    headers = [c[2] for t in _tables(diff) for r in t for c in r if c[0] == "th"]
+    assert "B/A" in headers and not [h for h in headers if "_" in h]
+    figures = [c[2] for t in _tables(diff) for r in t for c in r if c[1] == "num"]
+    assert figures and not [f for f in figures if re.search(r"\.\d{3,}", f)], figures
     junk = subprocess.run([*cli, str(tmp_path / "a.json"), str(tmp_path / "nope.json")], capture_output=True, text=True)
     assert junk.returncode == 2 and "not a readable report JSON" in junk.stderr and "Traceback" not in junk.stderr
 
@@ -242,6 +292,8 @@ def test_the_demos_report_opens_offline_and_validates(tmp_path):
         drawn = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(d => d.id)")
         points = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")
     assert "fig-roofline" in drawn and "fig-latency-1" in drawn
+    # the demo varies attention, the KV cache and the prompt length: a figure for each
+    assert {"fig-ablation-0-attention", "fig-ablation-0-kv-cache", "fig-ablation-0-prompt-length"} <= set(drawn)
     from workbench.model.kv_formats import KERNEL_FORMATS, kernel_configs
 
     caches = kernel_configs(KERNEL_FORMATS, "all")  # the demo reads int8 with each of its kernels
@@ -267,3 +319,175 @@ def test_machine_and_software_tables_read_as_text(written):
     for section in (machine, software):
         assert "{&quot;" not in section and '{"' not in section and "[&quot;" not in section, section[:400]
     assert "triad" in machine
+
+
+# -- the page as a reader meets it -------------------------------------------------------------
+
+
+class _Tables(HTMLParser):
+    """Every <table> of a page as rows of (tag, class, text) cells; nested tables apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self._stack, self._cell = [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self._stack.append([])
+        elif tag == "tr" and self._stack:
+            self._stack[-1].append([])
+        elif tag in ("td", "th") and self._stack:
+            self._cell = [tag, dict(attrs).get("class"), ""]
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.tables.append(self._stack.pop())
+        elif tag in ("td", "th") and self._cell and self._stack:
+            self._stack[-1][-1].append(tuple(self._cell))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell[2] += data
+
+
+def _tables(page: str) -> list[list[list[tuple]]]:
+    parser = _Tables()
+    parser.feed(page)
+    return parser.tables
+
+
+def _section(page: str, heading: str) -> str:
+    return page.split(f"<h2>{heading}</h2>", 1)[1].split("<h2>", 1)[0]
+
+
+def _significant(number: str) -> int:
+    digits = number.replace(",", "").replace(".", "").lstrip("0")
+    return len(digits)
+
+
+def _figure_spec(page: str, fid: str) -> tuple[list, dict]:
+    """A figure's data and layout as the page hands them to Plotly.newPlot."""
+    call = f"Plotly.newPlot({json.dumps(fid)}, "
+    start = page.index(call) + len(call)
+    decoder = json.JSONDecoder()
+    data, end = decoder.raw_decode(page, start)
+    layout, _ = decoder.raw_decode(page, end + 2)
+    return data, layout
+
+
+def _grid_row(attention: str, kv: str, decode: float, prefill: float, spread: float = 0.05,
+              repeats: int = 3) -> dict:
+    """An ablation row as workbench.analysis.ablation makes it, min and max `spread` either side."""
+    return {"attention": attention, "kv_cache": kv, "kv_kernel": "widen", "prompt_len": 16, "batch": 1,
+            "new_tokens": 4, "prefill_ms": prefill, "decode_tokens_per_s": decode, "decode_gbps": 0.3 * decode,
+            "pct_peak_bandwidth": 0.75 * decode, "decode_gflops": 0.15 * decode, "pct_peak_fma": 0.075 * decode,
+            "top1_agreement": 1.0, "repeats": repeats, "prefill_ms_min": prefill * (1 - spread),
+            "prefill_ms_max": prefill * (1 + spread), "decode_tokens_per_s_min": decode * (1 - spread),
+            "decode_tokens_per_s_max": decode * (1 + spread)}
+
+
+def _page_of(rows: list[dict]) -> str:
+    from workbench.report.render import html_page
+
+    entry = {"kind": "ablation", "time": "now", "model": {"name": "m"}, "rows": rows, "command": None}
+    return html_page({"schema_version": 1, "title": "t", "created": "now", "entries": [entry], "peak_rss_bytes": 0,
+                      "machine": {"cpu_model": "a CPU", "threads_used": 1,
+                                  "peaks": {"triad_gbps": 40.0, "fma_gflops": 200.0, "measured_at": "now", "how": "-"}},
+                      "software": {}, "reproduce": []})
+
+
+def _finding(page: str, switch: str) -> str:
+    """The findings table's row for one switch, as text."""
+    rows = [r for t in _tables(_section(page, "What was found")) for r in t if r and r[0][2] == switch]
+    assert len(rows) == 1, switch
+    return " ".join(c[2] for c in rows[0])
+
+
+def test_findings_call_a_setting_faster_only_beyond_the_spread():
+    """slim decodes twice as fast as naive, far beyond a 5% spread; fp16 and fp32 differ by 2%,
+    inside it: the page names slim fastest with its ratio, and calls neither cache faster."""
+    rows = [_grid_row("slim", "fp16", 100, 10), _grid_row("slim", "fp32", 98, 10.2),
+            _grid_row("naive", "fp16", 50, 20), _grid_row("naive", "fp32", 49, 20.4)]
+    page = _page_of(rows)
+    assert page.index("<h2>What was found</h2>") < page.index("<h2>Measurements</h2>")
+    attention, kv = _finding(page, "Attention"), _finding(page, "KV cache")
+    # 100/50 in both matched pairs; the range: 95/52.5 to 105/47.5
+    assert "slim is fastest" in attention and "2.00x as fast as naive (1.81–2.21)" in attention
+    assert "faster beyond the run-to-run spread in all 2 matched pairs" in attention
+    assert "fastest" not in kv and "1.02x as fast as fp32" in kv and "within the run-to-run spread" in kv
+    findings = _section(page, "What was found")
+    assert "median (min–max) over 3 repeats" in findings
+    assert "75% of the measured triad" in findings  # 0.3 x 100 GB/s against 40
+    single = _page_of([_grid_row(a, "fp16", d, p, spread=0, repeats=1) for a, d, p in
+                       (("slim", 100, 10), ("naive", 50, 20))])
+    assert "fastest" not in _finding(single, "Attention") and "no spread to judge" in _finding(single, "Attention")
+
+
+def test_a_figure_per_ablated_switch_with_medians_and_min_max(written):
+    page = written["html"].read_text()
+    rows = json.loads(written["json"].read_text())["entries"][1]["rows"]  # attention x KV cache, one prompt
+    assert "fig-ablation-1-kv-cache" in page and "fig-ablation-1-prompt-length" not in page  # one length: no figure
+    data, layout = _figure_spec(page, "fig-ablation-1-attention")
+    decode = [t for t in data if t["yaxis"] == "y"]  # the top row; prefill ms below
+    assert [t["name"] for t in decode] == ["slim", "naive"] and layout["barmode"] == "group"
+    for trace in decode:  # a bar at each median, its error bar from the min to the max over the repeats
+        mine = [(r["decode_tokens_per_s"], r["decode_tokens_per_s_min"], r["decode_tokens_per_s_max"])
+                for r in rows if r["attention"] == trace["name"]]
+        assert trace["y"] == [m for m, _, _ in mine]
+        assert trace["error_y"]["array"] == [hi - m for m, _, hi in mine]
+        assert trace["error_y"]["arrayminus"] == [m - lo for m, lo, _ in mine]
+    assert "prefill ms" in layout["yaxis2"]["title"]["text"]
+
+
+def test_findings_of_a_real_run_name_a_setting_and_a_ratio(written):
+    findings = _section(written["html"].read_text(), "What was found")
+    for switch in ("Attention", "KV cache"):
+        row = _finding(written["html"].read_text(), switch)
+        assert re.search(r"\d+\.\d\dx as fast as .+? \(\d+\.\d\d–\d+\.\d\d\)", row), row
+        assert "is fastest" in row or "within the run-to-run spread" in row or "within it in" in row, row
+    assert "median (min–max) over 3 repeats" in findings and "% of the measured triad" in findings
+
+
+def test_tables_speak_labels_and_meaningful_digits(written):
+    page = written["html"].read_text()
+    visible = re.sub(r"<script>.*?</script>", "", page, flags=re.S)
+    for key in ("pct_peak_bandwidth", "decode_gflops", "decode_tokens_per_s", "prefill_ms", "top1_agreement"):
+        assert key not in visible, key  # raw keys stay in the JSON
+    headers = [c[2] for t in _tables(visible) for r in t for c in r if c[0] == "th"]
+    assert not [h for h in headers if "_" in h], headers
+    ablation = next(t for t in _tables(_section(page, "Measurements")) if "KV cache" in [c[2] for c in t[0]])
+    head = [c[2].split("median (min–max)")[0] for c in ablation[0]]  # a median's header says so beneath the label
+    assert {"decode tokens/s", "% of triad", "prefill ms", "KV cache"} <= set(head)
+    for row in ablation[1:]:
+        for h, (_, cls, text) in zip(head, row):
+            for number in re.findall(r"\d[\d,]*\.?\d*", text) if cls == "num" else []:
+                if h.startswith("prefill ms"):
+                    assert len(number.partition(".")[2]) <= 2, (h, text)  # ms: one or two decimals
+                elif h == "% of triad":  # whole percent; one decimal below 10%
+                    decimals = number.partition(".")[2]
+                    assert not decimals or (float(number) < 10 and len(decimals) == 1), (h, text)
+                else:
+                    assert _significant(number) <= 3, (h, text)
+
+
+def test_long_prompt_and_text_are_folded_and_escaped(written):
+    page = written["html"].read_text()
+    prompt = json.loads(written["json"].read_text())["entries"][0]["workload"]["prompt"]
+    folds = re.findall(r"<details><summary>(.*?)</summary><pre>(.*?)</pre></details>", page, flags=re.S)
+    summary = next(s for s, f in folds if f == html.escape(prompt))
+    assert summary.startswith(html.escape(" ".join(prompt[:200].split()))) and len(summary) < 400
+    assert page.count(html.escape(prompt)) == 1  # the whole prompt once, inside the fold
+
+
+def test_compare_reads_an_ablation_rows_spread():
+    from workbench.report.compare import compare
+
+    def run(decode: float) -> dict:
+        row = _grid_row("slim", "fp16", decode, 10)  # 5% either side, 3 repeats
+        return {"entries": [{"kind": "ablation", "model": {"name": "m"}, "rows": [row]}]}
+
+    same = {r["measurement"].split(" | ")[1]: r["verdict"] for r in compare(run(100), run(101))}
+    slower = {r["measurement"].split(" | ")[1]: r["verdict"] for r in compare(run(100), run(50))}
+    assert same == {"decode tokens/s": "within noise", "prefill ms": "within noise"}
+    assert slower["decode tokens/s"] == "regression"

@@ -65,8 +65,11 @@ def measurements(report: dict) -> dict[str, dict]:
         elif kind == "ablation":
             for r in e["rows"]:
                 key = f"ablation {model} {r['attention']}/{kv_label(r['kv_cache'], r.get('kv_kernel'))} batch {r['batch']} prompt {r['prompt_len']}"
-                add(key, _metric("decode tokens/s", "tokens/s", "higher", r["decode_tokens_per_s"]))
-                add(key, _metric("prefill ms", "ms", "lower", r["prefill_ms"]))
+                n = r.get("repeats", 1)  # the row's median with the min-max of its repeats
+                add(key, _metric("decode tokens/s", "tokens/s", "higher", r["decode_tokens_per_s"],
+                                 r.get("decode_tokens_per_s_min"), r.get("decode_tokens_per_s_max"), n))
+                add(key, _metric("prefill ms", "ms", "lower", r["prefill_ms"], r.get("prefill_ms_min"),
+                                 r.get("prefill_ms_max"), n))
         elif kind == "tp_ablation":
             for r in e["rows"]:
                 key = (f"tensor parallel {model} ranks {r['ranks']} {r['backend']} {r['token_broadcast']} "
@@ -114,7 +117,7 @@ def compare(a: dict, b: dict) -> list[dict]:
 def _side(report: dict) -> dict:
     m, s = report.get("machine", {}), report.get("software", {})
     git = s.get("git") or {}
-    return {"title": report.get("title"), "created": report.get("created"), "cpu": m.get("cpu_model"),
+    return {"title": report.get("title"), "created": report.get("created"), "CPU": m.get("cpu_model"),
             "threads": m.get("threads_used"), "triad GB/s": (m.get("peaks") or {}).get("triad_gbps"),
             "FMA GFLOP/s": (m.get("peaks") or {}).get("fma_gflops"), "kernels ISA": s.get("kernels_isa"),
             "torch": (s.get("packages") or {}).get("torch"),
@@ -149,20 +152,66 @@ def format_compare(rows: list[dict], a: dict | None = None, b: dict | None = Non
     return "\n".join(lines)
 
 
+VERDICT_ORDER = ("regression", "improvement", "within noise", "no spread", "only in A", "only in B")
+
+
+def _side_cell(r: dict, side: str) -> str:
+    from workbench.report.render import _with_spread
+
+    if side not in r:
+        return "-"
+    style = "ms" if r["unit"] == "ms" else "sig"
+    return _with_spread(r[side], r[f"{side}_min"], r[f"{side}_max"], style)
+
+
+def _run(row: dict) -> str:
+    return row["measurement"].rpartition(" | ")[0]
+
+
+def _measure(row: dict) -> str:
+    return row["measurement"].rpartition(" | ")[2]
+
+
+def _verdict_html(rows: list[dict]) -> str:
+    """The counts first, then every regression and improvement by name."""
+    plural = {"regression": "regressions", "improvement": "improvements"}
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICT_ORDER}
+    said = ", ".join(f"<b>{n} {plural.get(v, v) if n != 1 else v}</b>" if v in plural and n else
+                     f"{n} {plural.get(v, v) if n != 1 else v}" for v, n in counts.items() if n or v in plural)
+    notable = "".join(f"<li>{html.escape(r['verdict'])}: {html.escape(_measure(r))} of {html.escape(_run(r))}: B/A "
+                      f"{r['ratio_b_over_a']:.2f}; A {html.escape(_side_cell(r, 'a'))}, B "
+                      f"{html.escape(_side_cell(r, 'b'))} {html.escape(r['unit'])}</li>"
+                      for r in rows if r["verdict"] in plural)
+    return (f"<h2>Verdict</h2><p class='verdict'>{said}.</p>{f'<ul>{notable}</ul>' if notable else ''}"
+            "<p class='note'>Each side: median (min–max) of its samples. B/A is B's median over A's. Within noise: "
+            "the two min–max ranges overlap, so neither is called faster. No spread: a side with a single "
+            "sample, only the ratio can be given.</p>")
+
+
+def _rows_html(rows: list[dict]) -> str:
+    """Every row, regressions first: what was run, the measure, both sides, B/A, the verdict."""
+    from workbench.report.render import _number
+
+    head = "".join(f"<th>{c}</th>" for c in ("what was run", "measure", "A<br><small>median (min–max)</small>",
+                                             "B<br><small>median (min–max)</small>", "B/A", "verdict"))
+    body = ""
+    for r in sorted(rows, key=lambda r: VERDICT_ORDER.index(r["verdict"])):
+        words = (_run(r), _measure(r))
+        numbers = (_side_cell(r, "a"), _side_cell(r, "b"), _number(r.get("ratio_b_over_a"), "ratio"))
+        body += (f"<tr class='{r['verdict'].replace(' ', '-')}'>" + "".join(f"<td>{html.escape(w)}</td>" for w in words)
+                 + "".join(f"<td class='num'>{html.escape(x)}</td>" for x in numbers)
+                 + f"<td>{html.escape(r['verdict'])}</td></tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def html_page(rows: list[dict], a: dict, b: dict) -> str:
-    from workbench.report.render import CSS, _table
+    from workbench.report.render import CSS, _number
 
     sa, sb = _side(a), _side(b)
-    head = _table([{"": k, "A": _fmt(sa[k]), "B": _fmt(sb[k])} for k in sa])
-    colors = {"regression": "#fdd", "improvement": "#dfd"}
-    body = "".join(
-        f"<tr style='background:{colors.get(r['verdict'], 'white')}'>"
-        + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in
-                  ("measurement", "unit", "a", "a_min", "a_max", "b", "b_min", "b_max", "ratio_b_over_a", "verdict"))
-        + "</tr>" for r in rows)
-    cols = "".join(f"<th>{c}</th>" for c in ("measurement", "unit", "A", "A min", "A max", "B", "B min", "B max",
-                                             "B/A", "verdict"))
+    sides = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_number(sa[k]))}</td>"
+                    f"<td>{html.escape(_number(sb[k]))}</td></tr>" for k in sa)
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>workbench compare</title><style>{CSS}</style>"
             f"</head><body><h1>{html.escape(str(a.get('title')))} (A) vs {html.escape(str(b.get('title')))} (B)</h1>"
-            f"{head}<p>verdict: ranges (min-max of each side's samples) that overlap are within noise.</p>"
-            f"<table><thead><tr>{cols}</tr></thead><tbody>{body}</tbody></table></body></html>")
+            f"{_verdict_html(rows)}<h2>The two runs</h2><table class='kv'><thead><tr><th></th><th>A</th><th>B</th>"
+            f"</tr></thead><tbody>{sides}</tbody></table>"
+            f"<h2>Every measurement</h2>{_rows_html(rows)}</body></html>")

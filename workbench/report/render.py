@@ -1,7 +1,13 @@
 """The report as files: JSON, and one HTML page that needs nothing but a browser (plotly's
 JavaScript inlined once; no CDN, no network). Every string from a user or a model (title,
 prompts, generated text, descriptions) is HTML-escaped; figure data is embedded as JSON
-with "</" escaped, so nothing in it can close the script element."""
+with "</" escaped, so nothing in it can close the script element.
+
+The page reads top down as a reader asks: what was found (per measurement, in words that
+respect the run-to-run spread), the figures that show it (a roofline, one figure per switch
+an ablation varies), then the tables, the machine, the software and the commands. Raw JSON
+keys become labels in one place (labels.FIELDS), the words of the findings are
+findings.py's; the JSON keeps every key and every digit."""
 
 from __future__ import annotations
 
@@ -11,6 +17,16 @@ from pathlib import Path
 
 from workbench.model.kv_formats import kv_label
 from workbench.report.collect import build
+# The report package's own helpers: labels and numbers, and the findings in words.
+from workbench.report.findings import (DECODE, DIMENSIONS, PREFILL, Dimension, _config, _findings, _is_grid, _matched,
+                                       _repeats_said, _setting, _tp_name, _varied)
+from workbench.report.labels import _folded, _grid_table, _kv, _number, _spread, _table, _with_spread
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf"]
 
 
 def _json_for_script(obj) -> str:
@@ -23,12 +39,12 @@ def _roofline_spec(report: dict) -> dict | None:
     points = []
     for i, e in enumerate(report["entries"]):
         if e["kind"] == "generation" and e.get("decode_bytes_per_step"):
-            points.append((f"entry {i} decode", e["decode_flops_per_step"] / e["decode_bytes_per_step"],
+            points.append((f"entry {i}: the generation", e["decode_flops_per_step"] / e["decode_bytes_per_step"],
                            e["decode_gflops"]))
-        for r in e.get("rows", []):
-            if r.get("decode_gbps") and r.get("decode_gflops"):  # ablation rows (peers rows have no FLOPs)
-                points.append((f"entry {i} {r.get('attention')}/{kv_label(r.get('kv_cache'), r.get('kv_kernel'))} len {r.get('prompt_len')} "
-                               f"b{r.get('batch')}", r["decode_gflops"] / r["decode_gbps"], r["decode_gflops"]))
+        rows = e.get("rows", []) if e["kind"] == "ablation" and _is_grid(e["rows"]) else []
+        for r in (r for r in rows if r.get("decode_gbps") and r.get("decode_gflops")):
+            points.append((f"entry {i}: {_config(r, _varied(rows) or DIMENSIONS[:2])}",
+                           r["decode_gflops"] / r["decode_gbps"], r["decode_gflops"]))
     if not points:
         return None
     lo = min(p[1] for p in points) / 4
@@ -39,57 +55,49 @@ def _roofline_spec(report: dict) -> dict | None:
                                         f"{peaks['fma_gflops']:.0f} GFLOP/s", "x": xs, "y": roof, "mode": "lines",
              "line": {"color": "gray", "dash": "dash"}},
             {"type": "scatter", "name": "measurements", "x": [p[1] for p in points], "y": [p[2] for p in points],
-             "text": [p[0] for p in points], "mode": "markers", "marker": {"size": 9}}]
+             "text": [p[0] for p in points], "mode": "markers", "marker": {"size": 9},
+             "hovertemplate": "%{text}<br>%{x:.3g} FLOPs per byte, %{y:.3g} GFLOP/s<extra></extra>"}]
     return {"data": data, "layout": {"title": {"text": "Roofline: every decode measurement against the measured peaks"},
                                      "height": 420, "xaxis": {"type": "log", "title": {"text": "FLOPs per byte read"}},
                                      "yaxis": {"type": "log", "title": {"text": "GFLOP/s"}}}}
 
 
-def _table(rows: list[dict], columns: list[str] | None = None) -> str:
-    if not rows:
-        return "<p><i>none</i></p>"
-    columns = columns or list(rows[0])
-
-    def cell(v):
-        if isinstance(v, float):
-            v = f"{v:.4g}"
-        return html.escape(str(v))
-
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+def _spread_bars(name: str, x: list[str], rows: list[dict], key: str, axis: str, color: str, legend: bool) -> dict:
+    """Bars at the medians with min-max error bars."""
+    s = [_spread(r, key) for r in rows]
+    return {"type": "bar", "name": name, "legendgroup": name, "showlegend": legend, "x": x, "y": [m for m, _, _ in s],
+            "marker": {"color": color}, "xaxis": f"x{axis}", "yaxis": f"y{axis}",
+            "error_y": {"type": "data", "symmetric": False, "array": [hi - m for m, _, hi in s],
+                        "arrayminus": [m - lo for m, lo, _ in s], "color": "#444"},
+            "hovertemplate": f"{name}, %{{x}}: %{{y:.3g}}<extra></extra>"}
 
 
-def _readable(v) -> str:
-    """A value as a reader meets it: nested records as "name: value" pairs, lists joined,
-    floats to four significant digits (the JSON keeps every digit)."""
-    if isinstance(v, dict):
-        return "; ".join(f"{str(k).replace('_', ' ')}: {_readable(x)}" for k, x in v.items()) or "-"
-    if isinstance(v, (list, tuple)):
-        if len(v) > 12 and all(isinstance(x, (int, float)) for x in v):
-            return f"{len(v)} values, {_readable(min(v))} to {_readable(max(v))}"
-        return ", ".join(_readable(x) for x in v) or "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "-" if v is None else str(v)
-
-
-def _kv(d: dict) -> str:
-    return _table([{"field": str(k).replace("_", " "), "value": _readable(v)} for k, v in d.items()])
-
-
-CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}
-td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left;vertical-align:top}pre{white-space:pre-wrap}"""
+def _dimension_spec(i: int, rows: list[dict], dim: Dimension) -> dict:
+    """One switch's settings side by side (a bar each, median with min-max) in every matched
+    group: decode tokens/s above, prefill ms below."""
+    groups = _matched(rows, dim, sep="<br>")  # a group's label on lines of its own
+    settings = list(dict.fromkeys(_setting(dim, r) for r in rows))
+    data = []
+    for k, s in enumerate(settings):
+        x = [g for g, by in groups.items() if s in by]
+        for axis, key in (("", DECODE.key), ("2", PREFILL.key)):
+            data.append(_spread_bars(s, x, [groups[g][s] for g in x], key, axis, PALETTE[k % len(PALETTE)], axis == ""))
+    order = {"categoryorder": "array", "categoryarray": list(groups)}
+    return {"data": data, "layout": {
+        "title": {"text": f"Entry {i}: {dim.name}, each setting at the same other switches (median, min–max "
+                          f"{_repeats_said(rows)})"},
+        "barmode": "group", "height": 600, "margin": {"b": 110}, "legend": {"title": {"text": dim.name}},
+        "xaxis": {**order, "anchor": "y", "showticklabels": False},
+        "xaxis2": {**order, "anchor": "y2", "automargin": True},
+        "yaxis": {"domain": [0.54, 1], "title": {"text": "decode tokens/s"}, "rangemode": "tozero"},
+        "yaxis2": {"domain": [0, 0.44], "title": {"text": "prefill ms"}, "rangemode": "tozero"}}}
 
 
 def _bars_with_spread(title: str, labels: list[str], rows: list[dict], unit: str) -> dict:
-    """One bar per row at its median with a min-max error bar."""
-    med = [r["median"] for r in rows]
-    return {"data": [{"type": "bar", "x": labels, "y": med, "name": unit,
-                      "error_y": {"type": "data", "symmetric": False, "array": [r["max"] - r["median"] for r in rows],
-                                  "arrayminus": [r["median"] - r["min"] for r in rows]}}],
-            "layout": {"title": {"text": title}, "height": 380, "yaxis": {"title": {"text": unit}, "rangemode": "tozero"},
-                       "margin": {"b": 140}}}
+    """One bar per row at its median with a min-max error bar (rows: {median, min, max})."""
+    return {"data": [_spread_bars(unit, labels, [{"v": r} for r in rows], "v", "", PALETTE[0], False)],
+            "layout": {"title": {"text": title}, "height": 380, "margin": {"b": 140},
+                       "yaxis": {"title": {"text": unit}, "rangemode": "tozero"}}}
 
 
 def _comm_compute_spec(title: str, labels: list[str], total_ms: list[float], comm_ms: list[float]) -> dict:
@@ -97,9 +105,6 @@ def _comm_compute_spec(title: str, labels: list[str], total_ms: list[float], com
                      {"type": "bar", "name": "communication", "x": labels, "y": comm_ms}],
             "layout": {"title": {"text": title}, "barmode": "stack", "height": 380, "margin": {"b": 160},
                        "yaxis": {"title": {"text": "ms per decode token"}, "rangemode": "tozero"}}}
-
-
-PREDICTED_COLUMNS = ["phase", "part", "predicted_ms", "measured_ms", "ratio", "bound", "why"]
 
 
 def _bandwidth_spec(i: int, e: dict, peak_gbps: float) -> dict:
@@ -118,134 +123,156 @@ def _bandwidth_spec(i: int, e: dict, peak_gbps: float) -> dict:
                                         "showarrow": False, "text": f"measured triad {peak_gbps:.1f} GB/s"}]}}
 
 
+def _figure(figures: list, fid: str, spec: dict) -> str:
+    figures.append((fid, spec))
+    return f"<div id='{fid}' class='figure'></div>"
+
+
+# -- sections, one per entry -----------------------------------------------------------------
+
+PREDICTED_COLUMNS = ["phase", "part", "predicted_ms", "measured_ms", "ratio", "bound", "why"]
+WORKLOAD = ["prompt_tokens", "batch", "new_tokens", "threads", "attention", "kv_cache", "kv_kernel", "step",
+            "sampling", "gemm_engine", "tensor_parallel", "prompt_sha256"]
+TIMINGS = ["prefill_ms", "time_to_first_token_ms", "decode_step_ms", "decode_tokens_per_s", "decode_gbps",
+           "decode_gflops", "decode_bytes_per_step", "decode_flops_per_step", "decode_comm_ms_per_step",
+           "decode_wake_ms_per_step"]
+
+
+def _cost_model(predicted: dict) -> str:
+    if predicted.get("parts"):
+        flagged = [r for r in predicted["parts"] if r["why"]]
+        return (f"<h4>Cost model: predicted vs measured per part</h4><p>{html.escape(predicted['hardware']['notes'])}"
+                f"; decode predicted at KV length {predicted['decode_kv_len']:g}. Bandwidth utilisation "
+                f"{100 * predicted['utilisation']['bandwidth_utilisation']:.0f}%, MFU "
+                f"{100 * predicted['utilisation']['mfu']:.1f}%. {len(flagged)} part(s) differ by more than 1.5x; "
+                f"the last column says why.</p>{_table(predicted['parts'], PREDICTED_COLUMNS)}")
+    if predicted.get("error"):
+        return f"<p>no prediction: {html.escape(predicted['error'])}</p>"
+    return ""
+
+
+def _timings_table(e: dict) -> str:
+    s = e["decode_step_ms"]
+    steps = {"decode_step_ms": f"{_with_spread(s['median'], s['min'], s['max'], 'ms')}, median (min–max) over "
+                               f"{len(s['samples'])} steps; p90 {_number(s['p90'], 'ms')}" if s["samples"] else None}
+    return _kv({k: steps.get(k, e.get(k)) for k in TIMINGS if k in e})
+
+
 def _generation_section(i: int, e: dict, figures: list, peak_gbps: float) -> str:
     from workbench.ui.plots import per_layer_spec, topk_spec  # here: plotly loads only when a page is made
 
     w = e["workload"]
     predicted = e.get("predicted") or {}
-    figures.append((f"fig-latency-{i}", per_layer_spec(e["per_layer_ms"], title=f"Entry {i}: per-layer latency "
-                                                       "(dashed: the roofline prediction)",
-                                                       predicted=predicted.get("per_layer_ms"))))
-    stats = {k: v for k, v in e["decode_step_ms"].items() if k != "samples"}
-    parts = ""
-    if predicted.get("parts"):
-        flagged = [r for r in predicted["parts"] if r["why"]]
-        parts = (f"<h4>Cost model: predicted vs measured per part</h4><p>{html.escape(predicted['hardware']['notes'])}"
-                 f"; decode predicted at KV length {predicted['decode_kv_len']:g}. Bandwidth utilisation "
-                 f"{100 * predicted['utilisation']['bandwidth_utilisation']:.0f}%, MFU "
-                 f"{100 * predicted['utilisation']['mfu']:.1f}%. {len(flagged)} part(s) differ by more than 1.5x; "
-                 f"the last column says why.</p>{_table(predicted['parts'], PREDICTED_COLUMNS)}")
-    elif predicted.get("error"):
-        parts = f"<p>no prediction: {html.escape(predicted['error'])}</p>"
-    extra = ""
+    body = _figure(figures, f"fig-latency-{i}", per_layer_spec(
+        e["per_layer_ms"], title=f"Entry {i}: per-layer latency (dashed: the roofline prediction)",
+        predicted=predicted.get("per_layer_ms"))) + _cost_model(predicted)
     if e.get("decode_bytes_per_step") and e["decode_step_ms"]["samples"]:
-        figures.append((f"fig-bandwidth-{i}", _bandwidth_spec(i, e, peak_gbps)))
-        extra += f"<div id='fig-bandwidth-{i}'></div>"
+        body += _figure(figures, f"fig-bandwidth-{i}", _bandwidth_spec(i, e, peak_gbps))
     if e.get("topk_checks"):
-        figures.append((f"fig-topk-{i}", topk_spec(e["topk_checks"])))
-        extra += f"<div id='fig-topk-{i}'></div>"
+        body += _figure(figures, f"fig-topk-{i}", topk_spec(e["topk_checks"]))
     if e.get("decode_comm_ms_per_step"):
-        total = e["decode_step_ms"]["median"]
-        figures.append((f"fig-comm-{i}", _comm_compute_spec(f"Entry {i}: communication vs compute", ["decode step"],
-                                                            [total], [e["decode_comm_ms_per_step"]])))
-        extra += f"<div id='fig-comm-{i}'></div>"
-    return (f"<h3>Entry {i}: generation</h3>"
-            f"<p>prompt: <pre>{html.escape(str(w.get('prompt')))}</pre>"
-            f"text: <pre>{html.escape(str(e.get('text')))}</pre></p>"
-            f"{_kv({**w, 'decode step ms': stats, 'samples (ms)': e['decode_step_ms']['samples']})}"
-            f"<div id='fig-latency-{i}'></div>{parts}{extra}")
+        body += _figure(figures, f"fig-comm-{i}", _comm_compute_spec(
+            f"Entry {i}: communication vs compute", ["decode step"], [e["decode_step_ms"]["median"]],
+            [e["decode_comm_ms_per_step"]]))
+    return (f"<h3 id='entry-{i}'>Entry {i}: generation</h3>"
+            f"<div><b>Prompt</b>: {_folded(w.get('prompt'))}</div><div><b>Generated</b>: {_folded(e.get('text'))}</div>"
+            f"<div class='side'><div><h4>Workload</h4>{_kv({k: w.get(k) for k in WORKLOAD if k in w})}</div>"
+            f"<div><h4>Timings</h4>{_timings_table(e)}</div></div>{body}")
+
+
+def _ablation_body(i: int, rows: list[dict], figures: list) -> str:
+    if not _is_grid(rows):
+        return _grid_table(rows)
+    figs = "".join(_figure(figures, f"fig-ablation-{i}-{d.slug}", _dimension_spec(i, rows, d)) for d in _varied(rows))
+    view = [{"attention": r["attention"], "cache": kv_label(r["kv_cache"], r.get("kv_kernel")),
+             **{k: v for k, v in r.items() if k not in ("attention", "kv_cache", "kv_kernel")}} for r in rows]
+    return figs + _grid_table(view)
+
+
+PEER_COLUMNS = ["engine", "prompt_len", "new_tokens", "prefill_ms", "decode_tokens_per_s", "decode_gbps",
+                "decode_pct_of_triad", "ours_over_peer", "matched", "same_tokens_as_workbench_fp32", "description"]
+
+
+def _peers_body(i: int, rows: list[dict], figures: list) -> str:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    absent = [{"engine": r["engine"], "status": r["status"]} for r in rows if r.get("status") != "ok"]
+    body = ""
+    if ok:
+        body = _figure(figures, f"fig-peers-{i}", _bars_with_spread(
+            f"Entry {i}: decode tokens/s, median and min-max over rounds",
+            [f"{r['engine']} (prompt {r['prompt_len']})" for r in ok], [r["decode_tokens_per_s"] for r in ok],
+            "tokens/s"))
+    columns = [c for c in PEER_COLUMNS if any(c in r for r in ok)]
+    return body + (_grid_table(ok, columns) if ok else "") + ("<h4>Not run</h4>" + _table(absent) if absent else "")
+
+
+def _tp_body(i: int, rows: list[dict], figures: list) -> str:
+    fig = _figure(figures, f"fig-tp-{i}", _comm_compute_spec(
+        f"Entry {i}: communication vs compute per decode token", [_tp_name(r, "<br>") for r in rows],
+        [r["decode_ms_per_token"] for r in rows], [r["comm_ms_per_token"] for r in rows]))
+    return fig + _grid_table(rows)
 
 
 def _rows_section(i: int, e: dict, figures: list) -> str:
-    kind, rows = e["kind"], e["rows"]
-    body = ""
-    if kind == "peers":
-        ok = [r for r in rows if r.get("status") == "ok"]
-        flat = [{"engine": r["engine"], "prompt": r["prompt_len"], "new tokens": r["new_tokens"],
-                 "prefill ms (median)": r["prefill_ms"]["median"],
-                 "prefill min-max": f"{r['prefill_ms']['min']:.1f}-{r['prefill_ms']['max']:.1f}",
-                 "decode tok/s (median)": r["decode_tokens_per_s"]["median"],
-                 "decode min-max": f"{r['decode_tokens_per_s']['min']:.1f}-{r['decode_tokens_per_s']['max']:.1f}",
-                 "ours/peer decode": (f"{r['ours_over_peer']['median']:.2f} ({r['ours_over_peer']['min']:.2f}-"
-                                      f"{r['ours_over_peer']['max']:.2f}) vs {r['matched']}")
-                 if r.get("ours_over_peer") else "-",
-                 "same tokens as workbench fp32": r.get("same_tokens_as_workbench_fp32"),
-                 "engine details": r.get("description")} for r in ok]
-        absent = [{"engine": r["engine"], "why not run": r["status"]} for r in rows if r.get("status") != "ok"]
-        if ok:
-            figures.append((f"fig-peers-{i}", _bars_with_spread(
-                f"Entry {i}: decode tokens/s, median and min-max over rounds",
-                [f"{r['engine']} (prompt {r['prompt_len']})" for r in ok], [r["decode_tokens_per_s"] for r in ok],
-                "tokens/s")))
-            body = f"<div id='fig-peers-{i}'></div>"
-        body += _table(flat) + ("<h4>Not run</h4>" + _table(absent) if absent else "")
-    elif kind == "tp_ablation":
-        labels = [f"{r['ranks']} {r['backend']} {r['token_broadcast']} {r['lm_head']} zc {r['zero_copy']}" for r in rows]
-        figures.append((f"fig-tp-{i}", _comm_compute_spec(f"Entry {i}: communication vs compute per decode token",
-                                                          labels, [r["decode_ms_per_token"] for r in rows],
-                                                          [r["comm_ms_per_token"] for r in rows])))
-        body = f"<div id='fig-tp-{i}'></div>" + _table(rows)
-    else:
-        body = _table(rows)
-    return f"<h3>Entry {i}: {html.escape(kind)}</h3>{body}"
-
-
-def _summary_row(i: int, e: dict) -> dict:
-    model = (e.get("model") or {}).get("description")
-    if e["kind"] == "generation":
-        w = e["workload"]
-        return {"entry": i, "kind": "generation", "model": model, "switches": f"{w['attention']} / {kv_label(w['kv_cache'], w.get('kv_kernel'))}",
-                "batch": w["batch"], "prefill ms": e["prefill_ms"],
-                "decode ms per step (median)": e["decode_step_ms"]["median"],
-                "decode tokens/s (over the wall time)": e["decode_tokens_per_s"], "GB/s": e["decode_gbps"],
-                "GFLOP/s": e["decode_gflops"]}
-    if e["kind"] == "ablation" and e.get("rows") and "decode_tokens_per_s" in e["rows"][0]:
-        best = max(e["rows"], key=lambda r: r["decode_tokens_per_s"])
-        return {"entry": i, "kind": "ablation", "model": model, "rows": len(e["rows"]),
-                "switches": f"fastest: {best['attention']} / {kv_label(best['kv_cache'], best.get('kv_kernel'))}",
-                "batch": best.get("batch"), "prefill ms": best.get("prefill_ms"),
-                "decode tokens/s (over the wall time)": best["decode_tokens_per_s"]}
-    if e["kind"] == "profile":
-        return {"entry": i, "kind": "profile", "model": model, "statement": e.get("statement")}
-    return {"entry": i, "kind": e["kind"], "model": model, "rows": len(e["rows"])}
+    body = {"peers": _peers_body, "tp_ablation": _tp_body, "ablation": _ablation_body}.get(
+        e["kind"], lambda i, rows, figures: _grid_table(rows))(i, e["rows"], figures)
+    return f"<h3 id='entry-{i}'>Entry {i}: {html.escape(e['kind'].replace('_', ' '))}</h3>{body}"
 
 
 def _profile_section(i: int, e: dict) -> str:
-    return (f"<h3>Entry {i}: profile</h3><p>py-spy {html.escape(str(e.get('py_spy')))} at {e.get('rate')} Hz"
-            f"{' with native frames' if e.get('native') else ''}, {e.get('samples')} samples of "
+    return (f"<h3 id='entry-{i}'>Entry {i}: profile</h3><p>py-spy {html.escape(str(e.get('py_spy')))} at "
+            f"{e.get('rate')} Hz{' with native frames' if e.get('native') else ''}, {e.get('samples')} samples of "
             f"<code>{html.escape(str(e.get('statement')))}</code>; speedscope JSON: "
             f"<code>{html.escape(e['speedscope'])}</code> (open it in speedscope.app)</p>"
             f"{_table(e['top_frames'])}")
 
 
+def _section(i: int, e: dict, figures: list, report: dict) -> str:
+    if e["kind"] == "generation":
+        return _generation_section(i, e, figures, report["machine"]["peaks"]["triad_gbps"])
+    if e["kind"] == "profile":
+        return _profile_section(i, e)
+    return _rows_section(i, e, figures)
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222;
+line-height:1.45}
+h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margin-top:1.6em}h3{margin:1.2em 0 .3em}h3 a{color:inherit}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 8px;font-size:13px;text-align:left;
+vertical-align:top}th{background:#f4f4f4;font-weight:600}th small{font-weight:400;color:#666}td.num{text-align:right;
+font-variant-numeric:tabular-nums;white-space:nowrap}tbody tr:nth-child(even) td{background:#fafafa}
+table.kv th{white-space:nowrap}table.kv td{overflow-wrap:anywhere}table.kv table.kv{margin:0}table.kv table.kv th{background:#fafafa}
+pre{white-space:pre-wrap;margin:.2em 0;font-size:13px}.meta{color:#555;font-size:14px}
+.note{color:#555;font-size:13px;background:#f7f7f7;padding:.5em .8em;border-left:3px solid #ccc}
+.finding{margin-bottom:.8em}.finding ul{margin:.2em 0;padding-left:1.4em}.finding li{margin:.25em 0}
+table.findings td{font-size:14px;width:45%}table.findings th{font-size:14px}table.findings ul{margin:.2em 0}
+details summary{cursor:pointer;color:#333}details summary .meta{font-size:12px}details pre{background:#f7f7f7;
+padding:.5em}.side{display:flex;gap:2em;flex-wrap:wrap}.side>div{flex:1;min-width:420px}.figure{margin:.6em 0}
+tbody tr.regression td{background:#fdd}tbody tr.improvement td{background:#dfd}.verdict{font-size:17px}"""
+
+
 def html_page(report: dict) -> str:
     from plotly.offline import get_plotlyjs
 
-    figures, sections, summary = [], [], []
-    for i, e in enumerate(report["entries"]):
-        summary.append(_summary_row(i, e))
-        if e["kind"] == "generation":
-            sections.append(_generation_section(i, e, figures, report["machine"]["peaks"]["triad_gbps"]))
-        elif e["kind"] == "profile":
-            sections.append(_profile_section(i, e))
-        else:
-            sections.append(_rows_section(i, e, figures))
+    figures: list = []
     roof = _roofline_spec(report)
-    if roof:
-        figures.insert(0, ("fig-roofline", roof))
+    roof_div = _figure(figures, "fig-roofline", roof) if roof else ""
+    sections = "".join(_section(i, e, figures, report) for i, e in enumerate(report["entries"]))
     plots = "".join(f"Plotly.newPlot({json.dumps(fid)}, {_json_for_script(spec['data'])}, "
                     f"{_json_for_script(spec['layout'])});" for fid, spec in figures)
     commands = "".join(f"<pre>{html.escape(c)}</pre>" for c in report["reproduce"]) or "<p><i>none recorded</i></p>"
+    cpu = report["machine"].get("cpu_model", "an unnamed CPU")
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(report['title'])}</title><style>{CSS}</style>
 <script>{get_plotlyjs()}</script></head>
 <body>
 <h1>{html.escape(report['title'])}</h1>
-<p>created {html.escape(report['created'])}; schema version {report['schema_version']};
-{len(report['entries'])} measurement(s); peak resident memory {report['peak_rss_bytes'] / 2**20:.0f} MiB</p>
-<h2>Summary</h2>{_table(summary)}
-{"<div id='fig-roofline'></div>" if roof else ""}
-<h2>Measurements</h2>{''.join(sections)}
+<p class='meta'>{len(report['entries'])} measurement(s) on {html.escape(str(cpu))} with
+{report['machine'].get('threads_used', '?')} thread(s); created {html.escape(report['created'])}; peak resident memory
+{report['peak_rss_bytes'] / 2**20:.0f} MiB; schema version {report['schema_version']}</p>
+{_findings(report)}
+{roof_div}
+<h2>Measurements</h2>{sections}
 <h2>Machine</h2>{_kv(report['machine'])}
 <h2>Software</h2>{_kv(report['software'])}
 <h2>Reproduce</h2>{commands}
