@@ -6,7 +6,10 @@ Playwright runs all cells and then uses the control panel as a person would:
 - `%kvcache fp16` typed after the panel moves its toggle, and Run then uses fp16;
 - the figure's per-layer decode latency is exactly the run's, counted again from its raw step records;
 - Export JSON writes the runs;
-- after a page reload the figures still draw, and a new Run updates them.
+- after a page reload the figures still draw, and a new Run updates them;
+- Run All and save leave nothing for git to commit (the notebook filter, checkpoints ignored);
+- the saved file holds the panel's static figures (the HTML fallback of its widget view);
+- the panel's runs are in `%report`, and in a narrow (split) view its figures' titles do not collide.
 
 Screenshots of each state land under results/screenshots/.
 
@@ -53,6 +56,16 @@ def lab(tmp_path_factory):
     nb.cells.append(nbformat.v4.new_code_cell(
         "q = wb.panel()\nq.new_tokens.value, q.warmup.value = 4, False\nq.run()\nq"))
     nbformat.write(nb, work / "quickstart.ipynb")
+    # A repository as a user's clone has it: the notebook committed through the project's
+    # filter (scripts/bootstrap sets it up), the project's .gitignore.
+    git = ["git", "-C", str(work), "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "config", "filter.strip-notebook-outputs.clean",
+                    f"{sys.executable} {ROOT / 'scripts' / 'strip_notebook_outputs.py'}"], check=True)
+    for name in (".gitattributes", ".gitignore"):
+        (work / name).write_text((ROOT / name).read_text())
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "the notebook as stored"], check=True)
     port, token = _free_port(), "workbench-test"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
@@ -129,6 +142,11 @@ def _active_kv(page) -> str:
     return page.evaluate(_ACTIVE_KV_JS)
 
 
+def save(page) -> None:
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty")
+
+
 def test_quickstart_in_jupyterlab(lab):
     from playwright.sync_api import sync_playwright
 
@@ -157,7 +175,7 @@ def test_quickstart_in_jupyterlab(lab):
         page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'")
         assert page.locator(".jp-OutputArea .widget-toggle-buttons").count() >= 2  # two panels' attention toggles
         assert "Paris" in page.inner_text(".jp-Notebook")
-        assert _active_kv(page) == "int8"  # %kvcache int8 ran before the panel was opened
+        assert _active_kv(page) == "int8 (tile)"  # %kvcache int8 ran before the panel was opened
         page.screenshot(path=str(SHOTS / "quickstart-after-run-all.png"), full_page=False)
 
         # The panel run before it was displayed: its peak line is flat at the measured triad.
@@ -199,6 +217,32 @@ def test_quickstart_in_jupyterlab(lab):
         assert int(raw[0]) > 0 and all(len(t["y"]) == n_layers for t in bars)
         assert abs(figure_ms - raw_ms) < 1e-6 * figure_ms and figure_ms <= step_ms
 
+        # Saved after Run All and a panel run: git sees no change (outputs, execution counts,
+        # widget state and the metadata JupyterLab adds are filtered; checkpoints are ignored),
+        # and the file on disk holds the panel's static figures of its last run.
+        # (git status lists a file whose size changed until `git add` refreshes the index, even
+        # when the filtered content is the same; staging everything must stage nothing.)
+        save(page)
+        assert (work / ".ipynb_checkpoints").is_dir()  # JupyterLab made one; .gitignore must cover it
+        diff = subprocess.run(["git", "-C", str(work), "diff"], capture_output=True, text=True, check=True).stdout
+        assert diff == "", diff[:3000]
+        subprocess.run(["git", "-C", str(work), "add", "-A"], check=True)
+        status = subprocess.run(["git", "-C", str(work), "status", "--porcelain"], capture_output=True, text=True,
+                                check=True).stdout
+        assert status == "", status
+        saved = json.loads((work / "quickstart.ipynb").read_text())
+        static = [o["data"]["text/html"] for c in saved["cells"] for o in c.get("outputs", [])
+                  if "application/vnd.jupyter.widget-view+json" in o.get("data", {}) and "text/html" in o["data"]]
+        static = ["".join(h) if isinstance(h, list) else h for h in static]
+        assert any("fp16, batch 1" in h and h.count("<svg") == 4 for h in static), [h[:200] for h in static]
+        (SHOTS / "quickstart-static-figures.html").write_text(next(h for h in static if "fp16, batch 1" in h))
+
+        # The panel's runs are in the session's report, each with the command that reproduces it.
+        _kernel(page, "%report -o results/browser-report.html")
+        entries = json.loads((work / "results" / "browser-report.json").read_text())["entries"]
+        panel_runs = [e for e in entries if "p = wb.panel(model)" in (e.get("command") or "")]
+        assert panel_runs and panel_runs[-1]["workload"]["kv_cache"] == "fp16"
+
         # Export the runs.
         page.locator(".jp-OutputArea button", has_text="Export JSON").first.click()
         page.wait_for_function("() => document.body.innerText.includes('wrote ') && document.body.innerText.includes('.json')")
@@ -206,13 +250,38 @@ def test_quickstart_in_jupyterlab(lab):
         assert exported and json.loads(exported[-1].read_text())["runs"][-1]["kv_cache"] == "fp16"
 
         # Reload: the figures come back drawn, and a new run updates them.
-        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
-        page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty")
+        save(page)
         open_notebook()
         page.wait_for_function(f"() => {FIGURES}.length >= 6 && ({FIGURES}[1].data || []).some(t => (t.y || []).length)")
         page.screenshot(path=str(SHOTS / "quickstart-after-reload.png"), full_page=False)
         _run_panel(page)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload-run.png"), full_page=False)
+
+        # A narrow view (half a laptop screen, as in a split), opened that way: the latency figure
+        # fits its output area, and its titles and legend do not overlap.
+        save(page)
+        page.set_viewport_size({"width": 640, "height": 1800})
+        open_notebook()
+        page.wait_for_function(f"() => {FIGURES}.length >= 6 && ({FIGURES}[0].data || []).some(t => (t.y || []).length)")
+        fits = page.evaluate(f"""() => {{ const d = {FIGURES}[0], svg = d.querySelector('svg.main-svg');
+            const area = d.closest('.jp-OutputArea-output');
+            return [svg.getBoundingClientRect().width, area.getBoundingClientRect().width]; }}""")
+        assert fits[0] <= fits[1] + 1, fits
+        boxes = page.evaluate(f"""() => Array.from({FIGURES}[0].querySelectorAll(
+                '.annotation-text, .gtitle, .legendtext, .xtitle, .x2title, .ytitle, .y2title'))
+            .map(e => {{ const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom, e.textContent]; }})""")
+        assert len(boxes) >= 9, boxes
+        for i in range(3):  # every figure's title inside its figure
+            title, svg = page.evaluate(f"""(i) => {{ const d = {FIGURES}[i];
+                const b = (e) => {{ const r = e.getBoundingClientRect(); return [r.left, r.right]; }};
+                return [b(d.querySelector('.gtitle')), b(d.querySelector('svg.main-svg'))]; }}""", i)
+            assert svg[0] - 1 <= title[0] and title[1] <= svg[1] + 1, (i, title, svg)
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                apart = a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+                assert apart, (a, b)
+        page.locator(".jp-OutputArea .js-plotly-plot").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "quickstart-narrow.png"), full_page=False)
         browser.close()
     state_errors = [e for e in errors if "Error setting state" in e or "out of bounds" in e]
     assert not state_errors, state_errors[:3]

@@ -71,8 +71,9 @@ def test_refresh_rate_is_bounded(model):
 
 def test_panel_load_switch_run_export(model, tmp_path):
     p = wb.panel(model)
-    p.attention.value, p.kv_cache.value = "flash", "int8"
-    assert (model.attention, model.kv_cache) == ("flash", "int8")  # the toggles are the model's switches
+    assert ("int8 (dot)", "int8:dot") in p.kv_cache.options  # every format with each of its kernels
+    p.attention.value, p.kv_cache.value = "flash", "int8:tile"
+    assert (model.attention, model.kv_cache, model.kv_kernel) == ("flash", "int8", "tile")  # the model's switches
     p.batch.value, p.prompt_len.value, p.new_tokens.value, p.repeats.value = 2, 32, 5, 2
     p.run_button.click()
     assert p.result is not None and p.result.switches.kv_cache == "int8"
@@ -107,7 +108,7 @@ def test_panel_follows_the_session_model(model):
         assert any("no model loaded" in o.get("text", "") for o in p.output.outputs)
         model.kv_cache = "int8"
         session.current.model = model  # what %load_model does
-        assert p.model is model and p.kv_cache.value == "int8" and "smollm2" in p.status.value
+        assert p.model is model and p.kv_cache.value == "int8:tile" and "smollm2" in p.status.value
         p.prompt.value, p.new_tokens.value, p.warmup.value = "The capital of France is", 4, False
         p.run()
         assert p.result.switches.kv_cache == "int8" and p.result.prompt_token_ids[0] == \
@@ -115,6 +116,67 @@ def test_panel_follows_the_session_model(model):
     finally:
         model.kv_cache = "fp32"
         session.current.model = before
+
+
+def test_panel_runs_go_to_the_report_and_their_command_reproduces_them(model, capsys):
+    """Each measured panel run is a report entry whose command, run as written in a fresh
+    IPython shell (after the session's switches moved on), measures the same configuration."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from workbench import report
+
+    report.clear()
+    p = wb.panel(model)
+    p.attention.value, p.kv_cache.value = "flash", "int8:dot"
+    p.prompt_len.value, p.new_tokens.value, p.repeats.value, p.warmup.value = 16, 3, 2, False
+    p.run()
+    entries = report.recorded()
+    assert len(entries) == 2 and all(e["kind"] == "generation" for e in entries)
+    first = entries[-1]
+    assert (first["workload"]["attention"], first["workload"]["kv_cache"], first["workload"]["kv_kernel"]) == \
+        ("flash", "int8", "dot")
+    model.attention, model.kv_cache = "slim", "fp32"
+    report.clear()
+    sh = InteractiveShell.instance()
+    assert sh.run_cell(first["command"]).error_in_exec is None, first["command"]
+    again = report.recorded()[-1]
+    keys = ("attention", "kv_cache", "kv_kernel", "step", "threads", "prompt_tokens", "batch", "new_tokens",
+            "sampling", "prompt_sha256")
+    assert {k: again["workload"][k] for k in keys} == {k: first["workload"][k] for k in keys}
+    assert len(report.recorded()) == 2  # the command reruns the panel's two repeats
+    report.clear()
+    capsys.readouterr()
+
+
+def test_panel_output_carries_a_static_copy_of_its_figures(model):
+    """The panel's output: its widget view, with plain-SVG figures of the last run as the HTML
+    fallback (what a saved notebook shows where widgets cannot be drawn), refreshed when a run
+    ends; each decode bar's value is the run's median per-layer ms."""
+    import re
+
+    p = wb.panel(model)
+    before = p._mimebundle()
+    assert "application/vnd.jupyter.widget-view+json" in before and "no run yet" in before["text/html"]
+    p.prompt.value, p.new_tokens.value, p.warmup.value = "The capital of France is", 4, False
+    p.run()
+    page = p._mimebundle()["text/html"]
+    assert page.count("<svg") == 4 and "slim / fp32, batch 1" in page and "measured triad" in page
+    decode_svg = page[page.index("<svg"):page.index("</svg>")]
+    shown = {int(layer): float(ms) for layer, ms in re.findall(r"layer (\d+) attention: ([\d.]+) ms", decode_svg)}
+    rows = p.result.timings.per_layer("decode")
+    assert len(shown) == len(rows) == model.config.n_layers
+    assert all(abs(shown[r["layer"]] - r["attention_ms"]) <= 5e-4 for r in rows)  # printed to 3 decimals
+
+
+def test_panel_figures_before_a_run_and_rank_options(model):
+    p = wb.panel(model)
+    latency = p.plots.latency
+    assert tuple(latency.layout.xaxis.range) == (-0.5, model.config.n_layers - 0.5)  # the model's layers
+    assert any(a.text == "no run yet" for a in latency.layout.annotations)
+    assert p.backend.layout.display == "none" and p.check_topk.layout.display == "none"  # one rank: no collectives
+    if len(p.ranks.options) > 1:
+        p.ranks.value = 2
+        assert p.backend.layout.display is None and p.check_topk.layout.display is None
 
 
 def test_layers_box_only_for_random_presets(model):

@@ -6,6 +6,7 @@ when they change), so `%kvcache int8` and the panel's KV toggle are one state.""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 
@@ -13,6 +14,14 @@ class Session:
     def __init__(self):
         self._model = None
         self._listeners: list[Callable] = []
+        # Runs measured by the panel, waiting for the report layer (workbench.report, a floor
+        # below this one) to take them into the session's report, in order, as it records.
+        self.measured: list[dict] = []
+
+    def add_measurement(self, result, model, command: str, prompt: str | None = None) -> None:
+        """A generation measured outside the magics (the panel), for %report."""
+        self.measured.append({"result": result, "model": model, "command": command, "prompt": prompt,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
     @property
     def model(self):

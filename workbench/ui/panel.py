@@ -12,6 +12,11 @@ a progress bar, the sequences' text, the summary (median and min-max over the re
 export of the runs as JSON or CSV; the three figures of workbench.ui.plots, earlier runs
 kept as faint traces.
 
+Every measured run is recorded for `%report` (workbench.report.record) with a Python
+command that reproduces it. The panel's output carries a static copy of its figures (plain
+SVG, workbench.ui.static) as the HTML fallback of its widget view, refreshed when a run
+ends: a notebook saved after a run shows the figures wherever widgets cannot be drawn.
+
 Numbers: the warm-up run (same settings, untimed) takes first-call costs out of the
 measured runs; the figures show the run whose decode tokens/s is the median. Drawing
 during a run costs the machine CPU time: the browser repaints the figures while the model
@@ -33,15 +38,27 @@ import ipywidgets as W
 
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.config import PRESETS
-from workbench.model.kv_formats import KV_FORMATS
+from workbench.model.kv_formats import KV_FORMATS, kv_label, parse_kv
 from workbench.model.loaders import BUNDLED_MODEL
 from workbench.ui.plots import LivePlots
 
 RANDOM = " --random"
 FEW_CORES = 4  # at or below this many CPUs, figures are drawn only at the end of a run
-RUN_FIELDS = ("attention", "kv_cache", "batch", "prompt_len", "new_tokens", "repeat", "prefill_ms",
+RUN_FIELDS = ("attention", "kv_cache", "kv_kernel", "batch", "prompt_len", "new_tokens", "repeat", "prefill_ms",
               "time_to_first_token_ms", "decode_tokens_per_s", "decode_tokens_per_s_per_sequence", "decode_gbps",
               "decode_gflops")
+
+
+def _kv_value(fmt: str, kernel: str | None) -> str:
+    """A cache as the KV dropdown's value: "int8:tile" where the format has several kernels."""
+    kernels = KV_FORMATS[fmt].kernels
+    return f"{fmt}:{kernel or kernels[0]}" if len(kernels) > 1 else fmt
+
+
+def _kv_options() -> list[tuple[str, str]]:
+    """(label, value) for every format and each of its kernels, the default kernel first."""
+    return [(kv_label(name, kernel), _kv_value(name, kernel)) for name, fmt in KV_FORMATS.items()
+            for kernel in (fmt.kernels if len(fmt.kernels) > 1 else [None])]
 
 
 def _slider(cls, **kw):
@@ -74,8 +91,9 @@ class Panel:
         self.check_topk = W.Checkbox(value=False, description="check top-k (ranks > 1)", indent=False)
         self.cluster = None  # the cluster this panel started
         self.attention = W.ToggleButtons(options=list(ATTENTION_BACKENDS), value="slim", description="attention")
-        # a dropdown: the quality study's reference-path formats make the list long
-        self.kv_cache = W.Dropdown(options=list(KV_FORMATS), value="fp32", description="KV cache")
+        # a dropdown of every format and kernel ("int8 (dot)": int8 read by the dot kernel); the
+        # quality study's reference-path formats make the list long
+        self.kv_cache = W.Dropdown(options=_kv_options(), value="fp32", description="KV cache")
         self.batch = _slider(W.IntSlider, value=1, min=1, max=16, description="batch")
         self.prompt_len = _slider(W.IntSlider, value=64, min=8, max=1024, step=8, description="prompt tokens")
         self.new_tokens = _slider(W.IntSlider, value=32, min=2, max=256, description="new tokens")
@@ -103,8 +121,10 @@ class Panel:
         self.export_csv.on_click(lambda _: self._export_clicked("csv"))
         self.model_picker.observe(self._show_layers, "value")
         self.attention.observe(lambda c: self._toggle("attention", c["new"]), "value")
-        self.kv_cache.observe(lambda c: self._toggle("kv_cache", c["new"]), "value")
+        self.kv_cache.observe(lambda c: self._set_kv(c["new"]), "value")
         self.live.observe(lambda c: setattr(self.plots, "live", c["new"]), "value")
+        self.ranks.observe(self._show_rank_options, "value")
+        self._displays = []  # handles of this panel's outputs, refreshed with the static figures
         self.widget = W.VBox([
             W.HBox([self.model_picker, self.layers, self.ranks, self.load_button],
                    layout=W.Layout(flex_flow="row wrap")),
@@ -118,6 +138,7 @@ class Panel:
             self.note, self.summary, self.output, self.plots.box(),
         ], layout=W.Layout(width="100%"))
         self._show_layers()
+        self._show_rank_options()
         if self.follows_session:
             self.session.on_model(self._bind)
             model = self.session.model
@@ -131,15 +152,30 @@ class Panel:
         if model is not None:
             model.on_switch(lambda sw, m=model: self._show_switches(m))
             self._show_switches(model)
+            self.plots.set_layers(model.config.n_layers)  # empty figures' axes span the model's layers
         self.status.value = self._status_html()
 
     def _show_switches(self, model) -> None:
         if model is self.model:
-            self.attention.value, self.kv_cache.value = model.attention, model.kv_cache
+            self.attention.value, self.kv_cache.value = model.attention, _kv_value(model.kv_cache, model.kv_kernel)
 
     def _toggle(self, name: str, value: str) -> None:
         if self.model is not None and getattr(self.model, name) != value:
             setattr(self.model, name, value)
+
+    def _set_kv(self, value: str) -> None:
+        """The dropdown's "format:kernel" as the model's kv_cache and kv_kernel."""
+        if self.model is None or _kv_value(self.model.kv_cache, self.model.kv_kernel) == value:
+            return
+        fmt, kernel = parse_kv(value)
+        self.model.kv_cache = fmt  # resets the kernel to the format's default
+        if kernel is not None:
+            self.model.kv_kernel = kernel
+
+    def _show_rank_options(self, _=None) -> None:
+        """The collectives' backend and the top-k check mean something only with several ranks."""
+        shown = None if self.ranks.value > 1 else "none"
+        self.backend.layout.display = self.check_topk.layout.display = shown
 
     def _show_layers(self, _=None) -> None:
         self.layers.layout.display = None if self.model_picker.value.endswith(RANDOM) else "none"
@@ -183,7 +219,10 @@ class Panel:
             self._error(str(e))
             self.status.value = self._status_html()
             return
-        model.attention, model.kv_cache = self.attention.value, self.kv_cache.value
+        fmt, kernel = parse_kv(self.kv_cache.value)
+        model.attention, model.kv_cache = self.attention.value, fmt
+        if kernel is not None:
+            model.kv_kernel = kernel
         if self.follows_session:
             self.session.model = model  # the magics see it too; _bind follows
         else:
@@ -206,8 +245,7 @@ class Panel:
             self._error("no model loaded: pick one and press Load, or run %load_model first")
             return
         prompts, n = self.prompts(), self.new_tokens.value
-        settings = dict(max_new_tokens=n, attention=self.attention.value, kv_cache=self.kv_cache.value,
-                        stop_at_eos=False)
+        settings = dict(max_new_tokens=n, stop_at_eos=False)  # attention and KV: the model's switches (the toggles)
         repeats = self.repeats.value
         self.progress.max, self.progress.value = repeats * n, 0
         self.run_button.disabled = True
@@ -239,7 +277,8 @@ class Panel:
         rows = []
         for i, res in enumerate(results):
             s = res.timings.summary()
-            rows.append({"attention": res.switches.attention, "kv_cache": res.switches.kv_cache, "batch": batch,
+            rows.append({"attention": res.switches.attention, "kv_cache": res.switches.kv_cache,
+                         "kv_kernel": res.switches.kv_kernel, "kv": res.switches.kv_text, "batch": batch,
                          "prompt_len": len(res.prompt_token_ids[0]), "new_tokens": self.new_tokens.value,
                          "repeat": i + 1, **s, "decode_tokens_per_s_per_sequence": s["decode_tokens_per_s"] / batch,
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -247,14 +286,74 @@ class Panel:
         order = sorted(range(len(results)), key=lambda i: rows[i]["decode_tokens_per_s"])
         median = order[len(order) // 2]
         self.result = results[median]
-        label = f"{self.result.switches.attention} / {self.result.switches.kv_cache}, batch {batch}"
+        label = f"{self.result.switches.attention} / {self.result.switches.kv_text}, batch {batch}"
         self.plots.predicted = self._prediction(self.result)
         self.plots.finish(self.result.timings, label, batch, getattr(self.result, "topk_log", None))
         self.summary.value = self._summary_html(rows)
+        self._record(results)
+        self._refresh_displays()
         texts = self.result.text if isinstance(self.result.text, list) else [self.result.text]
         self.output.append_display_data(W.HTML(
             "".join(f"<div><b>sequence {b}</b> continues:<pre style='white-space: pre-wrap; margin: 2px 0'>"
                     f"{html.escape(t)}</pre></div>" for b, t in enumerate(texts))))
+
+    def _record(self, results) -> None:
+        """Every measured run into this session's report (through the session: the report layer
+        takes them when it records), with the command that reproduces it."""
+        command = self.reproduce_command()
+        prompt = self.prompt.value.strip() or None
+        for res in results:
+            self.session.add_measurement(res, self.model, command, prompt)
+
+    def reproduce_command(self) -> str:
+        """Python that loads the same model, sets the same switches and panel settings and runs
+        it again (in IPython or a notebook cell)."""
+        from workbench.runtime.threads import get_threads
+
+        m = self.model
+        args = dict(m.load_args)
+        name = args.pop("name_or_path", None) or m.config.name
+        defaults = {"random": False, "layers": None, "dtype": "fp32", "seed": 0, "max_batch": 1, "max_seq_len": None}
+        extra = "".join(f", {k}={v!r}" for k, v in args.items() if defaults.get(k, object()) != v)
+        cluster = getattr(m, "cluster", None)
+        lines = ["import workbench as wb", "from workbench.runtime.threads import set_threads",
+                 f"set_threads({get_threads()})"]
+        if cluster is not None:
+            lines += [f"cluster = wb.cluster({cluster.n}, backend={cluster.backend!r}, "
+                      f"threads_per_rank={cluster.threads_per_rank}, pin={cluster.pin})",
+                      f"model = cluster.load_model({name!r}{extra})",
+                      "model.set_options(" + ", ".join(f"{k}={v!r}" for k, v in vars(m.options).items()) + ")"]
+        else:
+            lines.append(f"model = wb.load_model({name!r}{extra})")
+        lines.append(f"model.attention, model.kv_cache = {m.attention!r}, {m.kv_cache!r}")
+        if m.kv_kernel is not None:
+            lines.append(f"model.kv_kernel = {m.kv_kernel!r}")
+        lines += ["p = wb.panel(model)",
+                  f"p.batch.value, p.prompt_len.value, p.new_tokens.value = {self.batch.value}, "
+                  f"{self.prompt_len.value}, {self.new_tokens.value}",
+                  f"p.prompt.value = {self.prompt.value!r}",
+                  f"p.repeats.value, p.warmup.value, p.check_topk.value = {self.repeats.value}, {self.warmup.value}, "
+                  f"{self.check_topk.value}",
+                  "p.run()"]
+        if cluster is not None:
+            lines.append("cluster.stop()")
+        return "\n".join(lines)
+
+    def _mimebundle(self) -> dict:
+        """The widget view, with the static figures of the last run as its HTML fallback."""
+        from workbench.ui.static import figures_html
+
+        bundle = dict(self.widget._repr_mimebundle_())
+        if self.result is not None:
+            label = f"{self.result.switches.attention} / {self.result.switches.kv_text}, batch {self.batch.value}"
+            bundle["text/html"] = figures_html(self.result.timings, label, self.batch.value, self.plots.peak_gbps)
+        else:
+            bundle["text/html"] = "<p><i>workbench panel: no run yet (its figures are drawn after a run)</i></p>"
+        return bundle
+
+    def _refresh_displays(self) -> None:
+        for handle in self._displays:
+            handle.update(self._mimebundle(), raw=True)
 
     def _prediction(self, result) -> dict | None:
         """The cost model's per-layer rows for the run's settings (the dashed line of the
@@ -283,7 +382,7 @@ class Panel:
         rate = (f"{spread('decode_tokens_per_s', 1)} tokens/s for all {batch} sequences together = "
                 f"{spread('decode_tokens_per_s_per_sequence', 1)} per sequence" if batch > 1 else
                 f"{spread('decode_tokens_per_s', 1)} tokens/s (one sequence)")
-        return (f"<b>{r0['attention']} / {r0['kv_cache']} KV, batch {batch}, {r0['prompt_len']} prompt tokens,"
+        return (f"<b>{r0['attention']} / {r0['kv']} KV, batch {batch}, {r0['prompt_len']} prompt tokens,"
                 f" {r0['new_tokens']} new</b> ({what}): prefill {spread('prefill_ms', 1)} ms | decode {rate} | "
                 f"{spread('decode_gbps', 2)} GB/s, {spread('decode_gflops', 1)} GFLOP/s")
 
@@ -317,7 +416,9 @@ class Panel:
     def _ipython_display_(self):
         from IPython.display import display
 
-        display(self.widget)
+        handle = display(self._mimebundle(), raw=True, display_id=True)
+        if handle is not None:
+            self._displays.append(handle)
 
 
 def panel(model=None) -> Panel:

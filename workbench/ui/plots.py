@@ -39,6 +39,7 @@ PHASES = ("prefill", "decode")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 FAINT = "rgba(120, 120, 120, 0.45)"
 MARGIN = dict(l=60, r=20, t=50, b=45)
+BELOW = {"orientation": "h", "y": -0.38, "yanchor": "top"}  # legends under the plot: it keeps its width when narrow
 
 
 def _axis(title: str, **kw) -> dict:
@@ -55,18 +56,21 @@ def _faint(name: str, x, y, **kw) -> dict:
 # from the run it is drawing (bench/generation.py --only plots). go.Figure(spec) validates
 # once, for users who want Figure objects.
 
-def latency_spec(timings: Timings, previous=(), title: str = "Per-layer latency", predicted=None) -> dict:
-    """Per-layer ms of each part, prefill (per prompt) and decode (per token) side by side;
-    earlier runs as faint totals; the cost model's prediction (Prediction.per_layer rows per
-    phase) as a dashed line."""
+def latency_spec(timings: Timings, previous=(), title: str = "Per-layer latency", predicted=None,
+                 n_layers: int | None = None) -> dict:
+    """Per-layer ms of each part, prefill (per prompt) above decode (per token); earlier runs
+    as faint totals; the cost model's prediction (Prediction.per_layer rows per phase) as a
+    dashed line. n_layers: the model's, so a figure with no run yet spans its layers."""
     earlier = [(label, {phase: t.per_layer(phase) for phase in PHASES}) for label, t in previous]
-    return per_layer_spec({phase: timings.per_layer(phase) for phase in PHASES}, earlier, title, predicted)
+    return per_layer_spec({phase: timings.per_layer(phase) for phase in PHASES}, earlier, title, predicted, n_layers)
 
 
 def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-layer latency",
-                   predicted: dict[str, list[dict]] | None = None) -> dict:
+                   predicted: dict[str, list[dict]] | None = None, n_layers: int | None = None) -> dict:
     """latency_spec from Timings.per_layer rows ({"prefill": [...], "decode": [...]}), which is
-    also what a report's JSON keeps; `predicted` has the same shape (the cost model's rows)."""
+    also what a report's JSON keeps; `predicted` has the same shape (the cost model's rows).
+    The two phases are stacked (not side by side), so their titles never collide in a narrow
+    view."""
     data = []
     for axis, phase in (("", "prefill"), ("2", "decode")):
         rows = layers[phase]
@@ -90,15 +94,23 @@ def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-
                          "line": {"color": "black", "dash": "dash", "width": 1.5}, "xaxis": f"x{axis}",
                          "yaxis": f"y{axis}",
                          "hovertemplate": f"predicted (roofline) layer %{{x}}: %{{y:.3f}} ms<br>{parts} ms<extra></extra>"})
-    note = {"xref": "paper", "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False}
-    layout = {"title": {"text": title}, "barmode": "stack", "height": 330, "margin": MARGIN,
-              "legend": {"orientation": "h", "y": -0.25},
-              "xaxis": _axis("layer", domain=[0, 0.46]), "xaxis2": _axis("layer", domain=[0.54, 1], anchor="y2"),
-              "yaxis": _axis("ms per prompt", rangemode="tozero"),
-              "yaxis2": _axis("ms per token (median of steps)", rangemode="tozero", anchor="x2"),
-              "annotations": [{**note, "x": 0.23, "text": "prefill: ms per prompt, per layer"},
-                              {**note, "x": 0.77, "text": "decode: ms per token, per layer (median)"}]}
+    note = {"xref": "paper", "yref": "paper", "x": 0, "xanchor": "left", "yanchor": "bottom", "showarrow": False}
+    span = {"range": [-0.5, n_layers - 0.5]} if n_layers and not layers["decode"] and not layers["prefill"] else {}
+    layout = {"title": {"text": title}, "barmode": "stack", "height": 580, "margin": {**MARGIN, "b": 90},
+              "legend": {"orientation": "h", "y": -0.2, "yanchor": "top"},
+              "xaxis": _axis("layer", anchor="y", **span), "xaxis2": _axis("layer", anchor="y2", matches="x"),
+              "yaxis": _axis("ms per prompt", rangemode="tozero", domain=[0.66, 1]),
+              "yaxis2": _axis("ms per token", rangemode="tozero", domain=[0, 0.36], anchor="x2"),
+              "annotations": [{**note, "y": 1.0, "text": "prefill, per prompt"},
+                              {**note, "y": 0.36, "text": "decode, per token (median of steps)"}]}
+    if not layers["decode"] and not layers["prefill"]:
+        layout["annotations"].append(_no_run_yet())
     return {"data": data, "layout": layout}
+
+
+def _no_run_yet() -> dict:
+    return {"xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5, "showarrow": False, "text": "no run yet",
+            "font": {"color": "gray", "size": 14}}
 
 
 def bandwidth_spec(timings: Timings, peak_gbps: float, previous=()) -> dict:
@@ -111,13 +123,16 @@ def bandwidth_spec(timings: Timings, peak_gbps: float, previous=()) -> dict:
                  "y": [s.gbps() for s in decode], "mode": "lines+markers"})
     top = 1.15 * max([peak_gbps, *(s.gbps() for s in decode)])
     # The peak is a shape across the whole plot, not a trace: it cannot be drawn with half its points.
-    layout = {"title": {"text": "Achieved memory bandwidth per decode step"}, "height": 300, "margin": MARGIN,
+    layout = {"title": {"text": "Bandwidth per decode step"}, "height": 340, "margin": MARGIN, "legend": BELOW,
               "xaxis": _axis("decode step"), "yaxis": _axis("GB/s (bytes read / step time)", range=[0, top]),
               "shapes": [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": peak_gbps,
                           "y1": peak_gbps, "line": {"dash": "dash", "color": "gray"}}],
               "annotations": [{"xref": "paper", "x": 0, "xanchor": "left", "yref": "y", "y": peak_gbps,
                                "yanchor": "bottom", "showarrow": False,
                                "text": f"measured peak: triad {peak_gbps:.1f} GB/s"}]}
+    if not decode:
+        layout["annotations"].append(_no_run_yet())
+        layout["xaxis"]["range"] = [1, 2]
     return {"data": data, "layout": layout}
 
 
@@ -133,8 +148,12 @@ def throughput_spec(timings: Timings, batch: int, previous=()) -> dict:
     if batch > 1:
         data.append({"type": "scatter", "name": "per sequence", "x": x, "mode": "lines+markers",
                      "y": [s.tokens / s.total_s / batch for s in decode], "line": {"dash": "dash"}})
-    layout = {"title": {"text": f"Decode throughput per step (batch {batch})"}, "height": 300, "margin": MARGIN,
+    layout = {"title": {"text": f"Tokens/s per decode step (batch {batch})"}, "height": 340, "margin": MARGIN,
+              "legend": BELOW,
               "xaxis": _axis("decode step"), "yaxis": _axis("tokens/s", rangemode="tozero")}
+    if not decode:
+        layout["annotations"] = [_no_run_yet()]
+        layout["xaxis"]["range"], layout["yaxis"]["range"] = [1, 2], [0, 1]
     return {"data": data, "layout": layout}
 
 
@@ -224,6 +243,7 @@ class LivePlots:
                                         for _ in range(2)]
         self.topk_log: list[dict] = []
         self.predicted: dict[str, list[dict]] | None = None  # the cost model's per-layer rows, drawn dashed
+        self.n_layers: int | None = None  # the model's, for the axes of figures with no run yet
         self._draw()
 
     @property
@@ -233,7 +253,7 @@ class LivePlots:
 
     @property
     def latency(self) -> go.Figure:
-        return latency_figure(self.timings, self.previous, self.predicted)
+        return go.Figure(latency_spec(self.timings, self.previous, predicted=self.predicted, n_layers=self.n_layers))
 
     @property
     def bandwidth(self) -> go.Figure:
@@ -248,6 +268,12 @@ class LivePlots:
         import ipywidgets
 
         return ipywidgets.VBox(self.outputs + self.distributed_outputs, layout=ipywidgets.Layout(width="100%"))
+
+    def set_layers(self, n_layers: int) -> None:
+        """The model's layer count: a figure with no run yet spans them."""
+        if n_layers != self.n_layers:
+            self.n_layers = n_layers
+            self._draw()
 
     def on_step(self, record, timings: Timings) -> None:
         """generate(on_step=...) hook: redraw, unless live is off or the last redraw was under
@@ -278,7 +304,8 @@ class LivePlots:
         self.updates += 1
         if self.outputs is None:
             return
-        specs = (latency_spec(self.timings, self.previous, predicted=self.predicted), bandwidth_spec(self.timings, self.peak_gbps, self.previous),
+        specs = (latency_spec(self.timings, self.previous, predicted=self.predicted, n_layers=self.n_layers),
+                 bandwidth_spec(self.timings, self.peak_gbps, self.previous),
                  throughput_spec(self.timings, self.batch, self.previous))
         for out, spec in zip(self.outputs, specs):
             out.outputs = (mime_bundle(spec),)  # one message per figure, replacing what was there
