@@ -63,11 +63,14 @@ def environment() -> dict:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
     except OSError:
-        commit = ""
+        commit, dirty = "", False
     return {
         "command": command_line(),
         "git_commit": commit,
+        "git_dirty": dirty,  # the tree had changes that commit does not hold
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -101,8 +101,11 @@ def render(runs: list[tuple[str, dict]]) -> str:
                    + peaks_line(env["peaks"]) + "\n")
         for name, data in items:
             e = data["environment"]
-            out.append(f"### {name}\n")
-            out.append(f"`{e['command']}` at commit {e['git_commit'][:10] or '?'}, {e['time']}, {e['threads']} threads.\n")
+            script = e["command"].split()[1] if len(e["command"].split()) > 1 else name
+            dirty = " with uncommitted changes" if e.get("git_dirty") else ""
+            out.append(f"### {Path(script).stem}\n")
+            out.append(f"`{e['command']}` at commit {e['git_commit'][:10] or '?'}{dirty}, {e['time']}, "
+                       f"{e['threads']} threads.\n")
             out += [markdown_table(t) + "\n" for t in data["tables"]]
     return "\n".join(out).rstrip() + "\n"
 

@@ -25,6 +25,20 @@ def kernels(request) -> KernelSet:
     return ks
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """README's main job, `workbench demo`, run once at small sizes as a user runs it (a real
+    process) for the tests that read what it prints and writes: (the finished process, its
+    output folder holding demo.json, demo-report.json and demo-report.html)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo")
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--short-tokens", "8", "--long-tokens", "40",
+                           "--new-tokens", "4", "--out", str(out / "demo.json")], capture_output=True, text=True)
+    return done, out
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -18,9 +18,9 @@ def test_generate_streams_text_and_reports_timings():
     assert "tokens/s" in r.stdout and "kv_cache=int8" in r.stdout
 
 
-def test_demo_writes_a_row_per_configuration(tmp_path):
-    out = tmp_path / "demo.json"
-    r = run("demo", "--short-tokens", "8", "--long-tokens", "40", "--new-tokens", "4", "--out", str(out))
+def test_demo_writes_a_row_per_configuration(demo_run):
+    r, folder = demo_run  # workbench demo --short-tokens 8 --long-tokens 40 --new-tokens 4 (conftest)
+    out = folder / "demo.json"
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
     from workbench.model.kv_formats import KERNEL_FORMATS, kernel_configs
@@ -35,7 +35,7 @@ def test_demo_writes_a_row_per_configuration(tmp_path):
     naive_fp32 = [r for r in rows if r["attention"] == "naive" and r["kv_cache"] == "fp32"]
     assert all(r["top1_agreement"] == 1.0 for r in naive_fp32)  # the reference agrees with itself
     assert "top1_agreement" in r.stdout
-    assert (tmp_path / "demo-report.html").is_file() and (tmp_path / "demo-report.json").is_file()
+    assert (folder / "demo-report.html").is_file() and (folder / "demo-report.json").is_file()
 
 
 def test_user_mistakes_exit_with_a_message():

@@ -49,6 +49,21 @@ def test_load_switch_generate(shell, capsys):
         "attention = flash", "kv_cache = int8 (tile); other kernels: dot, widen (%kvcache int8 --kernel ...)"]
 
 
+def test_ignore_eos_generates_the_length_asked_for(shell, capsys):
+    """A chat reply ends at end-of-sequence (and says so); with --ignore-eos the same
+    generation runs to -n, as timed runs and fault tests need."""
+    run(shell, "%load_model smollm2-135m")
+    capsys.readouterr()
+    assert run(shell, "%generate -n 48 --chat Answer with one word: is the sky blue")[1] is None
+    stopped = shell.user_ns["wb_result"]
+    assert len(stopped.token_ids) < 48 and "stopped at end-of-sequence" in capsys.readouterr().out
+    assert run(shell, "%generate -n 48 --ignore-eos --chat Answer with one word: is the sky blue")[1] is None
+    full = shell.user_ns["wb_result"]
+    assert len(full.token_ids) == 48 and full.sampling["stop_at_eos"] is False
+    assert full.token_ids[:len(stopped.token_ids)] == stopped.token_ids  # greedy: the same reply, then more
+    assert "stopped at end-of-sequence" not in capsys.readouterr().out
+
+
 def test_a_trained_model_cut_short_warns(shell, capsys):
     _, err = run(shell, "%load_model smollm2-135m --layers 2")
     assert err is None

@@ -62,7 +62,7 @@ def test_render_groups_by_host_and_day_and_keeps_every_cell(tmp_path):
     assert "AVX-512, AVX512-BF16, AMX; 48 KiB L1d, 2 MiB L2" in page
     assert "AVX2, no AMX" in page
     assert "triad 28.9 GB/s (15.8 on one thread), fp32 FMA 428 GFLOP/s, AVX512-BF16 221 GFLOP/s, AMX bf16 6256" in page
-    assert "`python bench/linear.py --m 32` at commit 0123456789" in page
+    assert "### linear\n" in page and "`python bench/linear.py --m 32` at commit 0123456789," in page
     assert "| ours \\| bf16 | 1.00 (0.90-1.10) |" in page  # a cell's pipe cannot split the row
     assert "**Linear**" in page
 

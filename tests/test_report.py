@@ -274,20 +274,16 @@ def test_report_holds_the_cost_model_per_part(written):
     assert "Cost model: predicted vs measured per part" in page and "roofline prediction" in page
 
 
-def test_the_demos_report_opens_offline_and_validates(tmp_path):
-    """The README's main job: `workbench demo` writes a report; Chromium opens it from the file
-    with every non-file request blocked, and the figures draw."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "demo.json"
-    r = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--short-tokens", "8", "--long-tokens", "32",
-                        "--new-tokens", "4", "--out", str(out)], capture_output=True, text=True)
+def test_the_demos_report_opens_offline_and_validates(demo_run):
+    """The README's main job: `workbench demo` writes a report (the run is conftest's, shared
+    with test_cli); Chromium opens it from the file with every non-file request blocked, and
+    the figures draw."""
+    r, folder = demo_run
     assert r.returncode == 0, r.stderr
-    data = json.loads((tmp_path / "demo-report.json").read_text())
+    data = json.loads((folder / "demo-report.json").read_text())
     pytest.importorskip("jsonschema").validate(data, SCHEMA)
     assert [e["kind"] for e in data["entries"]] == ["ablation", "generation"]
-    with offline_page(tmp_path / "demo-report.html") as (page, requests, _):
+    with offline_page(folder / "demo-report.html") as (page, requests, _):
         page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 2")
         drawn = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(d => d.id)")
         points = page.evaluate("() => document.getElementById('fig-roofline').data[1].x.length")

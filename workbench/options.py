@@ -40,6 +40,8 @@ GENERATE_OPTIONS: list[Option] = [
     (("--top-p",), dict(type=float, default=None)),
     (("--seed",), dict(type=int, default=0, help="sampling seed")),
     (("--chat",), dict(action="store_true", help="wrap the prompt in the model's chat template")),
+    (("--ignore-eos",), dict(action="store_true",
+                             help="generate all --max-new-tokens even past end-of-sequence (timed runs, fault tests)")),
 ]
 
 
@@ -63,7 +65,8 @@ def magic_options(options: list[Option]):
 def generate_kwargs(args) -> dict:
     """The keyword arguments of Model.generate from parsed GENERATE_OPTIONS."""
     return dict(max_new_tokens=args.max_new_tokens, attention=args.attention, kv_cache=args.kv_cache,
-                kv_kernel=args.kv_kernel, step=args.step, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                kv_kernel=args.kv_kernel, step=args.step, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, stop_at_eos=not args.ignore_eos)
 
 
 def chat_prompt(model, prompt: str, chat: bool) -> str:
