@@ -130,6 +130,7 @@ def test_distributed_magics_in_a_real_shell(capsys):
         first = report.recorded()[-1]
         out, err = run("%distributed status")
         assert "rank 1: KV heads (2, 3)" in out and "segment" in out
+        assert out.count("memory policy bind [") == 2  # --pin: each rank's memory bound to its node
         assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
     finally:
         out, err = run("%distributed stop")

@@ -34,6 +34,7 @@ from workbench.distributed import engine, watchdog
 from workbench.distributed.backends import backend as backend_record
 from workbench.distributed.comm import shm_capacity_bytes
 from workbench.distributed.tp import TPOptions
+from workbench.hw.topology import place_ranks, read_topology
 from workbench.model.switches import SwitchProperties, Switches
 from workbench.model.timing import Timings
 
@@ -81,41 +82,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def numa_cpus() -> list[list[int]]:
-    """CPUs of each NUMA node (sysfs), or one node with every CPU this process may use."""
-    from pathlib import Path
-
-    allowed = sorted(os.sched_getaffinity(0))
-    nodes = []
-    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
-        cpus = []
-        for part in (node / "cpulist").read_text().strip().split(","):
-            if part:
-                lo, _, hi = part.partition("-")
-                cpus += range(int(lo), int(hi or lo) + 1)
-        cpus = [c for c in cpus if c in allowed]
-        if cpus:
-            nodes.append(cpus)
-    return nodes or [allowed]
-
-
-def pin_plan(ranks: int, threads_per_rank: int) -> list[list[int]]:
-    """Disjoint CPU sets, one per rank: ranks spread over NUMA nodes first (rank r on node
-    r mod nodes), then consecutive cores within a node."""
-    nodes = numa_cpus()
-    taken = [0] * len(nodes)
-    plan = []
-    for r in range(ranks):
-        n = r % len(nodes)
-        cpus = nodes[n][taken[n]:taken[n] + threads_per_rank]
-        if len(cpus) < threads_per_rank:
-            raise ValueError(f"--pin: node {n} has {len(nodes[n])} CPUs, not enough for {threads_per_rank} threads "
-                             f"for each of its ranks")
-        taken[n] += threads_per_rank
-        plan.append(cpus)
-    return plan
-
-
 def mpi_defaults(iface: str | None) -> dict:
     """The MPI launcher on one host with the mpiexec of the ccl extra's impi-rt wheel (Intel
     MPI's hydra): processes forked locally, talking over `iface`. For several hosts, pass
@@ -157,7 +123,11 @@ class Cluster:
         self.iface = iface or ("lo" if launcher in ("local", "mpi") else None)
         self.launcher_config = launcher_config or {}  # e.g. {"SSHEngineSetLauncher": {"engines": {...}}}
         self.shm_capacity = shm_capacity_bytes(shm_capacity_mb)
-        self.cpus = pin_plan(n, threads_per_rank) if pin else [None] * n
+        # --pin: each rank's CPUs and NUMA node (workbench.hw.topology: sockets first, then SNC
+        # nodes, whole cores before SMT siblings); the engine binds its memory to that node
+        placement = place_ranks(read_topology(), n, threads_per_rank) if pin else None
+        self.cpus = [p.cpus for p in placement] if placement else [None] * n
+        self.nodes = [p.node for p in placement] if placement else [None] * n
         self.ipp_cluster = self.client = None
         self.engines: list[dict] = []
         self.shm_path = None
@@ -199,7 +169,7 @@ class Cluster:
             ids = sorted(self.client.ids)[:self.n]
             self.engine_ids = ids
             self._gather([self.client[eid].apply_async(engine.prepare, self.threads_per_rank, self.cpus[rank],
-                                                       self.backend) for rank, eid in enumerate(ids)],
+                                                       self.backend, self.nodes[rank]) for rank, eid in enumerate(ids)],
                          "building the kernels")
             rendezvous = backend_record(self.backend).rendezvous(self, ids)
             ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)

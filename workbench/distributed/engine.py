@@ -41,10 +41,20 @@ def make_comm(backend: str, rank: int, world: int, timeout_s: float, rendezvous:
     return record(backend).connect(rank, world, timeout_s, rendezvous)
 
 
-def prepare(threads: int, cpus: list[int] | None, backend: str) -> None:
-    """Pin (if asked), set the thread count, build the kernels (and the backend's binding)."""
+def prepare(threads: int, cpus: list[int] | None, backend: str, node: int | None = None) -> None:
+    """Pin (if asked): CPUs, and memory bound to their NUMA node (MPOL_BIND, before the thread
+    pool starts, so its threads inherit it; a refusal is kept and shown by %distributed status,
+    not raised). Then the thread count, the kernels and the backend's binding."""
+    from workbench.hw.topology import bind_memory
+
     if cpus:
-        os.sched_setaffinity(0, cpus)  # memory this process touches from now on lands on these CPUs' node
+        os.sched_setaffinity(0, cpus)
+    STATE["memory_binding"] = None
+    if node is not None:
+        try:
+            bind_memory([node])
+        except OSError as e:
+            STATE["memory_binding"] = f"not bound to node {node}: {e}"
     torch.set_num_threads(threads)
     from workbench.kernels import native
 
@@ -62,11 +72,21 @@ def ccl_address(world: int, iface: str | None) -> bytes:
 
 def setup(rank: int, world: int, backend: str, rendezvous: dict, timeout_s: float) -> dict:
     """Join the collective (every rank at once)."""
+    from workbench.hw.topology import memory_policy, read_topology
+
+    binding = STATE.get("memory_binding")
     STATE.clear()
     STATE.update(rank=rank, world=world, backend=backend,
                  comm=make_comm(backend, rank, world, timeout_s, rendezvous), model=None)
+    cpus = sorted(os.sched_getaffinity(0))
+    topology = read_topology()
+    try:
+        mode, nodes = memory_policy()
+        memory = binding or (f"{mode} {nodes}" if nodes else mode)
+    except OSError as e:
+        memory = f"unknown: {e}"
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "threads": torch.get_num_threads(),
-            "cpus": sorted(os.sched_getaffinity(0))}
+            "cpus": cpus, "nodes": sorted({topology.node_of(c) for c in cpus}), "memory_policy": memory}
 
 
 def load(name: str, kwargs: dict, options: dict) -> dict:
