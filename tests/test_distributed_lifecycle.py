@@ -248,3 +248,34 @@ def test_a_killed_client_leaves_no_process_segment_or_connection_file(tmp_path):
     cluster = Cluster(2, backend="shm").start()
     cluster.stop()
     assert not cluster.shm_path.exists()
+
+
+def test_a_distributed_session_in_a_real_kernel_logs_nothing_alarming(tmp_path):
+    """In a Jupyter kernel (as a notebook runs it): start, load, a streamed generation and a
+    normal stop print what they say and nothing else: no engine traceback on stop ("Event loop
+    stopped before Future completed"), no "unhandled iopub msg_type" warnings while tokens
+    stream, neither in the cells' outputs nor in the kernel's own log (the JupyterLab
+    terminal's)."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    log = tmp_path / "kernel.log"
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    with log.open("w") as f:
+        km.start_kernel(stdout=f, stderr=f)
+    kc = km.client()
+    kc.start_channels()
+    outputs = []
+    try:
+        kc.wait_for_ready(timeout=120)
+        for code in ("%load_ext workbench", "%distributed start -n 2 --backend shm", "%load_model smollm2-135m",
+                     "%generate -n 8 The capital of France is", "%distributed stop"):
+            reply = kc.execute_interactive(code, timeout=600, output_hook=outputs.append)
+            assert reply["content"]["status"] == "ok", (code, reply["content"])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    texts = [str(m["content"]) for m in outputs if m["msg_type"] in ("stream", "error", "display_data")]
+    said = "".join(texts) + log.read_text()
+    assert "Paris" in said and "cluster stopped" in said
+    assert not [m for m in outputs if m["msg_type"] == "error"]
+    for alarming in ("Traceback", "unhandled iopub", "Event loop stopped", "Error"):
+        assert alarming not in said, (alarming, said[-3000:])
