@@ -168,6 +168,25 @@ def test_panel_output_carries_a_static_copy_of_its_figures(model):
     assert all(abs(shown[r["layer"]] - r["attention_ms"]) <= 5e-4 for r in rows)  # printed to 3 decimals
 
 
+def test_panel_sets_a_run_against_the_previous_one(model):
+    """Three repeats by default; the second run's summary compares it with the first: a ratio
+    beyond both spreads, or a warning that the difference is within them."""
+    p = wb.panel(model)
+    assert p.repeats.value == 3
+    p.prompt.value, p.new_tokens.value, p.warmup.value = "The capital of France is", 4, False
+    p.run()
+    assert "previous run" not in p.summary.value and "(min-max) of 3 runs" in p.summary.value
+    p.kv_cache.value = "fp16"
+    p.run()
+    said = p.summary.value
+    assert "previous run (slim / fp32, batch 1" in said
+    assert ("within the run-to-run spread" in said) != ("beyond the spread of both" in said)
+    p.repeats.value = 1
+    p.run()
+    assert "no spread to tell it from noise" in p.summary.value
+    model.kv_cache = "fp32"
+
+
 def test_panel_figures_before_a_run_and_rank_options(model):
     p = wb.panel(model)
     latency = p.plots.latency

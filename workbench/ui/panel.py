@@ -99,7 +99,8 @@ class Panel:
         self.new_tokens = _slider(W.IntSlider, value=32, min=2, max=256, description="new tokens")
         self.prompt = W.Textarea(value="", placeholder="prompt (empty: an excerpt of the Apache license, cut to "
                                  "'prompt tokens')", layout=W.Layout(width="100%", height="60px"))
-        self.repeats = W.BoundedIntText(value=1, min=1, max=20, description="repeats", layout=W.Layout(width="160px"))
+        # three measured runs by default: every number the panel shows has a spread beside it
+        self.repeats = W.BoundedIntText(value=3, min=1, max=20, description="repeats", layout=W.Layout(width="160px"))
         self.warmup = W.Checkbox(value=True, description="warm-up run first", indent=False)
         few = (os.cpu_count() or 1) <= FEW_CORES
         self.live = W.Checkbox(value=not few, description="draw live", indent=False,
@@ -289,7 +290,8 @@ class Panel:
         label = f"{self.result.switches.attention} / {self.result.switches.kv_text}, batch {batch}"
         self.plots.predicted = self._prediction(self.result)
         self.plots.finish(self.result.timings, label, batch, getattr(self.result, "topk_log", None))
-        self.summary.value = self._summary_html(rows)
+        self.summary.value = self._summary_html(rows) + self._against_previous(rows)
+        self._previous_rows = rows
         self._record(results)
         self._refresh_displays()
         texts = self.result.text if isinstance(self.result.text, list) else [self.result.text]
@@ -366,6 +368,25 @@ class Panel:
             self.output.append_stdout(f"no roofline prediction drawn: {e}\n")
             return None
         return p.per_layer_ms()
+
+    def _against_previous(self, rows: list[dict]) -> str:
+        """This run against the one before it (other settings, drawn faint): a ratio of decode
+        tokens/s, or a warning when their min-max ranges overlap (the difference is within the
+        run-to-run spread), or when either run had one repeat (no spread to judge by)."""
+        before = getattr(self, "_previous_rows", None)
+        if not before:
+            return ""
+        now, then = ([r["decode_tokens_per_s"] for r in rs] for rs in (rows, before))
+        name = f"{before[0]['attention']} / {before[0]['kv']}, batch {before[0]['batch']}"
+        ratio = statistics.median(now) / statistics.median(then)
+        if len(now) == 1 or len(then) == 1:
+            return (f"<br><b>warning:</b> {ratio:.2f}x the decode tokens/s of the previous run ({html.escape(name)}) "
+                    f"with one run on a side: no spread to tell it from noise (set repeats to 3 or more)")
+        if min(now) <= max(then) and min(then) <= max(now):
+            return (f"<br><b>warning:</b> decode tokens/s within the run-to-run spread of the previous run "
+                    f"({html.escape(name)}: {min(then):.1f}-{max(then):.1f}); the {ratio:.2f}x between medians is "
+                    f"not a difference")
+        return f"<br>{ratio:.2f}x the decode tokens/s of the previous run ({html.escape(name)}), beyond the spread of both"
 
     @staticmethod
     def _summary_html(rows: list[dict]) -> str:
