@@ -218,7 +218,11 @@ def test_ablation_figure_has_a_bar_per_configuration(model):
     from workbench.analysis.ablation import run_ablation
     from workbench.ui.plots import ablation_figure
 
-    rows = run_ablation(model, ["slim", "naive"], ["int8"], prompt_lens=[16], new_tokens=2)
+    rows = run_ablation(model, ["slim", "naive"], ["int8"], prompt_lens=[16], new_tokens=2, repeats=2)
     fig = ablation_figure(rows)
     assert len(fig.data) == 2 and len(fig.data[0].x) == 2
     assert all(0 <= y <= 1 for y in fig.data[1].y)
+    assert fig.data[0].x[0] == "slim/int8 (tile) len 16 b1"  # the kernel that read the cache, named
+    bars = fig.data[0]  # the error bars reach each row's min and max
+    for r, y, up, down in zip(rows, bars.y, bars.error_y.array, bars.error_y.arrayminus):
+        assert (y + up, y - down) == pytest.approx((r.decode_tokens_per_s_max, r.decode_tokens_per_s_min))

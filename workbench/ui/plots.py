@@ -320,14 +320,22 @@ class LivePlots:
 
 
 def ablation_figure(rows) -> go.Figure:
-    """One bar per configuration: decode tokens/s (left) and top-1 agreement with the naive /
-    fp32-cache reference (right), for the rows of workbench.analysis.ablation.run_ablation
-    (AblationRow objects or their dicts)."""
+    """One bar per configuration: decode tokens/s, the median with min-max error bars over the
+    repeats (left), and top-1 agreement with the naive / fp32-cache reference (right), for the
+    rows of workbench.analysis.ablation.run_ablation (AblationRow objects or their dicts)."""
+    from workbench.model.kv_formats import kv_label
+
     rows = [r if isinstance(r, dict) else r.__dict__ for r in rows]
-    labels = [f"{r['attention']}/{r['kv_cache']} len {r['prompt_len']} b{r['batch']}" for r in rows]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s (all sequences)",
-                                                        "top-1 agreement with naive attention + fp32 cache"))
-    fig.add_bar(x=labels, y=[r["decode_tokens_per_s"] for r in rows], row=1, col=1, name="tokens/s")
+    labels = [f"{r['attention']}/{kv_label(r['kv_cache'], r.get('kv_kernel'))} len {r['prompt_len']} b{r['batch']}"
+              for r in rows]
+    repeats = max(r.get("repeats", 1) for r in rows)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"decode tokens/s, median (min-max) of {repeats}",
+                                                        "top-1 agreement with naive + fp32 cache"))
+    tps = [r["decode_tokens_per_s"] for r in rows]
+    spread = {"type": "data", "symmetric": False,
+              "array": [max(r.get("decode_tokens_per_s_max") or t, t) - t for r, t in zip(rows, tps)],
+              "arrayminus": [t - min(r.get("decode_tokens_per_s_min") or t, t) for r, t in zip(rows, tps)]}
+    fig.add_bar(x=labels, y=tps, error_y=spread, row=1, col=1, name="tokens/s")
     fig.add_bar(x=labels, y=[r["top1_agreement"] for r in rows], row=1, col=2, name="agreement")
     fig.update_yaxes(title_text="tokens/s", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="fraction of positions", range=[0, 1.05], row=1, col=2)
