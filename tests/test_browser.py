@@ -20,6 +20,7 @@ Needs Debian's chromium (/usr/bin/chromium) and the playwright and jupyterlab pa
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -66,12 +67,20 @@ def lab(tmp_path_factory):
         (work / name).write_text((ROOT / name).read_text())
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "the notebook as stored"], check=True)
+    # JupyterLab 4 renders only the cells near the viewport (its windowing modes); the checks
+    # below read outputs anywhere in the notebook, so every cell is rendered (a user setting
+    # in a folder of the test's own).
+    settings = tmp_path_factory.mktemp("lab-settings")
+    (settings / "@jupyterlab" / "notebook-extension").mkdir(parents=True)
+    (settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
+        json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), "workbench-test"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--allow-root",
          "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
     url = f"http://127.0.0.1:{port}"
     # Wait for the server's own readiness line (its URL); if the process exits first, fail
     # with its output. Afterwards a thread keeps draining the pipe so the server never
@@ -157,9 +166,9 @@ def test_quickstart_in_jupyterlab(lab):
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
         errors = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        # Every wait below is for a condition, with no time limit: the test checks what the
-        # page does, not how fast (a hang is CI's to stop).
-        page.set_default_timeout(0)
+        # Every wait below is for a condition; the limit is a hang guard far beyond any run
+        # (a missed condition fails here instead of holding CI), not a timing assertion.
+        page.set_default_timeout(600_000)
 
         def open_notebook():
             page.goto(f"{url}/lab/tree/quickstart.ipynb?token={token}")
