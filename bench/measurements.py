@@ -76,14 +76,18 @@ def markdown_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def read_result(path: Path) -> dict:
+    """A bench script's results JSON, refused with the reason if it is not one."""
+    data = json.loads(path.read_text())
+    if not data.get("environment") or "tables" not in data:
+        raise SystemExit(f"{path}: not a benchmark result (needs 'environment' and 'tables'; rerun the bench script)")
+    return data
+
+
 def load(folder: Path) -> list[tuple[str, dict]]:
     runs = []
     for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
-        env = data.get("environment")
-        if not env or "tables" not in data:
-            raise SystemExit(f"{path}: not a benchmark result (needs 'environment' and 'tables'; rerun the bench script)")
-        runs.append((path.stem, data))
+        runs.append((path.stem, read_result(path)))
     return runs
 
 
@@ -114,10 +118,7 @@ def add(paths: list[Path]) -> None:
     """Copy results into docs/results/, named by day, host and benchmark."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     for path in paths:
-        data = json.loads(path.read_text())
-        env = data.get("environment")
-        if not env or "tables" not in data:
-            raise SystemExit(f"{path}: not a benchmark result (needs 'environment' and 'tables')")
+        env = read_result(path)["environment"]
         host = re.sub(r"[^a-z0-9]+", "-", env["machine"]["cpu_model"].lower()).strip("-")
         isa = env["kernels"].get("isa", "unknown")
         target = RESULTS / f"{env['time'][:10]}-{host}-{isa}-{path.stem}.json"
