@@ -2,7 +2,12 @@
 // formed, so a user's mistake becomes a Python exception (ValueError / TypeError)
 // that names the argument, what it was and what is accepted, never a crash.
 // The kernels themselves (kernels.h) trust their arguments.
-#include <torch/extension.h>
+// torch/python.h (tensor type casters for pybind11) and ATen, not torch/extension.h: that one
+// adds the whole C++ frontend (nn, optim, data), which these bindings do not use and which
+// was most of this unit's compile time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <cmath>

@@ -12,7 +12,8 @@
 // oneCCL errors become Python RuntimeErrors naming the call. oneCCL has no timeout of its
 // own: a dead rank is detected by the client (workbench.distributed.cluster), which stops
 // the engines.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>  // not torch/extension.h: see bindings.cpp
 
 #include <cstring>
 #include <memory>
