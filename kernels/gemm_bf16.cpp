@@ -210,59 +210,96 @@ WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows,
   }
 }
 
-// acc[8 rows][2 token vectors] over all K pairs, then stored to c (rows ldc floats apart).
-// w rows r0..r0+7 (clamped to `rows`: a short block repeats its last row, never stored);
-// x packed as for the tiles: pair p of token tile jt at xb + ((p / 16) token_tiles + jt) 256
-// + (p % 16) 16 dwords.
-WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[8][2], const uint32_t* bp, const uint32_t (&pairs)[8]) {
+// acc[MR rows][2 token vectors] over pairs [p0, p1) of K (p0 a multiple of 16), then stored
+// to (or added into) c (rows ldc floats apart). w rows r0..r0+MR-1 (clamped to `rows`: a short
+// block repeats its last row, never stored); x packed as for the tiles: pair p of token tile
+// jt at xb + ((p / 16) token_tiles + jt) 256 + (p % 16) 16 dwords, so the 16 pairs of one
+// tile are 64 bytes apart and the pair of the next token tile 1 KB on.
+template <int MR>
+WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[MR][2], const uint32_t* bp, const uint16_t* const (&wr)[MR],
+                                   int64_t p) {
   const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp));
   const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp + 256));
-  for (int r = 0; r < 8; ++r) {
-    const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r])));
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    uint32_t pair;
+    std::memcpy(&pair, wr[r] + 2 * p, 4);  // rows need not be 4-byte aligned
+    const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
     acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
     acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
   }
 }
 
-WBK_AMX_TARGET void block_8x32_dp(const uint16_t* w, int64_t K, int64_t rows, const uint32_t* xb,
-                                  int64_t token_tiles, int64_t jt, float* c, int64_t ldc) {
-  constexpr int MR = 8;
-  const uint32_t* wr[MR];  // each row as pairs of K
-  for (int r = 0; r < MR; ++r) wr[r] = reinterpret_cast<const uint32_t*>(w + std::min<int64_t>(r, rows - 1) * K);
+template <int MR>
+WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t K, int64_t rows, const uint32_t* xb, int64_t token_tiles,
+                             int64_t jt, int64_t p0, int64_t p1, float* c, int64_t ldc, bool accumulate) {
+  const uint16_t* wr[MR];
+  for (int r = 0; r < MR; ++r) wr[r] = w + std::min<int64_t>(r, rows - 1) * K;
   __m512 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t full_pairs = K / 2;
-  uint32_t pairs[MR];
-  for (int64_t p = 0; p < full_pairs; ++p) {
-    for (int r = 0; r < MR; ++r) std::memcpy(&pairs[r], wr[r] + p, 4);  // rows need not be 4-byte aligned
-    dp_step(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, pairs);
+  const int64_t full_end = std::min(p1, K / 2);
+  int64_t p = p0;
+  for (; p + 16 <= full_end; p += 16) {  // whole tiles: the 16 steps at constant offsets
+    const uint32_t* bt = xb + ((p / 16) * token_tiles + jt) * 256;
+#pragma GCC unroll 16
+    for (int q = 0; q < 16; ++q) dp_step<MR>(acc, bt + q * 16, wr, p + q);
   }
-  if (K % 2) {  // the last value alone, its pair's other half zero (never read past the row)
-    for (int r = 0; r < MR; ++r) pairs[r] = reinterpret_cast<const uint16_t*>(wr[r])[K - 1];
-    dp_step(acc, xb + ((full_pairs / 16) * token_tiles + jt) * 256 + (full_pairs % 16) * 16, pairs);
+  for (; p < full_end; ++p) dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p);
+  if (K % 2 && p1 > K / 2) {  // the last value alone, its pair's other half zero (never read past the row)
+    const uint16_t* last[MR];
+    uint16_t tail[MR][2] = {};
+    for (int r = 0; r < MR; ++r) {
+      tail[r][0] = wr[r][K - 1];
+      last[r] = tail[r];
+    }
+    dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, last, 0);
   }
   for (int r = 0; r < MR; ++r) {
-    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+    float* cr = c + r * ldc;
+    if (accumulate) {
+      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(cr));
+      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(cr + 16));
+    }
+    _mm512_storeu_ps(cr, acc[r][0]);
+    _mm512_storeu_ps(cr + 16, acc[r][1]);
   }
 }
 
-// The AVX512-BF16 tasks: each 8-row block of the task's rows against each 32-token pair of
-// tiles over all of K, then the transposed store.
+constexpr int kDpRows = 8;  // MR of the AVX512-BF16 block
+
+// The AVX512-BF16 tasks. K is cut into slices: within a slice, each 32-token piece of packed x
+// stays in L1 while every kDpRows-row block of the task's rows (in L2) passes over it. A
+// task's partial sums live in its fp32 buffer across slices; then the transposed store.
+// Pairs of K per slice: the 32-token piece of x (32 x 4 bytes a pair) takes two thirds of the
+// L1d, the rest is for the rows of w streaming through (smaller and larger slices measured
+// slower).
+int64_t dp_pairs_per_slice() {
+  static const int64_t pairs = [] {
+    long l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    if (l1d <= 0) l1d = 32 * 1024;  // not reported: the smallest L1d of a CPU with AVX512-BF16
+    return std::max<int64_t>(64, l1d * 2 / 3 / (32 * 4) / 16 * 16);
+  }();
+  return pairs;
+}
+
 WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K,
                                  int64_t tokens_per_block, int64_t token_tiles, int64_t block_elems,
                                  int64_t n_blocks, const uint16_t* xp, bool stream, int64_t begin, int64_t end) {
-  Scratch cs(0, kRows * tokens_per_block);
+  Scratch cs(0, (kRows + kDpRows - 1) / kDpRows * kDpRows * tokens_per_block);  // whole blocks of rows
   float* ct = cs.data();
+  const int64_t pairs = (K + 1) / 2, slice = dp_pairs_per_slice();
   for (int64_t t = begin; t < end; ++t) {
     const int64_t nb = t % n_blocks, mb = t / n_blocks;
     const int64_t n0 = nb * kRows, rows = std::min(kRows, N - n0);
     const int64_t m0 = mb * tokens_per_block, tokens = std::min(tokens_per_block, M - m0);
     const uint32_t* xb = reinterpret_cast<const uint32_t*>(xp + mb * block_elems);
-    for (int64_t jt = 0; jt < (tokens + 31) / 32 * 2; jt += 2)
-      for (int64_t r0 = 0; r0 < rows; r0 += 8)
-        block_8x32_dp(w + (n0 + r0) * K, K, rows - r0, xb, token_tiles, jt, ct + r0 * tokens_per_block + jt * 16,
-                      tokens_per_block);
+    for (int64_t p0 = 0; p0 < pairs; p0 += slice) {
+      const int64_t p1 = std::min(pairs, p0 + slice);
+      for (int64_t jt = 0; jt < (tokens + 31) / 32 * 2; jt += 2)
+        for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)
+          block_dp<kDpRows>(w + (n0 + r0) * K, K, rows - r0, xb, token_tiles, jt, p0, p1,
+                            ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
+    }
     store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N, stream);
   }
   if (stream) _mm_sfence();

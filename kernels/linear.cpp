@@ -186,9 +186,11 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
       const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
       for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + n0, y + m * N + n1, 0.0f);
       // K in chunks: four W rows and up to four x rows of a chunk stay in L1 while every
-      // block of x rows passes over them.
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, K - k0);
+      // block of x rows passes over them. With at most four rows of x (one pass) nothing of W
+      // is read twice, so each row is read whole: one long stream per row, not pieces.
+      const int64_t chunk = M <= 4 ? K : kChunk;
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t kc = std::min(chunk, K - k0);
         const int64_t chunk_bytes = kc * static_cast<int64_t>(sizeof(T));
         const int64_t ahead_rows = 4 * std::max<int64_t>(1, pf.bytes / (4 * chunk_bytes));
         const bool prefetch = pf.bytes > 0 && chunk_bytes <= pf.max_chunk_bytes;
