@@ -24,6 +24,7 @@ import torch
 
 from workbench.cache import cache_dir
 from workbench.model.config import PRESETS, ModelConfig, preset
+from workbench.model.gguf_file import GGUFError, dequantize, read_gguf
 from workbench.model.kv_formats import kv_format
 from workbench.model.llama import LlamaModel
 from workbench.model.tokenizer import ByteTokenizer, Tokenizer
@@ -59,21 +60,13 @@ def models_dirs() -> list[Path]:
     return dirs + [cache_dir() / "models"]
 
 
-def _gguf_fields(reader) -> dict:
-    fields = {}
-    for key, field in reader.fields.items():
-        try:
-            fields[key] = field.contents()
-        except Exception:  # a field the gguf package cannot decode: not one we need
-            continue
-    return fields
-
-
 def gguf_tokenizer(path: Path | None = None) -> Tokenizer:
     """The tokenizer of a GGUF file (default: the bundled model's), without its weights."""
-    from gguf import GGUFReader
-
-    return Tokenizer.from_gguf_fields(_gguf_fields(GGUFReader(str(path or bundled_gguf_path()))))
+    path = path or bundled_gguf_path()
+    try:
+        return Tokenizer.from_gguf_fields(read_gguf(path).fields)
+    except GGUFError as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
 
 
 def bundled_gguf_path() -> Path:
@@ -159,17 +152,13 @@ def _gguf_config(fields: dict, name: str) -> ModelConfig:
 
 def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = None,
               max_batch: int = 1, max_seq_len: int | None = None, shard=None):
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
     name = name or path.stem
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ... on bad files
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-    fields = _gguf_fields(reader)
+        file = read_gguf(path)
+    except GGUFError as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
+    fields, tensors = file.fields, file.tensors
     cfg = _gguf_config(fields, name)
-    tensors = {t.name: t for t in reader.tensors}
     cfg = _trained_layers(replace(cfg, tied_embeddings="output.weight" not in tensors), layers, path.name)
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
@@ -181,13 +170,13 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
             raise ModelLoadError(f"{path}: tensor {gguf_name} is missing")
         t = tensors[gguf_name]
         try:
-            data = dequantize(t.data, t.tensor_type)
+            data = dequantize(t)
         except NotImplementedError:
             raise ModelLoadError(f"{path}: tensor {gguf_name} uses quantization type {t.tensor_type.name}, "
                                  f"which the gguf package cannot dequantize") from None
         except (ValueError, IndexError) as e:
             raise ModelLoadError(f"{path}: tensor {gguf_name} is damaged or truncated ({e})") from None
-        w = torch.from_numpy(data.copy()).float()
+        w = torch.from_numpy(data)
         if tuple(w.shape) != shape:
             raise ModelLoadError(f"{path}: tensor {gguf_name} has shape {tuple(w.shape)}, expected {shape}")
         return w
