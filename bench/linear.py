@@ -1,4 +1,4 @@
-"""Linear layers at Llama-2-7B shapes: our fp32 / bf16 kernels vs torch, interleaved.
+"""Linear layers at Llama-2-7B shapes: our fp32 / bf16 / int8 kernels vs torch, interleaved.
 
 Decode at batch 1 (M = 1): memory-bound, so GB/s counts the weight bytes read and is set
 against the triad measured in the same run. Batched decode (M = 16, 32) and prefill
@@ -7,7 +7,8 @@ or the AMX bf16 peak for our GEMM on the matrix engine (`ours bf16 amx`, x round
 as torch's oneDNN bf16 path does), the AVX512-BF16 peak for `ours bf16 avx512`, and for torch
 bf16 the peak of the best bf16 unit the CPU has (AMX, else AVX512-BF16). `ours bf16 fma`
 is the same GEMM on fp32 FMAs (x kept in fp32); at M = 16 and 32 the matrix-vector kernel
-forced on (`matvec only`) shows what the GEMM gains. Peers: torch's F.linear on fp32
+forced on (`matvec only`) shows what the GEMM gains. `ours int8 ...`: weight-only int8 (one
+scale per row) on each engine, converted to bf16 slice by slice on the bf16 engines. Peers: torch's F.linear on fp32
 weights, and on bf16 weights with bf16 activations.
 
     python bench/linear.py [--repeats 7] [--m 16,512]
@@ -53,6 +54,7 @@ def main() -> None:
     for label, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k) * 0.02
         w16 = w32.bfloat16()
+        q8, s8 = kernels.quantize_weight_int8(w32)  # weight-only int8, one scale per row
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             cases = {"ours fp32": lambda: kernels.linear(x, w32), "torch fp32": lambda: F.linear(x, w32)}
@@ -60,8 +62,12 @@ def main() -> None:
                 for e in bf16_engines:
                     cases[f"ours bf16 {e.split('_')[0]}"] = lambda e=e: engine(e)(x, w16)
                 cases["ours bf16 fma"] = lambda: engine("fma")(x, w16)
+                for e in bf16_engines:
+                    cases[f"ours int8 {e.split('_')[0]}"] = lambda e=e: engine(e)(x, q8, scale=s8)
+                cases["ours int8 fma"] = lambda: engine("fma")(x, q8, scale=s8)
             else:
                 cases["ours bf16"] = lambda: kernels.linear(x, w16)
+                cases["ours int8"] = lambda: kernels.linear(x, q8, scale=s8)
             if 1 < m <= 32:
                 cases["ours bf16, matvec only"] = lambda: kernels.linear(x, w16, matvec_max_rows=m)
             if m > 1:  # torch's bf16 path: far too slow at M=1 to repeat (0.3 GFLOP/s, see issue 3)
@@ -73,7 +79,7 @@ def main() -> None:
                 if name == "triad":
                     continue
                 secs = st["median_ms"] / 1e3
-                wbytes = n * k * (2 if "bf16" in name else 4)
+                wbytes = n * k * (1 if "int8" in name else 2 if "bf16" in name else 4)  # int8: scales aside
                 st["gbps"] = wbytes / secs / 1e9
                 st["gflops"] = 2 * m * n * k / secs / 1e9
                 # torch bf16 runs oneDNN on the best bf16 unit the CPU has, as our auto engine does
@@ -90,7 +96,9 @@ def main() -> None:
             ratios = {}
             for ours, theirs in (("ours bf16 amx", "torch bf16"), ("ours bf16 avx512", "torch bf16"),
                                  ("ours bf16 amx", "ours bf16 fma"),
-                                 ("ours bf16 avx512", "ours bf16 fma"), ("ours fp32", "torch fp32")):
+                                 ("ours bf16 avx512", "ours bf16 fma"), ("ours int8 amx", "ours int8 fma"),
+                                 ("ours int8 avx512", "ours int8 fma"), ("ours int8 amx", "torch bf16"),
+                                 ("ours int8 avx512", "torch bf16"), ("ours fp32", "torch fp32")):
                 if ours in stats and theirs in stats:
                     ratios[f"{ours} / {theirs}"] = stats[theirs]["median_ms"] / stats[ours]["median_ms"]
             results.append({"shape": [n, k], "M": m, "triad_gbps": triad, "stats": stats, "speedups": ratios})

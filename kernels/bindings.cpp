@@ -25,6 +25,10 @@ namespace {
 
 using at::Tensor;
 
+const char* engine_name(wbk::GemmEngine e) {
+  return e == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16" : "fma";
+}
+
 void check_tensor(const Tensor& t, const char* fn, const char* name, int64_t dim, const char* layout,
                   bool need_contiguous = true) {
   TORCH_CHECK_VALUE(t.defined(), fn, ": ", name, " is missing");
@@ -726,9 +730,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &wbk::isa);
   // The GEMM's micro-kernel for bf16 weights: "fma" or "amx_bf16" (chosen at run time).
-  m.def("gemm_engine", [] {
-    const auto e = wbk::gemm_engine();
-    return e == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16" : "fma";
+  m.def("gemm_engine", [] { return engine_name(wbk::gemm_engine()); });
+  // The engine the GEMM runs a weight kernel (WeightFormat.kernel) on.
+  m.def("gemm_engine_for", [](const std::string& kernel) {
+    const wbk::WeightDtype d = kernel == "float32"    ? wbk::WeightDtype::kFloat32
+                               : kernel == "bfloat16" ? wbk::WeightDtype::kBFloat16
+                               : kernel == "int8"     ? wbk::WeightDtype::kInt8
+                               : kernel == "int8_group"
+                                   ? wbk::WeightDtype::kInt8Group
+                                   : static_cast<wbk::WeightDtype>(-1);
+    TORCH_CHECK_VALUE(static_cast<int>(d) >= 0, "gemm_engine_for: kernel must be 'float32', 'bfloat16', 'int8' or ",
+                      "'int8_group', got '", kernel, "'");
+    return engine_name(wbk::gemm_engine_for(d));
   });
   m.def("set_gemm_engine", [](const std::string& name) {
     wbk::GemmEngine e = name == "auto" ? wbk::GemmEngine::kAuto

@@ -210,9 +210,48 @@ WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows,
   }
 }
 
+// The weights a call multiplies by: bf16 rows read in place, or int8 rows (weight-only int8)
+// that the tasks convert to bf16 one slice of K at a time into a buffer of their own: q as it
+// is with per-row scales (exact in bf16: |q| <= 127; the scale is applied to the finished
+// outputs by the caller), q times its group's scale rounded to bf16 with group scales.
+struct Weights {
+  const uint16_t* bf16 = nullptr;
+  const int8_t* q = nullptr;
+  const float* group_scale = nullptr;  // [N][ceil(K / kWeightGroup)] with grouped int8, else nullptr
+  int64_t K = 0;
+};
+
+constexpr int64_t kSliceAhead = 8;  // rows of int8 weights prefetched ahead of their conversion
+
+// dst[r][0 : k1 - k0] = row n0 + r of w over [k0, k1) in bf16, for r < rows (rows ld values
+// apart). k0 is a multiple of kWeightGroup, so a 16-value piece never straddles two groups.
+WBK_AMX_TARGET void weight_slice(const Weights& w, int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t* dst,
+                                 int64_t ld) {
+  const int64_t K = w.K, groups = (K + kWeightGroup - 1) / kWeightGroup;
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* out = dst + r * ld;
+    if (w.bf16) {
+      std::memcpy(out, w.bf16 + (n0 + r) * K + k0, (k1 - k0) * 2);
+      continue;
+    }
+    const int8_t* row = w.q + (n0 + r) * K;
+    // The rows are short pieces far apart (K bytes): the hardware prefetcher does not follow
+    // them, so the piece kSliceAhead rows on is asked for while this one converts.
+    if (r + kSliceAhead < rows)
+      for (int64_t k = k0; k < k1; k += 64) _mm_prefetch(reinterpret_cast<const char*>(row + kSliceAhead * K + k), _MM_HINT_T0);
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, k1 - k)) - 1);
+      __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row + k)));
+      if (w.group_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(w.group_scale[(n0 + r) * groups + k / kWeightGroup]));
+      _mm256_mask_storeu_epi16(out + (k - k0), mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  }
+}
+
 // acc[MR rows][2 token vectors] over pairs [p0, p1) of K (p0 a multiple of 16), then stored
-// to (or added into) c (rows ldc floats apart). w rows r0..r0+MR-1 (clamped to `rows`: a short
-// block repeats its last row, never stored); x packed as for the tiles: pair p of token tile
+// to (or added into) c (rows ldc floats apart). w: MR rows ldw values apart (clamped to `rows`:
+// a short block repeats its last row, never stored) holding K's values from pair `pbase` on
+// (0: whole rows; p0: a converted slice); x packed as for the tiles: pair p of token tile
 // jt at xb + ((p / 16) token_tiles + jt) 256 + (p % 16) 16 dwords, so the 16 pairs of one
 // tile are 64 bytes apart and the pair of the next token tile 1 KB on.
 template <int MR>
@@ -231,10 +270,11 @@ WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[MR][2], const uint32_t* bp, con
 }
 
 template <int MR>
-WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t K, int64_t rows, const uint32_t* xb, int64_t token_tiles,
-                             int64_t jt, int64_t p0, int64_t p1, float* c, int64_t ldc, bool accumulate) {
+WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int64_t K, int64_t rows,
+                             const uint32_t* xb, int64_t token_tiles, int64_t jt, int64_t p0, int64_t p1, float* c,
+                             int64_t ldc, bool accumulate) {
   const uint16_t* wr[MR];
-  for (int r = 0; r < MR; ++r) wr[r] = w + std::min<int64_t>(r, rows - 1) * K;
+  for (int r = 0; r < MR; ++r) wr[r] = w + std::min<int64_t>(r, rows - 1) * ldw;
   __m512 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t full_end = std::min(p1, K / 2);
@@ -242,14 +282,15 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t K, int64_t rows, const u
   for (; p + 16 <= full_end; p += 16) {  // whole tiles: the 16 steps at constant offsets
     const uint32_t* bt = xb + ((p / 16) * token_tiles + jt) * 256;
 #pragma GCC unroll 16
-    for (int q = 0; q < 16; ++q) dp_step<MR>(acc, bt + q * 16, wr, p + q);
+    for (int q = 0; q < 16; ++q) dp_step<MR>(acc, bt + q * 16, wr, p + q - pbase);
   }
-  for (; p < full_end; ++p) dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p);
+  for (; p < full_end; ++p)
+    dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p - pbase);
   if (K % 2 && p1 > K / 2) {  // the last value alone, its pair's other half zero (never read past the row)
     const uint16_t* last[MR];
     uint16_t tail[MR][2] = {};
     for (int r = 0; r < MR; ++r) {
-      tail[r][0] = wr[r][K - 1];
+      tail[r][0] = wr[r][K - 1 - 2 * pbase];
       last[r] = tail[r];
     }
     dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, last, 0);
@@ -282,12 +323,15 @@ int64_t dp_pairs_per_slice() {
   return pairs;
 }
 
-WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K,
-                                 int64_t tokens_per_block, int64_t token_tiles, int64_t block_elems,
-                                 int64_t n_blocks, const uint16_t* xp, bool stream, int64_t begin, int64_t end) {
-  Scratch cs(0, (kRows + kDpRows - 1) / kDpRows * kDpRows * tokens_per_block);  // whole blocks of rows
+WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t N, int64_t tokens_per_block,
+                                 int64_t token_tiles, int64_t block_elems, int64_t n_blocks, const uint16_t* xp,
+                                 bool stream, int64_t begin, int64_t end) {
+  const int64_t K = w.K, pairs = (K + 1) / 2, slice = dp_pairs_per_slice();
+  const int64_t padded_rows = (kRows + kDpRows - 1) / kDpRows * kDpRows;  // whole blocks of rows
+  Scratch cs(0, padded_rows * tokens_per_block);
   float* ct = cs.data();
-  const int64_t pairs = (K + 1) / 2, slice = dp_pairs_per_slice();
+  Scratch ws(1, w.q ? (kRows * 2 * slice + 1) / 2 : 0);  // int8: the slice converted to bf16
+  uint16_t* wbuf = reinterpret_cast<uint16_t*>(ws.data());
   for (int64_t t = begin; t < end; ++t) {
     const int64_t nb = t % n_blocks, mb = t / n_blocks;
     const int64_t n0 = nb * kRows, rows = std::min(kRows, N - n0);
@@ -295,9 +339,12 @@ WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t
     const uint32_t* xb = reinterpret_cast<const uint32_t*>(xp + mb * block_elems);
     for (int64_t p0 = 0; p0 < pairs; p0 += slice) {
       const int64_t p1 = std::min(pairs, p0 + slice);
+      const uint16_t* rows_w = w.bf16 ? w.bf16 + n0 * K : wbuf;
+      const int64_t ldw = w.bf16 ? K : 2 * slice, pbase = w.bf16 ? 0 : p0;
+      if (!w.bf16) weight_slice(w, n0, rows, 2 * p0, std::min(2 * p1, K), wbuf, ldw);
       for (int64_t jt = 0; jt < (tokens + 31) / 32 * 2; jt += 2)
         for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)
-          block_dp<kDpRows>(w + (n0 + r0) * K, K, rows - r0, xb, token_tiles, jt, p0, p1,
+          block_dp<kDpRows>(rows_w + r0 * ldw, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1,
                             ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
     }
     store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N, stream);
@@ -307,7 +354,7 @@ WBK_AMX_TARGET void run_tasks_dp(const uint16_t* w, float* y, int64_t M, int64_t
 
 struct Shape {
   const float* x;
-  const uint16_t* w;
+  Weights w;
   float* y;
   int64_t M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks;
   const uint16_t* xp;
@@ -316,7 +363,7 @@ struct Shape {
 
 // Tasks [begin, end) of one thread: its tiles configured once, released at the end.
 WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
-  const uint16_t* w = s.w;
+  const uint16_t* w = s.w.bf16;
   const int64_t N = s.N, M = s.M, K = s.K, kp = s.kp, tokens_per_block = s.tokens_per_block;
   const int64_t token_tiles = s.token_tiles, n_blocks = s.n_blocks;
   configure_tiles();
@@ -332,20 +379,17 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
     const uint16_t* xb = s.xp + mb * s.block_elems;
     for (int64_t k0 = 0; k0 < kp; k0 += kKC) {
       const int64_t kc = std::min(kKC, kp - k0);
-      // The A rows: w itself, or a zero-padded copy of this slice where a tile would read
-      // past the matrix (rows past N, or K's last partial tile).
-      const char* a = reinterpret_cast<const char*>(w + n0 * K + k0);
+      // The A rows: bf16 w itself, or this slice copied (int8: converted) into a zero-padded
+      // buffer where the rows are int8 or a tile would read past the matrix (rows past N, or
+      // K's last partial tile).
+      const char* a = w ? reinterpret_cast<const char*>(w + n0 * K + k0) : nullptr;
       int64_t lda_bytes = K * 2;
-      if (rows < row_blocks * 32 || k0 + kc > K) {
+      if (!w || rows < row_blocks * 32 || k0 + kc > K) {
         const int64_t valid_k = std::min(kc, K - k0);
+        weight_slice(s.w, n0, rows, k0, k0 + valid_k, wpad, kc);
         for (int64_t r = 0; r < row_blocks * 32; ++r) {
           uint16_t* dst = wpad + r * kc;
-          if (r < rows) {
-            std::memcpy(dst, w + (n0 + r) * K + k0, valid_k * 2);
-            std::fill(dst + valid_k, dst + kc, uint16_t{0});
-          } else {
-            std::fill(dst, dst + kc, uint16_t{0});
-          }
+          std::fill(dst + (r < rows ? valid_k : 0), dst + kc, uint16_t{0});
         }
         a = reinterpret_cast<const char*>(wpad);
         lda_bytes = kc * 2;
@@ -362,7 +406,8 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
   _tile_release();
 }
 
-void gemm_bf16(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K, bool tiles) {
+void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N, bool tiles) {
+  const int64_t K = w.K;
   const int64_t k_tiles = (K + kTileK - 1) / kTileK;
   const int64_t kp = k_tiles * kTileK;  // K padded to whole tiles
   const int64_t tokens_per_block = std::min<int64_t>(kTokens, (M + 31) / 32 * 32);
@@ -395,7 +440,7 @@ void gemm_bf16(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N
   // Tasks: token block outer, so a thread's consecutive tasks share one block of packed x.
   if (!tiles) {
     at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
-      run_tasks_dp(w, y, M, N, K, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream, begin, end);
+      run_tasks_dp(w, y, M, N, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream, begin, end);
     });
     return;
   }
@@ -415,6 +460,10 @@ GemmEngine gemm_engine() {
 #else
   return GemmEngine::kFma;
 #endif
+}
+
+GemmEngine gemm_engine_for(WeightDtype dtype) {
+  return dtype == WeightDtype::kFloat32 ? GemmEngine::kFma : gemm_engine();
 }
 
 bool set_gemm_engine(GemmEngine engine, std::string* why_not) {
@@ -442,7 +491,12 @@ bool avx512_bf16_available(std::string* reason) {
 
 void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                       int64_t K) {
-  gemm_bf16(x, w, y, M, N, K, engine == GemmEngine::kAmxBf16);
+  gemm_bf16(x, Weights{w, nullptr, nullptr, K}, y, M, N, engine == GemmEngine::kAmxBf16);
+}
+
+void linear_gemm_int8_bf16(GemmEngine engine, const float* x, const int8_t* w, const float* group_scale, float* y,
+                           int64_t M, int64_t N, int64_t K) {
+  gemm_bf16(x, Weights{nullptr, w, group_scale, K}, y, M, N, engine == GemmEngine::kAmxBf16);
 }
 
 // The matrix engine's peak: independent tdpbf16ps on tiles already loaded, on every thread.

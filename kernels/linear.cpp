@@ -429,10 +429,13 @@ void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float
 
 void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                  int64_t N, int64_t K) {
-  if (dtype == WeightDtype::kBFloat16) {
-    const GemmEngine engine = gemm_engine();
-    if (engine == GemmEngine::kAmxBf16 || engine == GemmEngine::kAvx512Bf16)
-      return linear_gemm_bf16(engine, x, static_cast<const uint16_t*>(w), y, M, N, K);
+  const GemmEngine engine = gemm_engine_for(dtype);
+  if (engine == GemmEngine::kAmxBf16 || engine == GemmEngine::kAvx512Bf16) {
+    if (dtype == WeightDtype::kBFloat16) return linear_gemm_bf16(engine, x, static_cast<const uint16_t*>(w), y, M, N, K);
+    const bool grouped = dtype == WeightDtype::kInt8Group;
+    linear_gemm_int8_bf16(engine, x, static_cast<const int8_t*>(w), grouped ? row_scale : nullptr, y, M, N, K);
+    if (!grouped) scale_columns(y, row_scale, M, N);
+    return;
   }
   with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { gemm(x, tw, y, M, N, K, gs); });
 }

@@ -1,12 +1,13 @@
-"""The GEMM's micro-kernels for bf16 weights, chosen at run time (kernels/gemm_bf16.cpp): each
+"""The GEMM's micro-kernels for bf16 and int8 weights, chosen at run time (kernels/gemm_bf16.cpp): each
 engine this host may run, on every ISA build, against a float64 reference over shapes that
 cover every edge of the tiling (tokens not whole tiles or 256-token blocks, rows of w not
 whole 32-row blocks or 128-row tasks, K not whole 32-value tiles or slices of K, odd K
 across slices).
 
 The AMX and AVX512-BF16 engines round x to bf16 (round to nearest even) and accumulate in
-fp32, so their reference is x rounded the same way times the bf16 weights in float64; the FMA engine keeps x
-in fp32. Either way only fp32 accumulation differs from the reference: 1e-4 relative to
+fp32, so their reference is x rounded the same way times the weights as the engine sees them
+(bf16; int8 values; grouped int8 times its scale rounded to bf16) in float64; the FMA engine
+keeps x in fp32. Either way only fp32 accumulation differs from the reference: 1e-4 relative to
 sqrt(K) max|x| max|w|, as in test_linear.py. Where the CPU, the OS or the kernel refuses the
 tiles, asking for them is a clear error and the FMA engine stays in force.
 """
@@ -45,18 +46,35 @@ def test_every_engine_matches_reference(kernels, M, N, K, seed):
 
 
 def check_engines(kernels, engines, M, N, K, seed):
+    """bf16, per-row int8 and grouped int8 weights on each engine against float64. On a bf16
+    engine x is rounded to bf16; per-row int8 values are exact in bf16 (the row scale applies to
+    the outputs), grouped int8 values are rounded to bf16 after their scale, as the kernel does."""
+    from workbench.kernels import quantize_weight_int8
+
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=gen)
-    w = torch.randn(N, K, generator=gen).bfloat16()
-    scale = K**0.5 * x.abs().max().item() * w.float().abs().max().item()
+    w32 = torch.randn(N, K, generator=gen)
+    q, row_scale = quantize_weight_int8(w32)
+    qg, group_scale = quantize_weight_int8(w32, 32)
+    grouped = qg.float() * group_scale.repeat_interleave(32, dim=1)[:, :K]
     for engine in engines:
         kernels.set_gemm_engine(engine)
         assert kernels.gemm_engine() == engine
-        y = kernels.linear(x, w, matvec_max_rows=0)  # the GEMM, whatever M
-        xr = x if engine == "fma" else x.bfloat16()
-        ref = xr.double() @ w.double().t()
-        assert y.dtype == torch.float32 and y.shape == (M, N)
-        torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{engine}: {m}")
+        bf16 = engine != "fma"
+        xr = (x.bfloat16() if bf16 else x).double()
+        cases = {"bf16": (w32.bfloat16(), None, w32.bfloat16().double(), None),
+                 "int8": (q, row_scale, q.double(), row_scale.double()),
+                 "int8-g32": (qg, group_scale, (grouped.bfloat16() if bf16 else grouped).double(), None)}
+        for name, (w, scale, w_ref, out_scale) in cases.items():
+            y = kernels.linear(x, w, scale=scale, matvec_max_rows=0)  # the GEMM, whatever M
+            ref = xr @ w_ref.t()
+            if out_scale is not None:
+                ref = ref * out_scale
+            bound = K**0.5 * x.abs().max().item() * (w_ref.abs().max().item() * (1 if out_scale is None else
+                                                                                  out_scale.max().item()))
+            assert y.dtype == torch.float32 and y.shape == (M, N)
+            torch.testing.assert_close(y.double(), ref, atol=1e-4 * bound + 1e-6, rtol=0,
+                                       msg=lambda m: f"{engine}, {name} weights: {m}")
 
 
 @pytest.mark.parametrize("M,N,K", [(1030, 600, 40), (520, 1024, 33)])
@@ -90,17 +108,16 @@ def test_auto_picks_the_matrix_engine_only_where_the_build_targets_avx512(kernel
     assert kernels.gemm_engine() == expect
 
 
-def test_int8_and_fp32_weights_keep_the_fma_engine(kernels, engines):
-    """Only bf16 weights go to the matrix engine; fp32 weights stay exact in fp32."""
-    from workbench.kernels import quantize_weight_int8
-
+def test_fp32_weights_keep_the_fma_engine_and_the_rest_follow_the_engine(kernels, engines):
+    """fp32 weights stay exact in fp32 on every engine; bf16 and int8 weights run on the engine in
+    force (gemm_engine_for says so, and --info lists it per weight kernel)."""
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(40, 96, generator=gen), torch.randn(50, 96, generator=gen)
     for engine in engines:
         kernels.set_gemm_engine(engine)
         torch.testing.assert_close(kernels.linear(x, w, matvec_max_rows=0).double(), x.double() @ w.double().t(),
                                    atol=1e-4, rtol=1e-5)
-        q, s = quantize_weight_int8(w, 32)
-        deq = q.double() * s.double().repeat_interleave(32, dim=1)[:, :96]
-        torch.testing.assert_close(kernels.linear(x, q, scale=s, matvec_max_rows=0).double(),
-                                   x.double() @ deq.t(), atol=1e-4, rtol=1e-5)
+        assert kernels.gemm_engine_for("float32") == "fma"
+        assert {kernels.gemm_engine_for(k) for k in ("bfloat16", "int8", "int8_group")} == {engine}
+    with pytest.raises(ValueError, match="kernel must be 'float32', 'bfloat16', 'int8' or 'int8_group', got 'q4'"):
+        kernels.gemm_engine_for("q4")

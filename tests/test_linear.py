@@ -49,8 +49,8 @@ def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed
 )
 def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, seed):
     """Weight-only int8 (one scale per output row, or per 32 weights of a row) on both paths
-    against float64 over the dequantized weights: only fp32 accumulation differs, as for
-    fp32 and bf16 (K = 129, 1000 leave a partial last group; the GEMM's K slices do not start
+    against float64 over the dequantized weights (as a bf16 engine sees them where the GEMM
+    runs on one): only fp32 accumulation differs, as for fp32 and bf16 (K = 129, 1000 leave a partial last group; the GEMM's K slices do not start
     on group boundaries)."""
     from workbench.kernels import quantize_weight_int8
 
@@ -59,9 +59,15 @@ def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, 
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 3  # rows of different ranges
     q, s = quantize_weight_int8(w, group)
     y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
-    per = s.double()[:, None] if group is None else s.double().repeat_interleave(32, dim=1)[:, :K]
-    deq = q.double() * per
-    ref = x.double() @ deq.t()
+    # The GEMM on a bf16 engine rounds x to bf16, and a grouped weight times its scale to bf16
+    # (a per-row int8 value is exact in bf16; its scale applies to the output).
+    on_engine = M > matvec_max_rows and kernels.gemm_engine_for("int8") != "fma"
+    if group is None:
+        deq = q.double() * s.double()[:, None]
+    else:
+        deq = q.float() * s.repeat_interleave(32, dim=1)[:, :K]
+        deq = (deq.bfloat16() if on_engine else deq).double()
+    ref = (x.bfloat16() if on_engine else x).double() @ deq.t()
     scale = K**0.5 * x.abs().max().item() * deq.abs().max().item()
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
     out = torch.empty(M, N)

@@ -347,9 +347,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
 
     def cost(nbytes, flops, comm_s=0.0, linear_flops=0, rows=1) -> PartCost:
         """linear_flops of `flops` are matrix products of `rows` rows: on the matrix engine's
-        roof where the GEMM runs them there (bf16 weights, more rows than the matrix-vector
-        kernel takes), else on the FMA roof like the rest."""
-        on_tiles = wfmt.name == "bf16" and hw.matrix_gflops > 0 and rows > matvec_rows
+        roof where the GEMM runs them there (bf16 and int8 weights, more rows than the
+        matrix-vector kernel takes), else on the FMA roof like the rest."""
+        on_tiles = wfmt.matrix_engine and hw.matrix_gflops > 0 and rows > matvec_rows
         compute = ((flops - linear_flops) / hw.fma_gflops + linear_flops / (hw.matrix_gflops if on_tiles else hw.fma_gflops)) / 1e9
         return PartCost(int(nbytes), int(flops), nbytes / (hw.bandwidth_gbps * 1e9), compute, comm_s)
 

@@ -216,6 +216,12 @@ class KernelSet:
         "fma", widened to fp32."""
         return self.ext.gemm_engine()
 
+    def gemm_engine_for(self, kernel: str) -> str:
+        """The micro-kernel the GEMM runs weights of this kernel (WeightFormat.kernel: "float32",
+        "bfloat16", "int8", "int8_group") on: fp32 weights always on "fma" (the exact path),
+        the others on gemm_engine() (int8 converted to bf16 one slice of K at a time)."""
+        return self.ext.gemm_engine_for(kernel)
+
     def set_gemm_engine(self, engine: str) -> None:
         """Choose the GEMM's micro-kernel for bf16 weights: "auto" (the fastest that may run:
         AMX, then AVX512-BF16, then FMA), "fma", "amx_bf16" or "avx512_bf16" (a RuntimeError
@@ -398,6 +404,7 @@ quantize_kv_int8 = native.quantize_kv_int8
 kv_cache_append = native.kv_cache_append
 linear = native.linear
 gemm_engine = native.gemm_engine
+gemm_engine_for = native.gemm_engine_for
 set_gemm_engine = native.set_gemm_engine
 gemm_engines = native.gemm_engines
 rope_ = native.rope_

@@ -191,9 +191,9 @@ def build_info(variant: str = "native") -> dict:
         "flags": [*BASE_FLAGS, *VARIANT_FLAGS[variant]],
         "gemm_tile": f"{module.gemm_mr()} x {module.gemm_nr()}",
         "int8_dot": module.decode_dot_isa(),
-        # the GEMM (batched decode, prefill) per weight type: bf16 on the engine in force,
-        # fp32 and int8 on the FMA micro-kernel; and why the matrix engine may or may not run
-        "gemm_engine": {"float32": "fma", "bfloat16": module.gemm_engine(), "int8": "fma"},
+        # the GEMM (batched decode, prefill) per weight kernel: fp32 on the FMA micro-kernel,
+        # bf16 and int8 on the engine in force; and why the matrix engine may or may not run
+        "gemm_engine": {k: module.gemm_engine_for(k) for k in ("float32", "bfloat16", "int8", "int8_group")},
         # prefill attention per input dtype: bf16 q / k / v on the same engine (prefill_tiles.cpp)
         "prefill_attention": {"float32": "fma", "bfloat16": module.gemm_engine()},
         "amx_bf16": module.gemm_engines()["amx_bf16"][1],

@@ -31,8 +31,8 @@ class WeightFormat:
     prefetch: str          # the matrix-vector kernel's prefetch table entry for them (workbench.kernels.prefetch)
     description: str
     # Products of more than a few rows (prefill, batched decode) run on the bf16 engine in force
-    # (kernels.gemm_engine(): AMX tiles or AVX512-BF16, activations rounded to bf16 at each product,
-    # fp32 accumulation), and so does prefill attention; "fma" keeps them in fp32.
+    # (kernels.gemm_engine_for(kernel): AMX tiles or AVX512-BF16, activations rounded to bf16 at
+    # each product, fp32 accumulation), and so does prefill attention; "fma" keeps them in fp32.
     matrix_engine: bool = False
 
     @property
@@ -76,9 +76,12 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
                  "bf16 weights: products and prefill attention on the bf16 engine (AMX or AVX512-BF16) where "
                  "the CPU has one, decode's matrix-vector kernel widening them to fp32", matrix_engine=True),
     WeightFormat("int8", torch.int8, torch.float32, "row", "int8", "int8",
-                 "weight-only int8, one fp32 scale per output row"),
+                 "weight-only int8, one fp32 scale per output row; products on the bf16 engine (the int8 "
+                 "values converted to bf16, exactly) where the CPU has one", matrix_engine=True),
     WeightFormat("int8-g32", torch.int8, torch.float32, "group", "int8_group", "int8",
-                 "weight-only int8, one fp32 scale per 32 weights of a row (llama.cpp's Q8_0 granularity)"),
+                 "weight-only int8, one fp32 scale per 32 weights of a row (llama.cpp's Q8_0 granularity); "
+                 "products on the bf16 engine (each value times its scale, rounded to bf16) where the CPU has "
+                 "one", matrix_engine=True),
 )}
 
 
