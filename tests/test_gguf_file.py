@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
@@ -24,6 +24,8 @@ def assert_same_as_the_package(path):
     for key in names:
         expected = theirs.fields[key].contents()
         assert ours.fields[key] == expected and type(ours.fields[key]) is type(expected), key
+        kinds = theirs.fields[key].types  # the value type, and an array's element type last
+        assert ours.types[key] == (int(kinds[0]), int(kinds[-1]) if kinds[0] == GGUFValueType.ARRAY else None), key
     assert [t.name for t in theirs.tensors] == list(ours.tensors)
     for t in theirs.tensors:
         o = ours.tensors[t.name]

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from workbench.cache import cache_dir
+from workbench.model.gguf_file import dequantize, read_gguf
 from workbench.hw.rounds import interleaved_rounds
 
 
@@ -99,24 +100,23 @@ def converted_gguf(kind: str, source: Path | None = None) -> Path:
     out = cache_dir() / "models" / f"{source.stem.replace('.Q4_1', '')}.{kind}.gguf"
     if out.is_file():
         return out
-    reader = gguf.GGUFReader(source)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    src = read_gguf(source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
+    writer = gguf.GGUFWriter(tmp, src.fields[gguf.Keys.General.ARCHITECTURE])
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+    for name, value in src.fields.items():
+        if name == gguf.Keys.General.ARCHITECTURE:
             continue  # written by GGUFWriter itself
-        if field.name == gguf.Keys.General.FILE_TYPE:
+        if name == gguf.Keys.General.FILE_TYPE:
             writer.add_file_type(file_type)
             continue
-        kind_of = field.types[0]
-        sub = field.types[-1] if kind_of == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind_of, sub_type=sub)
-    for t in reader.tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        vtype, sub = src.types[name]
+        writer.add_key_value(name, value, gguf.GGUFValueType(vtype),
+                             sub_type=gguf.GGUFValueType(sub) if sub is not None else None)
+    for t in src.tensors.values():
+        values = dequantize(t)
         if qtype == gguf.GGMLQuantizationType.Q8_0 and values.ndim == 2 and values.shape[-1] % 32 == 0:
             writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         elif qtype == gguf.GGMLQuantizationType.F16 and values.ndim == 2:

@@ -46,6 +46,9 @@ class GGUFFile:
     version: int
     fields: dict
     tensors: dict[str, GGUFTensor]
+    # each field's GGUF value type, and for arrays their elements' (else None): what a writer
+    # needs to write the field again as it was
+    types: dict[str, tuple[int, int | None]]
 
 
 class _Cursor:
@@ -109,10 +112,12 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if version not in (2, 3):
         raise GGUFError(f"{path}: GGUF version {version}; versions 2 and 3 are read (a big-endian file?)")
     n_tensors, n_fields = cur.take("<Q"), cur.take("<Q")
-    fields = {}
+    fields, types = {}, {}
     for _ in range(n_fields):
         key = cur.string()
-        fields[key] = cur.value(cur.take("<I"))
+        vtype = cur.take("<I")
+        sub = struct.unpack_from("<I", data, cur.pos)[0] if vtype == _ARRAY and cur.pos + 4 <= len(data) else None
+        fields[key], types[key] = cur.value(vtype), (vtype, sub)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -147,7 +152,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         else:
             view = raw.reshape(quant_shape_to_byte_shape(np_shape, ttype))
         tensors[name] = GGUFTensor(name, ttype, shape, view)
-    return GGUFFile(version, fields, tensors)
+    return GGUFFile(version, fields, tensors, types)
 
 
 def dequantize(t: GGUFTensor) -> np.ndarray:
