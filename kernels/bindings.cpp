@@ -415,6 +415,22 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   return y;
 }
 
+void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std) {
+  const char* fn = "fill_normal_";
+  TORCH_CHECK(out.is_contiguous(), fn, ": out must be contiguous");
+  TORCH_CHECK(seed >= 0 && stream >= 0, fn, ": seed and stream must be >= 0, got seed=", seed, ", stream=", stream);
+  TORCH_CHECK(std >= 0 && std::isfinite(std), fn, ": std must be finite and >= 0, got ", std);
+  const auto s = static_cast<uint64_t>(seed), k = static_cast<uint64_t>(stream);
+  if (out.scalar_type() == at::kFloat) {
+    wbk::fill_normal_f32(out.data_ptr<float>(), out.numel(), s, k, static_cast<float>(std));
+  } else if (out.scalar_type() == at::kBFloat16) {
+    wbk::fill_normal_bf16(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.numel(), s, k,
+                          static_cast<float>(std));
+  } else {
+    TORCH_CHECK(false, fn, ": out must be float32 or bfloat16, got ", out.scalar_type());
+  }
+}
+
 Tensor silu_mul(const Tensor& gate_up) {
   const char* fn = "silu_mul";
   check_tensor(gate_up, fn, "gate_up", 2, "[T, 2F]");
@@ -711,6 +727,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());
   });
   m.def("quantize_kv_int8", &quantize_kv_int8, py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fill_normal_", &fill_normal_, py::arg("out"), py::arg("seed"), py::arg("stream"), py::arg("std"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"),

@@ -170,6 +170,11 @@ double avx512_bf16_loop(int64_t iterations_per_thread);
 // row function, rows in parallel): the MLP's activation of a prefill in one pass.
 void silu_mul_rows(const float* gate_up, float* out, int64_t T, int64_t F);
 
+// The n values of random stream `stream` under `seed`, times std (random.cpp): approximately
+// N(0, std^2), the same on any number of threads; the bf16 fill is the fp32 one rounded.
+void fill_normal_f32(float* out, int64_t n, uint64_t seed, uint64_t stream, float std);
+void fill_normal_bf16(uint16_t* out, int64_t n, uint64_t seed, uint64_t stream, float std);
+
 // RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
 // T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).
 void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,

@@ -32,6 +32,7 @@ __all__ = [
     "linear",
     "quantize_kv_int8",
     "quantize_weight_int8",
+    "random_normal",
     "runnable_variants",
     "slim_attention",
 ]
@@ -267,6 +268,21 @@ class KernelSet:
         _check_tensor_args(gate_up=gate_up)
         return self.ext.silu_mul(gate_up)
 
+    def random_normal(self, shape, *, seed: int, stream: int, std: float = 1.0,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new `shape` tensor holding random stream `stream` of `seed`, times std: approximately
+        N(0, std^2) (four uniforms summed; kernels/random.cpp), the same values on any number
+        of threads; in bfloat16 they are the float32 values rounded to nearest."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        if not isinstance(std, (int, float)) or isinstance(std, bool) or not 0 <= std < float("inf"):
+            raise ValueError(f"std must be a finite number >= 0, got {std!r}")
+        if isinstance(seed, int) and seed >= 1 << 63:
+            raise ValueError(f"seed must be below 2**63, got {seed}")
+        out = torch.empty(tuple(shape), dtype=dtype)
+        self.ext.fill_normal_(out, _positive_int("seed", seed, 0), _positive_int("stream", stream, 0), float(std))
+        return out
+
     # -- KV cache --------------------------------------------------------------------
 
     def quantize_kv_int8(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,4 +425,5 @@ set_gemm_engine = native.set_gemm_engine
 gemm_engines = native.gemm_engines
 rope_ = native.rope_
 silu_mul = native.silu_mul
+random_normal = native.random_normal
 decode_stack = native.decode_stack

@@ -14,6 +14,7 @@ raises ModelLoadError with what was wrong and what would work; nothing is half-l
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import warnings
@@ -278,15 +279,18 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
 
 def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, max_seq_len: int | None = None,
                  shard=None):
-    """The preset's exact shapes with seeded N(0, 0.02) weights and unit norms."""
+    """The preset's exact shapes with seeded weights of std 0.02 (approximately normal) and
+    unit norms."""
+    from workbench.kernels import random_normal
+
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
     check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
-    gen = torch.Generator().manual_seed(seed)
     linear_dtype = weight_format(dtype).source_dtype(random=True)
+    streams = itertools.count()  # each matrix its own stream of the seed, in the order below
 
-    def rand(*shape):  # generated in place in the target dtype: no fp32 copy of a 7B model
-        return torch.empty(shape, dtype=linear_dtype).normal_(0.0, 0.02, generator=gen)
+    def rand(*shape):  # made in the target dtype, on every thread: no fp32 copy of a 7B model
+        return random_normal(shape, seed=seed, stream=next(streams), std=0.02, dtype=linear_dtype)
 
     hd = cfg.head_dim
     weights = {"embedding": rand(cfg.vocab_size, cfg.dim), "final_norm": torch.ones(cfg.dim)}
