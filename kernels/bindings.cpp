@@ -491,6 +491,58 @@ void check_shm_data(const Tensor& t, const char* fn, int64_t capacity) {
                     " bytes, more than a slot's ", capacity);
 }
 
+// The fused decode step's all-reduce over our shared-memory segment, called from C++ with no
+// Python in between. Its barrier numbers are the communicator's (`seq`, which the Python side
+// reads and advances for its own collectives: ShmComm). With zero_copy, o_proj / down_proj
+// write into this rank's input slot, which the all-reduce then reads in place.
+class ShmCollective : public wbk::StepCollective {
+ public:
+  ShmCollective(Tensor seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s)
+      : seg_(std::move(seg)), a_(shm_args(seg_, rank, world, capacity, timeout_s, "ShmCollective")) {}
+
+  float* buffer(int64_t n) override {
+    if (!zero_copy || n * static_cast<int64_t>(sizeof(float)) > a_.capacity) return nullptr;
+    return reinterpret_cast<float*>(a_.seg + wbk::kShmHeaderBytes + a_.rank * a_.capacity);
+  }
+
+  void all_reduce(float* data, int64_t n) override {
+    const int64_t chunk = a_.capacity / static_cast<int64_t>(sizeof(float));
+    for (int64_t lo = 0; lo < n; lo += chunk) {
+      wbk::shm_all_reduce_sum(a_, data + lo, std::min(chunk, n - lo), seq);
+      seq += 2;
+    }
+  }
+
+  int64_t seq = 1;  // the next barrier number
+  bool zero_copy = true;
+
+ private:
+  Tensor seg_;  // keeps the mapping alive
+  wbk::ShmArgs a_;
+};
+
+// The same all-reduce through a Python callable (gloo, oneCCL: communicators that live in
+// Python): called with a float32 tensor viewing the data, which it reduces in place. The GIL
+// is taken for the call only.
+class PyCollective : public wbk::StepCollective {
+ public:
+  explicit PyCollective(py::function fn) : fn_(std::move(fn)) {}
+  ~PyCollective() override {
+    py::gil_scoped_acquire gil;
+    fn_ = py::function();
+  }
+
+  float* buffer(int64_t) override { return nullptr; }
+
+  void all_reduce(float* data, int64_t n) override {
+    py::gil_scoped_acquire gil;
+    fn_(at::from_blob(data, {n}, at::kFloat));
+  }
+
+ private:
+  py::function fn_;
+};
+
 void shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
                     Tensor& data, int64_t seq) {
   const char* fn = "shm_all_reduce";
@@ -636,7 +688,7 @@ class DecodeStack {
   // float64 (attention, mlp, other seconds added) or None. Returns the seconds spent waking
   // the thread pool before layer 0.
   double step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
-            const std::optional<Tensor>& timers) {
+            const std::optional<Tensor>& timers, wbk::StepCollective* comm) {
     const char* fn = "DecodeStack.step";
     const int64_t B = batch_, D = shape_.D;
     check_tensor(x, fn, "x", 2, "[B, dim]");
@@ -665,7 +717,7 @@ class DecodeStack {
     const int64_t splits = std::min(wbk::decode_default_splits(B, shape_.Hkv, longest, at::get_num_threads()),
                                     shape_.Lmax);
     wbk::StepArgs a{x.data_ptr<float>(), B, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                    lp, splits, tm};
+                    lp, splits, tm, comm};
     return wbk::decode_stack_step(shape_, layers_, a, buffers_);
   }
 
@@ -688,11 +740,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"),
            py::arg("w_down"), py::arg("wqkv_scale"), py::arg("wo_scale"), py::arg("w_gate_up_scale"),
            py::arg("w_down_scale"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"));
+  // The collectives a tensor-parallel rank's DecodeStack.step takes (comm=).
+  py::class_<wbk::StepCollective>(m, "StepCollective", py::module_local());
+  py::class_<ShmCollective, wbk::StepCollective>(m, "ShmCollective", py::module_local())
+      .def(py::init<Tensor, int64_t, int64_t, int64_t, double>(), py::arg("segment"), py::arg("rank"),
+           py::arg("world"), py::arg("capacity"), py::arg("timeout_s"))
+      .def_readwrite("seq", &ShmCollective::seq)
+      .def_readwrite("zero_copy", &ShmCollective::zero_copy);
+  py::class_<PyCollective, wbk::StepCollective>(m, "PyCollective", py::module_local())
+      .def(py::init<py::function>(), py::arg("all_reduce"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)
       .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&>(), py::arg("layers"),
            py::arg("heads"), py::arg("eps"), py::arg("int8_kernel"))
       .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
-           py::arg("timers"), py::call_guard<py::gil_scoped_release>())
+           py::arg("timers"), py::arg("comm") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layers", &DecodeStack::layers);
   m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
         py::arg("scale"), py::arg("block_m"),

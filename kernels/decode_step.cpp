@@ -11,8 +11,12 @@
 // tensor allocation or the GIL between them. workbench/model/llama.py stays the readable
 // reference of the same step (LlamaModel.decode with decode="python").
 //
-// Per-part timers (attention, MLP, norms and adds: the parts the Python path records) are
-// steady_clock reads around each part, added into `timers` when the caller asks for them.
+// On a rank of a tensor-parallel model (StepArgs::comm), o_proj and down_proj produce partial
+// sums: each is all-reduced before the residual add, written straight into the collective's
+// buffer where it offers one (zero copy).
+//
+// Per-part timers (attention, MLP, norms and adds, communication: the parts the Python path
+// records) are steady_clock reads around each part, added into `timers` when asked for.
 #include <algorithm>
 #include <chrono>
 
@@ -74,6 +78,21 @@ void linear(const float* x, const WeightRef& w, float* y, int64_t M) {
 using Clock = std::chrono::steady_clock;
 inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
+// Where o_proj / down_proj write: the collective's own buffer when it offers one (zero copy),
+// else the step's.
+float* output_buffer(StepCollective* comm, float* own, int64_t n) {
+  float* shared = comm ? comm->buffer(n) : nullptr;
+  return shared ? shared : own;
+}
+
+// The all-reduce of a partial o_proj / down_proj output (tensor parallel); its seconds.
+double all_reduce(StepCollective* comm, float* data, int64_t n) {
+  if (!comm) return 0.0;
+  const auto c0 = Clock::now();
+  comm->all_reduce(data, n);
+  return seconds(c0, Clock::now());
+}
+
 }  // namespace
 
 double wake_threads() {
@@ -121,11 +140,13 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     DecodeArgs da{buf.q.data(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, a.lengths, buf.attn.data(), B, H, Hkv,
                   s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_kernel};
     decode_attention(da);
-    linear(buf.attn.data(), L.o, out, B);
+    float* o_out = output_buffer(a.comm, out, B * dim);
+    linear(buf.attn.data(), L.o, o_out, B);
+    const double attn_comm_s = all_reduce(a.comm, o_out, B * dim);
     const auto t2 = Clock::now();
 
     for (int64_t b = 0; b < B; ++b) {
-      add_row(a.x + b * dim, out + b * dim, dim);
+      add_row(a.x + b * dim, o_out + b * dim, dim);
       rms_norm_row(a.x + b * dim, L.mlp_norm, h + b * dim, dim, s.eps);
     }
     const auto t3 = Clock::now();
@@ -136,15 +157,18 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
       const float* gu = buf.gate_up.data() + b * 2 * ffn;
       silu_mul_row(gu, gu + ffn, buf.act.data() + b * ffn, ffn);
     }
-    linear(buf.act.data(), L.down, out, B);
+    float* d_out = output_buffer(a.comm, out, B * dim);
+    linear(buf.act.data(), L.down, d_out, B);
+    const double mlp_comm_s = all_reduce(a.comm, d_out, B * dim);
     const auto t4 = Clock::now();
-    for (int64_t b = 0; b < B; ++b) add_row(a.x + b * dim, out + b * dim, dim);
+    for (int64_t b = 0; b < B; ++b) add_row(a.x + b * dim, d_out + b * dim, dim);
     if (a.timers) {
       const auto t5 = Clock::now();
       double* t = a.timers + kTimerParts * l;
-      t[0] += seconds(t1, t2);
-      t[1] += seconds(t3, t4);
+      t[0] += seconds(t1, t2) - attn_comm_s;
+      t[1] += seconds(t3, t4) - mlp_comm_s;
       t[2] += seconds(t0, t1) + seconds(t2, t3) + seconds(t4, t5);
+      t[3] += attn_comm_s + mlp_comm_s;
     }
   }
   return wake_s;

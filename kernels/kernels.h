@@ -207,6 +207,16 @@ struct StackShape {
   CacheLayout k_layout, v_layout;
   Int8Kernel int8_kernel;
 };
+// The all-reduce (sum) a tensor-parallel rank's fused step runs after o_proj and after
+// down_proj, whose rows it holds only partial sums of. buffer(n) is where the producing
+// kernel may write its n floats so that the collective reads them in place (zero copy), or
+// null for the step's own buffer; all_reduce leaves the sum in `data` on every rank.
+struct StepCollective {
+  virtual ~StepCollective() = default;
+  virtual float* buffer(int64_t n) = 0;
+  virtual void all_reduce(float* data, int64_t n) = 0;
+};
+
 struct StepArgs {
   float* x;  // [B, dim] the residual stream, updated in place
   int64_t B;
@@ -216,11 +226,13 @@ struct StepArgs {
   const int64_t* lengths;    // [B] positions + 1
   int64_t num_splits;
   double* timers;  // [layers, kTimerParts] seconds added per part (kTimerPartNames), or null
+  StepCollective* comm = nullptr;  // tensor parallel: the layers' all-reduces; null in one process
 };
 // The parts the fused step's timers split a layer into, in their column order (exported to
 // Python by constants(); the names are workbench.model.timing's PARTS).
-inline constexpr int kTimerParts = 3;
-inline constexpr const char* kTimerPartNames[kTimerParts] = {"attention", "mlp", "other"};
+// "comm" (the all-reduces) is taken out of attention's and the MLP's times; 0 in one process.
+inline constexpr int kTimerParts = 4;
+inline constexpr const char* kTimerPartNames[kTimerParts] = {"attention", "mlp", "other", "comm"};
 struct StepBuffers {  // scratch reused from step to step
   std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
 };

@@ -80,6 +80,20 @@ def test_every_exact_switch_setting_gives_the_same_tokens(tp2, single):
         model.set_options(lm_head="topk", token_broadcast="ids", zero_copy=True)
 
 
+def test_the_ranks_decode_on_the_fused_step_and_the_reference_path_alike(tp2, single):
+    """The fused C++ step runs on the ranks with its all-reduces inside (shm natively, gloo and
+    oneCCL called back), the Python reference path stays switchable, and both give one
+    process's tokens; each step's record says which path ran."""
+    cluster, model = tp2
+    ref = single.generate(PROMPTS[1], max_new_tokens=16, stop_at_eos=False).token_ids
+    for step in ("fused", "reference"):
+        out = model.generate(PROMPTS[1], max_new_tokens=16, stop_at_eos=False, step=step)
+        assert out.token_ids == ref, step
+        steps = out.timings.decode_steps
+        assert {s.path for s in steps} == {step}
+        assert all(sum(s.parts_s["comm"]) > 0 for s in steps)
+
+
 def test_hidden_split_head_reports_its_real_agreement(tp2):
     cluster, model = tp2
     try:

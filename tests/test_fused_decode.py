@@ -137,6 +137,42 @@ def test_every_isa_build_runs_the_same_step(kernels, model):
     assert rel < 1e-4, rel
 
 
+def test_a_collective_runs_inside_the_step_after_o_proj_and_down(model):
+    """The tensor-parallel hook of the fused step, in one process: a collective whose
+    all-reduce over one rank is the identity (a Python callable, as gloo and oneCCL are
+    called) is called twice a layer with the [B, dim] partial sums, leaves the step's result
+    as it was, and its time is the records' "comm"; an error it raises reaches the caller."""
+    llama = model.llama
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    sw = Switches(attention="slim", kv_cache="fp32", step="fused")
+    calls = []
+
+    def identity(x):
+        calls.append(tuple(x.shape))
+
+    def run(collective):
+        cache = llama.new_cache(2, 16, "fp32")
+        llama.prefill(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], cache, sw)
+        llama.collective = collective
+        try:
+            return llama.decode(torch.tensor([11, 12]), cache, sw, record=True)
+        finally:
+            llama.collective = None
+
+    plain, rec0 = run(None)
+    logits, rec = run(KernelSet("native").ext.PyCollective(identity))
+    assert calls == [(2 * llama.cfg.dim,)] * (2 * llama.cfg.n_layers)
+    assert torch.equal(logits, plain) and rec.path == rec0.path == "fused"
+    assert all(c > 0 for c in rec.parts_s["comm"]) and not any(rec0.parts_s["comm"])
+    assert rec.comm_bytes == 2 * llama.cfg.n_layers * 2 * llama.cfg.dim * 4
+
+    def broken(x):
+        raise ConnectionError("rank 1 is gone")
+
+    with pytest.raises(ConnectionError, match="rank 1 is gone"):
+        run(KernelSet("native").ext.PyCollective(broken))
+
+
 def test_the_stack_checks_what_it_is_given(model):
     llama = model.llama
     cache = llama.new_cache(2, 32, "fp32")
@@ -148,7 +184,8 @@ def test_the_stack_checks_what_it_is_given(model):
         stack.step(x, cs, cs, torch.tensor([3, 32]), None)
     with pytest.raises(ValueError, match="x must be \\[B, dim\\] = \\[2, 576\\]"):
         stack.step(torch.zeros(1, llama.cfg.dim), cs, cs, torch.tensor([3, 4]), None)
-    with pytest.raises(ValueError, match="timers must be \\[30, 3\\]"):
+    parts = len(ks.ext.constants()["timer_parts"])
+    with pytest.raises(ValueError, match=f"timers must be \\[30, {parts}\\]"):
         stack.step(x, cs, cs, torch.tensor([3, 4]), torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="heads \\(7\\) must be a positive multiple"):
         ks.decode_stack(llama.layers, cache.per_layer, heads=7, eps=1e-5)

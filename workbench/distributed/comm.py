@@ -63,6 +63,13 @@ class Communicator:
     def buffer(self, shape) -> torch.Tensor:
         return torch.empty(shape)
 
+    def step_collective(self):
+        """The all-reduce the fused C++ decode step calls between its kernels (kernels.h's
+        StepCollective): by default this backend's own, called back into Python."""
+        from workbench.kernels import native
+
+        return native.ext.PyCollective(self._all_reduce)
+
     def close(self) -> None:
         pass
 
@@ -204,11 +211,17 @@ class ShmComm(Communicator):
         header = constants()["shm_header_bytes"]
         start = header + rank * capacity_bytes
         self.slot = self.segment[start:start + capacity_bytes].view(torch.float32)  # this rank's input slot
-        self.seq = 1
+        # The same collective called natively by the fused decode step; it holds the barrier
+        # numbers, which both sides advance.
+        self.native = self.ext.ShmCollective(self.segment, rank, world, capacity_bytes, timeout_s)
 
     def _next(self) -> int:
-        seq, self.seq = self.seq, self.seq + 2
+        seq = self.native.seq
+        self.native.seq = seq + 2
         return seq
+
+    def step_collective(self):
+        return self.native
 
     def _run(self, fn, *args):
         try:
@@ -243,4 +256,4 @@ class ShmComm(Communicator):
         return out
 
     def close(self) -> None:
-        self.segment = self.slot = None
+        self.segment = self.slot = self.native = None

@@ -1,6 +1,8 @@
 """Tensor parallelism applied to a loaded shard, beside the model (the way gpt-fast's tp.py
-leaves model.py alone): `apply_tensor_parallel(model, comm, options)` wraps o_proj and
-down_proj with an all-reduce, and replaces the embedding lookup and the LM head with their
+leaves model.py alone): `apply_tensor_parallel(model, comm, options)` gives the fused decode
+step the backend's all-reduce (`model.llama.collective`: it runs after o_proj and down_proj
+inside the one C++ call), wraps o_proj and down_proj with the same all-reduce for the Python
+reference path and prefill, and replaces the embedding lookup and the LM head with their
 distributed forms. The model's shard was taken at load time (workbench.distributed.shard).
 
 The paper's three communication optimizations, each a switch against its naive form
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench import kernels
+from workbench.distributed.comm import CommError
 from workbench.model.llama import rms_norm
 
 TOKEN_BROADCAST = ("ids", "embeddings")
@@ -64,7 +67,7 @@ class ReducedLinear:
 
     def __init__(self, linear, tp: TensorParallel, layer: int, part: str):
         self.linear, self.tp, self.layer, self.part = linear, tp, layer, part
-        self.weight = linear.weight
+        self.weight, self.scale = linear.weight, linear.scale  # what the fused step reads
 
     @property
     def nbytes(self) -> int:
@@ -171,11 +174,15 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
         return logits
 
     llama._embed, llama._head = embed, head
+    collective = comm.step_collective()  # the fused step's all-reduces, called from C++
+    llama.collective = collective
 
     def begin(record: bool) -> None:
         tp.recording = comm.recording = record
         tp.comm_s.clear()
         comm.take_log()
+        if hasattr(collective, "zero_copy"):  # the switch, for the fused step too
+            collective.zero_copy = tp.options.zero_copy
 
     def end(rec):
         if rec is not None:
@@ -191,7 +198,12 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
 
     def tp_decode(tokens, cache, switches, record=False):
         begin(record)
-        logits, rec = decode(tokens, cache, switches, record)
+        try:
+            logits, rec = decode(tokens, cache, switches, record)
+        except RuntimeError as e:  # the fused step's shm all-reduce: a rank died or is stuck
+            if "collective" in str(e):
+                raise CommError(str(e)) from None
+            raise
         return logits, end(rec)
 
     llama.prefill, llama.decode = tp_prefill, tp_decode
@@ -206,5 +218,5 @@ def _attribute_comm(rec, tp: TensorParallel, calls) -> None:
     for (layer, part), seconds in tp.comm_s.items():
         rec.parts_s[part][layer] -= seconds
         comm[layer] += seconds
-    rec.comm_bytes = sum(c.bytes for c in calls)
+    rec.comm_bytes += sum(c.bytes for c in calls)  # the fused step counted its own all-reduces
     rec.head_comm_s = sum(c.seconds for c in calls) - sum(tp.comm_s.values())

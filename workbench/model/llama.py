@@ -165,6 +165,9 @@ class LlamaModel:
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
         self._stacks = weakref.WeakKeyDictionary()  # cache -> its fused decode step (kernels.decode_stack)
+        # Tensor parallel (workbench.distributed.tp): the all-reduce the fused step runs after
+        # o_proj and down_proj (a kernels StepCollective); None in one process.
+        self.collective = None
 
     def _pack_weights(self) -> None:
         """Move every matrix (and int8 scales) into one huge-page arena in the order a decode
@@ -231,7 +234,8 @@ class LlamaModel:
         return x
 
     def _record(self, clock: Clock, phase: str, tokens: int, t_start: float, layers_s: float,
-                kv_bytes: int, attention_pairs: int, head_rows: int, wake_s: float = 0.0) -> StepRecord | None:
+                kv_bytes: int, attention_pairs: int, head_rows: int, wake_s: float = 0.0,
+                path: str = "") -> StepRecord | None:
         if not clock.enabled:
             return None
         total = clock.t() - t_start
@@ -241,7 +245,7 @@ class LlamaModel:
                           kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
                           total_s=total,
                           flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
-                          head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s)
+                          head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s, path=path)
 
     def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
                 record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
@@ -298,9 +302,9 @@ class LlamaModel:
             return f"attention {switches.attention!r} decodes in PyTorch, not with our kernel"
         if type(cache) is not KVCache:
             return f"kv_cache {switches.kv_cache!r} runs on the torch reference path"
-        if any(type(lin) is not Linear for layer in self.layers
-               for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
-            return "tensor parallel: o_proj and down_proj end in an all-reduce (run from Python)"
+        if self.collective is None and any(type(lin) is not Linear for layer in self.layers
+                                           for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
+            return "tensor parallel without a collective for the fused step (model.collective)"
         return None
 
     def _fused_stack(self, cache: KVCache):
@@ -334,10 +338,12 @@ class LlamaModel:
 
         x = self._embed(tokens)  # [B, dim]
         t_layers = clock.t()
-        if self.fused_decode_blocker(switches, cache) is None:
+        fused = self.fused_decode_blocker(switches, cache) is None
+        if fused:
             parts = kernels.constants()["timer_parts"]  # the C++ timers' columns, by name
             timers = torch.zeros(len(self.layers), len(parts), dtype=torch.float64) if record else None
-            wake_s = self._fused_stack(cache).step(x, cos, sin, positions, timers)  # x updated in place
+            # x updated in place; with a collective, the all-reduces run inside the same call
+            wake_s = self._fused_stack(cache).step(x, cos, sin, positions, timers, self.collective)
             if record:
                 for i, row in enumerate(timers.tolist()):
                     for part, seconds in zip(parts, row):
@@ -348,6 +354,9 @@ class LlamaModel:
         layers_s = clock.t() - t_layers - wake_s
         logits = self._head(x)
         cache.lengths = lengths
-        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
-                                    cache.bytes_read(lengths) if record else 0, int(lengths.sum()),
-                                    logits.shape[0], wake_s)
+        rec = self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
+                           cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0], wake_s,
+                           "fused" if fused else "reference")
+        if rec is not None and fused and self.collective is not None:  # two all-reduces of [B, dim] fp32 a layer
+            rec.comm_bytes = 2 * len(self.layers) * x.numel() * x.element_size()
+        return logits, rec

@@ -71,6 +71,9 @@ class StepRecord:
     # Waking the thread pool before the first layer (the fused step does it apart, outside
     # the layers' times; part of head_s): after an idle gap between steps the workers sleep.
     wake_s: float = 0.0
+    # Which path ran a decode step: "fused" (every layer in one C++ call, LlamaModel.decode)
+    # or "reference" (the Python loop over the same kernels); "" for a prefill.
+    path: str = ""
 
     @property
     def comm_s(self) -> float:
