@@ -157,6 +157,7 @@ def test_distributed_magics_in_a_real_shell(capsys):
     assert err is None, err
     df = sh.user_ns["tp"]
     assert list(df.ranks) == [1, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()
+    assert list(df.path) == ["fused"] * 3  # every row on the fused step, the ranks with their all-reduces inside
 
 
 def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():

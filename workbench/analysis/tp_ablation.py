@@ -9,6 +9,8 @@ tp_ablation rows (decode phase, batch 1 unless given):
     pct_comm                    comm_ms_per_token / decode_ms_per_token
     comm_bytes_per_token        payload this rank sent per decode step
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
+    path                        which decode path ran ("fused": the C++ step, with the
+                                all-reduces inside on the ranks; "reference": Python)
 Within one cluster the switch settings are interleaved (shuffled every round); clusters
 of different backends run one after another (starting one takes seconds). ranks = 1 is the
 single-process model on the same cores (threads = the largest ranks x threads_per_rank).
@@ -34,7 +36,8 @@ def _row(out, batch: int) -> dict:
     return {"decode_ms_per_token": 1e3 * out.timings.decode_s / max(1, out.timings.decode_tokens // batch),
             "comm_ms_per_token": statistics.mean(1e3 * s.comm_s for s in steps) if steps else 0.0,
             "comm_bytes_per_token": statistics.mean(s.comm_bytes for s in steps) if steps else 0.0,
-            "step_ms": statistics.median(per_step_ms) if per_step_ms else 0.0}
+            "step_ms": statistics.median(per_step_ms) if per_step_ms else 0.0,
+            "path": "+".join(sorted({s.path for s in steps}))}
 
 
 def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
@@ -44,7 +47,8 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
     return {**config, "decode_ms_per_token": med, "decode_ms_min": min(ms), "decode_ms_max": max(ms),
             "comm_ms_per_token": statistics.median(comm), "pct_comm": 100 * statistics.median(comm) / med,
             "comm_bytes_per_token": statistics.median(s["comm_bytes_per_token"] for s in samples),
-            "same_tokens_as_tp1": same, "repeats": len(samples)}
+            "same_tokens_as_tp1": same, "repeats": len(samples),
+            "path": "+".join(sorted({s["path"] for s in samples}))}
 
 
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
