@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom up; names on one floor may import each other.
-LAYERS = [("cache", "hw"), ("kernels",), ("model",), ("runtime",), ("distributed",), ("analysis",), ("ui",),
+LAYERS = [("cache", "hw"), ("kernels",), ("model",), ("runtime",), ("distributed", "serving"), ("analysis",), ("ui",),
           ("report",), ("options", "magics"), ("cli",)]
 FLOOR = {name: i for i, names in enumerate(LAYERS) for name in names}
 

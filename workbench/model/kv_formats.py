@@ -246,6 +246,20 @@ class KVCache:
         append(self.k[layer][rows], None if k_scale is None else k_scale[rows], k, positions, k_layout)
         append(self.v[layer][rows], None if v_scale is None else v_scale[rows], v, positions, v_layout)
 
+    def rows(self, n: int) -> KVCache:
+        """A cache over this one's first n sequences, sharing their storage (views, no copy),
+        with lengths of its own: a continuous-batching scheduler decodes the sequences in its
+        first n slots through it (workbench.serving)."""
+        if not 1 <= n <= self.lengths.numel():
+            raise ValueError(f"n must be in 1..{self.lengths.numel()}, got {n}")
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
+        view.k_scale = [None if t is None else t[:n] for t in self.k_scale]
+        view.v_scale = [None if t is None else t[:n] for t in self.v_scale]
+        view.lengths = self.lengths[:n].clone()
+        return view
+
     @property
     def tiled(self) -> bool:
         """K and V in the tiled int8 layout (kernels/decode_tiled.cpp), not token rows."""

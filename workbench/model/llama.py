@@ -285,6 +285,42 @@ class LlamaModel:
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
                                     sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
 
+    def extend(self, tokens: torch.Tensor, cache: KVCache, row: int, start: int,
+               record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+        """tokens [n] of sequence `row` at positions start .. start + n - 1, after the `start`
+        tokens its cache already holds (a prompt prefilled in chunks, or the rest of a prompt
+        whose prefix was reused) -> the logits of the last token [1, vocab]. Each query attends
+        over the cache's first start + n positions with SlimAttention (causal, the keys before
+        `start` all visible)."""
+        n = int(tokens.numel())
+        if n < 1 or start < 0 or start + n > cache.max_len:
+            raise ValueError(f"extend: {n} tokens at position {start} do not fit a cache of {cache.max_len} "
+                             f"(need at least one token and start >= 0)")
+        clock = Clock(record, len(self.layers))
+        t_start = clock.t()
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
+        act = self.attention_dtype
+        positions = torch.arange(start, start + n)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        at = torch.tensor([start], dtype=torch.int64)
+
+        def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = (t.reshape(n, -1, D).transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+            cache.append(i, k, v, at, rows=slice(row, row + 1))
+            keys, values = cache.dequantized(i, row, start + n)  # [Hkv, start + n, D]
+            keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
+            out = kernels.slim_attention(q.to(act), keys, values)
+            return layer.wo(out[0].transpose(0, 1).reshape(n, H * D).float())
+
+        x = self._embed(tokens)
+        t_layers = clock.t()
+        x = self._layers(x, attend, clock, one_pass=True)
+        layers_s = clock.t() - t_layers
+        logits = self._head(x[-1:])
+        return logits, self._record(clock, "prefill", n, t_start, layers_s, 0,
+                                    n * start + n * (n + 1) // 2, 1)
+
     @property
     def attention_dtype(self) -> torch.dtype:
         """What prefill attention runs in: bf16 where the weights' products run on a bf16 engine

@@ -1,0 +1,105 @@
+"""The continuous-batching scheduler (workbench.serving) on the bundled model, fp32 weights
+and cache: requests arriving while others decode (chunked prefill, slots reused as requests
+leave) each get the greedy tokens of generating them alone; the same with prompt-prefix
+reuse, which must hit; the batched steps run on the fused step; bad requests are clear."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.analysis.text import sample_prompts
+from workbench.serving import QueueFull, Scheduler
+
+
+@pytest.fixture(scope="module")
+def model():
+    return wb.load_model("smollm2-135m")
+
+
+def alone(model, prompt, n):
+    return model.generate([prompt], max_new_tokens=n, stop_at_eos=False).token_ids[0]
+
+
+def arrive_and_run(s, requests, seed=0):
+    """Submit the requests a few at a time while the scheduler steps (arrivals during
+    decoding), then run until all are done."""
+    rng = random.Random(seed)
+    pending = list(requests)
+    handles = []
+    while pending or s.busy:
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                prompt, n = pending.pop(0)
+                handles.append(s.submit(prompt, n, stop_at_eos=False))
+        s.step()
+    return handles
+
+
+def test_requests_arriving_while_others_decode_get_their_own_greedy_tokens(model):
+    rng = random.Random(1)
+    texts = sample_prompts(model.tokenizer, 80, 32)
+    requests = [(p[:rng.randint(3, 80)], rng.randint(1, 12)) for p in texts]  # 32 mixed lengths
+    s = Scheduler(model, slots=5, max_len=128, chunk=24, kv_cache="fp32")
+    handles = arrive_and_run(s, requests)
+    for (prompt, n), r in zip(requests, handles):
+        assert r.done and r.finish_reason == "length" and len(r.output) == n
+        assert r.output == alone(model, prompt, n), (len(prompt), n)
+        assert r.ttft_s > 0 and len(r.token_times) == n
+    assert s.stats["decode_paths"] == {"fused"} and s.stats["prefilled_tokens"] == sum(len(p) for p, _ in requests)
+    assert not s.running and not s.waiting
+
+
+def test_prefix_reuse_hits_and_changes_no_token(model):
+    shared = sample_prompts(model.tokenizer, 70, 1)[0]
+    suffixes = sample_prompts(model.tokenizer, 12, 20)[10:]
+    requests = [(shared + sfx[:3 + i], 6) for i, sfx in enumerate(suffixes)]
+    s = Scheduler(model, slots=3, max_len=128, chunk=32, kv_cache="fp32", prefix_cache_tokens=256, block=16)
+    handles = arrive_and_run(s, requests, seed=2)
+    for (prompt, n), r in zip(requests, handles):
+        assert r.output == alone(model, prompt, n)
+    later = [r for r in handles if r.reused]
+    assert later and all(r.reused == 64 for r in later)  # the 4 whole blocks of the 70 shared tokens
+    assert s.stats["reused_tokens"] == 64 * len(later) and s.stats["reused_bytes"] > 0
+    assert 0 < s.prefix_cache_bytes and len(s._prefix) * 16 <= 256  # within its budget
+
+
+def test_a_reused_prefix_is_exact_on_a_quantized_cache_too(model):
+    """int8 K / V copied out of one row and into another are the same bytes and scales: with
+    reuse on and off the tokens agree."""
+    shared = sample_prompts(model.tokenizer, 40, 1)[0]
+    requests = [(shared + [t], 5) for t in (100, 200, 300)]
+    outs = []
+    for budget in (0, 128):
+        s = Scheduler(model, slots=1, max_len=64, kv_cache="int8", kv_kernel="dot", prefix_cache_tokens=budget)
+        outs.append([r.output for r in arrive_and_run(s, requests)])
+    assert outs[0] == outs[1]
+
+
+def test_bad_requests_and_settings_are_clear(model):
+    s = Scheduler(model, slots=1, max_len=32, max_queue=2)
+    with pytest.raises(ValueError, match="prompt must be a non-empty list"):
+        s.submit([], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        s.submit([1, 2], 0)
+    with pytest.raises(ValueError, match="exceeds max_len \\(32\\)"):
+        s.submit(list(range(1, 30)), 8)
+    with pytest.raises(ValueError, match="token ids in 0.."):
+        s.submit([-1], 2)
+    s.submit([1, 2], 2), s.submit([3, 4], 2)
+    with pytest.raises(QueueFull, match="max_queue 2"):
+        s.submit([5], 2)
+    with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
+        Scheduler(model, slots=0)
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        Scheduler(model, kv_cache="int3")
+    with pytest.raises(ValueError, match="prefix reuse copies token rows"):
+        Scheduler(model, kv_cache="int8", kv_kernel="tile", prefix_cache_tokens=64)
+    first = s.waiting[0]
+    s.cancel(first)
+    assert first.done and first.finish_reason == "cancelled" and len(s.waiting) == 1
+    s.run()
+    assert not s.busy

@@ -1,0 +1,286 @@
+"""Continuous batching over one model, with prompt-prefix reuse: the scheduler a server
+runs (usable without Jupyter or HTTP).
+
+    from workbench.serving import Scheduler
+    s = Scheduler(model, slots=8, max_len=2048, chunk=256, prefix_cache_tokens=8192)
+    r = s.submit(prompt_ids, max_new_tokens=64)
+    while s.busy:
+        s.step()                  # admit, one prefill chunk, one decode step of the batch
+    r.output, r.ttft_s, r.token_times
+
+Every step: waiting requests take free slots (each slot is one row of one KV cache, so the
+memory is fixed when the scheduler is made); one request still prefilling runs its next
+`chunk` prompt tokens (LlamaModel.extend), so a long prompt delays the running batch by one
+chunk at a time, not by its whole prefill; then every decoding request advances one token
+in one batched decode step (LlamaModel.decode, on the fused C++ step where the switches
+allow) over the cache rows up to the highest busy slot. Requests leave at end-of-sequence or
+their token limit and free their slot at once. Sampling is greedy.
+
+Prefix reuse (`prefix_cache_tokens` > 0): when a prompt's prefill ends, the K / V of its
+whole blocks of `block` tokens are copied out of its cache row and kept under a hash of the
+block and every token before it (a chain, as vLLM's prefix caching hashes blocks), least
+recently used first out when the budget is full. A new request whose prompt starts with
+kept blocks gets them copied into its row (positions unchanged) and prefills only the rest.
+`stats` counts the tokens reused and the bytes of K / V not recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.model.switches import Switches
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue is at its limit (a server answers 429 / 503)."""
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    stop_at_eos: bool = True
+    output: list[int] = field(default_factory=list)
+    state: str = "waiting"  # waiting -> prefill -> decode -> done
+    slot: int | None = None
+    filled: int = 0  # prompt tokens in the cache (reused or prefilled)
+    reused: int = 0  # of them, copied from the prefix cache
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was produced
+    finish_s: float | None = None
+    finish_reason: str | None = None  # "eos" or "length"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+
+@dataclass
+class PrefixBlock:
+    keys: list[torch.Tensor]  # per layer: K of the block's tokens, as the cache stores them
+    values: list[torch.Tensor]
+    key_scales: list[torch.Tensor | None]
+    value_scales: list[torch.Tensor | None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for ts in (self.keys, self.values, self.key_scales, self.value_scales)
+                   for t in ts if t is not None)
+
+
+def _positive(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and prefix reuse over `model` (a loaded
+    workbench Model). slots: sequences decoded together at most; max_len: tokens per
+    sequence (prompt and output); chunk: prompt tokens prefilled per step; kv_cache /
+    kv_kernel: the cache's format (any of KV_FORMATS whose kernel keeps token rows);
+    prefix_cache_tokens: the prefix cache's budget in tokens (0: no reuse); block: tokens per
+    kept block; max_queue: waiting requests at most (submit raises QueueFull beyond)."""
+
+    def __init__(self, model, *, slots: int = 8, max_len: int | None = None, chunk: int = 256,
+                 kv_cache: str | None = None, kv_kernel: str | None = None, prefix_cache_tokens: int = 0,
+                 block: int = 16, max_queue: int = 256):
+        self.model, self.llama = model, model.llama
+        self.slots = _positive("slots", slots)
+        self.max_len = _positive("max_len", max_len or model.config.max_seq_len)
+        if self.max_len > model.config.max_seq_len:
+            raise ValueError(f"max_len must be at most the model's context ({model.config.max_seq_len}), "
+                             f"got {self.max_len}")
+        self.chunk = _positive("chunk", chunk)
+        self.block = _positive("block", block)
+        self.max_queue = _positive("max_queue", max_queue)
+        self.prefix_budget = _positive("prefix_cache_tokens", prefix_cache_tokens, 0)
+        self.switches = model.switches.overridden(kv_cache=kv_cache, kv_kernel=kv_kernel)
+        self.cache = self.llama.new_cache(self.slots, self.max_len, self.switches.kv_cache, self.switches.kv_kernel)
+        if self.prefix_budget and self.cache.tiled:
+            raise ValueError(f"prefix reuse copies token rows; kv_kernel {self.cache.kernel!r} stores K / V in "
+                             f"tiles: use kv_kernel 'dot' or 'widen' with prefix_cache_tokens")
+        self.switches = Switches(self.switches.attention, self.switches.kv_cache, self.cache.kernel,
+                                 self.switches.step)
+        self.eos = model.tokenizer.eos_id
+        self.waiting: list[Request] = []
+        self.running: dict[int, Request] = {}  # slot -> request
+        self._views: dict[int, object] = {}  # n -> the cache's first n rows (kept: each has its fused step)
+        self._prefix: OrderedDict[bytes, PrefixBlock] = OrderedDict()
+        self._next_id = 0
+        self.stats = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "reused_bytes": 0,
+                      "prefilled_tokens": 0, "decode_steps": 0, "decode_paths": set()}
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Request:
+        """Queue a request; returns it (its fields fill in as it runs)."""
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt must hold token ids in 0..{vocab - 1}")
+        _positive("max_new_tokens", max_new_tokens)
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
+                             f"({self.max_len})")
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
+        r = Request(self._next_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=time.perf_counter())
+        self._next_id += 1
+        self.waiting.append(r)
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(prompt)
+        return r
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request (a client that went away): its slot is free for the next step."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request.slot is not None and self.running.get(request.slot) is request:
+            del self.running[request.slot]
+        request.state, request.finish_reason = "done", request.finish_reason or "cancelled"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one iteration -------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, prefill one chunk, decode one token for every decoding request; returns the
+        requests that finished in this step."""
+        finished: list[Request] = []
+        with torch.inference_mode():
+            self._admit()
+            prefilling = [r for r in self.running.values() if r.state == "prefill"]
+            if prefilling:
+                self._prefill_chunk(min(prefilling, key=lambda r: r.arrival_s), finished)
+            decoding = [r for r in self.running.values() if r.state == "decode"]
+            if decoding:
+                self._decode(decoding, finished)
+        return finished
+
+    def run(self) -> None:
+        """Step until every submitted request is done."""
+        while self.busy:
+            self.step()
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.slots) if s not in self.running]
+        while free and self.waiting:
+            r = self.waiting.pop(0)
+            r.slot, r.state = free.pop(0), "prefill"
+            self.running[r.slot] = r
+            r.filled = r.reused = self._reuse_prefix(r)
+
+    def _prefill_chunk(self, r: Request, finished: list[Request]) -> None:
+        piece = r.prompt[r.filled:r.filled + self.chunk]
+        logits, _ = self.llama.extend(torch.tensor(piece), self.cache, r.slot, r.filled)
+        r.filled += len(piece)
+        self.stats["prefilled_tokens"] += len(piece)
+        if r.filled == len(r.prompt):
+            self.cache.lengths[r.slot] = r.filled
+            self._keep_prefix(r)
+            r.state = "decode"
+            self._emit(r, int(logits[0].argmax()), finished)
+
+    def _decode(self, decoding: list[Request], finished: list[Request]) -> None:
+        n = max(r.slot for r in decoding) + 1
+        view = self._views.get(n)
+        if view is None:
+            view = self._views[n] = self.cache.rows(n)
+        tokens = torch.zeros(n, dtype=torch.int64)
+        # Rows that are not decoding write a throwaway token where nothing is kept: a free
+        # row at 0, a row still prefilling at its next prompt position (its next chunk
+        # overwrites it before anything reads it).
+        lengths = torch.zeros(n, dtype=torch.int64)
+        for slot, r in self.running.items():
+            if slot < n:
+                lengths[slot] = self.cache.lengths[slot] if r.state == "decode" else r.filled
+        for r in decoding:
+            tokens[r.slot] = r.output[-1]
+        view.lengths = lengths
+        logits, rec = self.llama.decode(tokens, view, self.switches, record=True)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_paths"].add(rec.path)
+        for r in decoding:
+            self.cache.lengths[r.slot] += 1
+            self._emit(r, int(logits[r.slot].argmax()), finished)
+
+    def _emit(self, r: Request, token: int, finished: list[Request]) -> None:
+        now = time.perf_counter()
+        r.output.append(token)
+        r.token_times.append(now)
+        if r.first_token_s is None:
+            r.first_token_s = now
+        reason = ("eos" if r.stop_at_eos and token == self.eos else
+                  "length" if len(r.output) >= r.max_new_tokens else None)
+        if reason:
+            r.state, r.finish_reason, r.finish_s = "done", reason, now
+            del self.running[r.slot]
+            finished.append(r)
+
+    # -- prefix reuse ----------------------------------------------------------------------
+    def _block_keys(self, prompt: list[int], blocks: int) -> list[bytes]:
+        keys, h = [], hashlib.sha256()
+        for b in range(blocks):
+            h.update(torch.tensor(prompt[b * self.block:(b + 1) * self.block], dtype=torch.int64).numpy().tobytes())
+            keys.append(h.copy().digest())
+        return keys
+
+    def _reuse_prefix(self, r: Request) -> int:
+        """Copy the longest kept prefix of r's prompt into its row; the tokens reused (at least
+        one prompt token is always left to prefill, for the first output's logits)."""
+        if not self.prefix_budget:
+            return 0
+        usable = (len(r.prompt) - 1) // self.block
+        matched = 0
+        for key in self._block_keys(r.prompt, usable):
+            if key not in self._prefix:
+                break
+            self._prefix.move_to_end(key)
+            block = self._prefix[key]
+            lo, hi = matched * self.block, (matched + 1) * self.block
+            c = self.cache
+            for i in range(len(c.k)):
+                c.k[i][r.slot, :, lo:hi] = block.keys[i]
+                c.v[i][r.slot, :, lo:hi] = block.values[i]
+                if c.k_scale[i] is not None:
+                    c.k_scale[i][r.slot, :, lo:hi] = block.key_scales[i]
+                    c.v_scale[i][r.slot, :, lo:hi] = block.value_scales[i]
+            self.stats["reused_bytes"] += block.nbytes
+            matched += 1
+        self.stats["reused_tokens"] += matched * self.block
+        return matched * self.block
+
+    def _keep_prefix(self, r: Request) -> None:
+        if not self.prefix_budget:
+            return
+        c = self.cache
+        for b, key in enumerate(self._block_keys(r.prompt, len(r.prompt) // self.block)):
+            if key in self._prefix:
+                self._prefix.move_to_end(key)
+                continue
+            lo, hi = b * self.block, (b + 1) * self.block
+            self._prefix[key] = PrefixBlock(
+                [k[r.slot, :, lo:hi].clone() for k in c.k], [v[r.slot, :, lo:hi].clone() for v in c.v],
+                [None if s is None else s[r.slot, :, lo:hi].clone() for s in c.k_scale],
+                [None if s is None else s[r.slot, :, lo:hi].clone() for s in c.v_scale])
+            while len(self._prefix) * self.block > self.prefix_budget:
+                self._prefix.popitem(last=False)  # least recently used
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return sum(b.nbytes for b in self._prefix.values())
