@@ -1,4 +1,4 @@
-"""`workbench` command line: generate, demo (the main job), report, compare, peers, profile, bench.
+"""`workbench` command line: generate, demo (the main job), report, compare, peers, profile, serve, bench.
 
     workbench generate "The capital of France is" --max-new-tokens 32 --attention slim --kv-cache int8
     workbench demo                      # every attention x KV dtype on the bundled model, table + JSON + report
@@ -6,6 +6,7 @@
     workbench compare a.json b.json [-o diff.html]            # two reports side by side, noise-aware verdicts
     workbench peers                     # ours vs transformers and llama.cpp, interleaved, same tokens
     workbench profile [--native] -- generate "Hello"          # py-spy over a workbench command
+    workbench serve --port 8000 --slots 8 --prefix-cache-tokens 8192   # OpenAI-compatible server
     workbench bench attention|generation|peaks [args...]
 """
 
@@ -186,6 +187,17 @@ def cmd_profile(args) -> int:
     return result["returncode"]
 
 
+def cmd_serve(args) -> int:
+    from workbench.serving.server import serve
+
+    model = _load(args)
+    max_len = args.max_len or min(model.config.max_seq_len, 2048)
+    serve(model, model_name=args.model, host=args.host, port=args.port, slots=args.slots, max_len=max_len,
+          chunk=args.chunk, kv_cache=args.kv_cache, kv_kernel=args.kv_kernel,
+          prefix_cache_tokens=args.prefix_cache_tokens, max_queue=args.max_queue)
+    return 0
+
+
 def cmd_bench(args) -> int:
     script = ROOT / "bench" / {"attention": "all.py", "generation": "generation.py", "peaks": "peaks.py"}[args.which]
     if not script.is_file():
@@ -246,6 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--out", default=str(Path("results") / "profile.speedscope.json"))
     pr.add_argument("rest", nargs=argparse.REMAINDER)
     pr.set_defaults(func=cmd_profile)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server: continuous batching, prefix reuse")
+    _model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--slots", type=int, default=8, help="sequences decoded together at most (KV cache rows)")
+    sv.add_argument("--max-len", type=int, default=None, help="tokens per sequence (default min(context, 2048))")
+    sv.add_argument("--chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step")
+    sv.add_argument("--kv-cache", default=None, help="KV cache format (default the model's switch)")
+    sv.add_argument("--kv-kernel", default=None, help="how the cache is read (default the format's)")
+    sv.add_argument("--prefix-cache-tokens", type=int, default=0, help="prompt-prefix reuse budget in tokens (0: off)")
+    sv.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 429")
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("which", choices=["attention", "generation", "peaks"])

@@ -27,6 +27,7 @@ kept blocks gets them copied into its row (positions unchanged) and prefills onl
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -118,32 +119,39 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # slot -> request
         self._views: dict[int, object] = {}  # n -> the cache's first n rows (kept: each has its fused step)
         self._prefix: OrderedDict[bytes, PrefixBlock] = OrderedDict()
-        self._next_id = 0
+        self._ids = itertools.count()
         self.stats = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "reused_bytes": 0,
                       "prefilled_tokens": 0, "decode_steps": 0, "decode_paths": set()}
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Request:
-        """Queue a request; returns it (its fields fill in as it runs)."""
+        """Queue a request; returns it (its fields fill in as it runs). A ValueError names
+        what is wrong with it; QueueFull when max_queue requests already wait."""
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
+        return self.enqueue(self.new_request(prompt, max_new_tokens, stop_at_eos))
+
+    def new_request(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Request:
+        """A checked request, not yet queued (a server checks on its own thread, then hands it
+        to the scheduler's with enqueue)."""
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
         vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must hold token ids in 0..{vocab - 1}")
         _positive("max_new_tokens", max_new_tokens)
         if len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
                              f"({self.max_len})")
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
-        r = Request(self._next_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=time.perf_counter())
-        self._next_id += 1
-        self.waiting.append(r)
+        return Request(next(self._ids), list(prompt), max_new_tokens, stop_at_eos, arrival_s=time.perf_counter())
+
+    def enqueue(self, request: Request) -> Request:
+        self.waiting.append(request)
         self.stats["requests"] += 1
-        self.stats["prompt_tokens"] += len(prompt)
-        return r
+        self.stats["prompt_tokens"] += len(request.prompt)
+        return request
 
     def cancel(self, request: Request) -> None:
         """Drop a request (a client that went away): its slot is free for the next step."""

@@ -1,0 +1,118 @@
+"""`workbench serve` as a user runs it: a real server process on 127.0.0.1, driven over HTTP
+with httpx. Completions are the model's greedy tokens, streaming sends the same text as
+server-sent events, bad bodies get a 400 naming the problem, a full queue a 429, a client
+that disconnects mid-stream frees its slot, and the metrics count it all."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import workbench as wb
+
+PROMPT = "The capital of France is"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), "--slots", "2",
+                             "--max-queue", "2", "--max-len", "512", "--prefix-cache-tokens", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def metrics(url) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+def test_a_completion_is_the_models_greedy_text_streamed_or_not(server):
+    model = wb.load_model("smollm2-135m")
+    want = model.generate(PROMPT, max_new_tokens=10, stop_at_eos=False).text
+    r = httpx.post(server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == want and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(model.tokenizer.encode(PROMPT)), "completion_tokens": 10,
+                             "total_tokens": len(model.tokenizer.encode(PROMPT)) + 10}
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True, "stream": True}) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    chat = httpx.post(server + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24})
+    answer = chat.json()["choices"][0]
+    assert "Paris" in answer["message"]["content"] and "<|im_end|>" not in answer["message"]["content"]
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"prompt": ', "not valid JSON"),
+    (b'\xff\xfe{}', "not UTF-8"),
+    (b'[1, 2]', "must be a JSON object"),
+    (b'{"prompt": "x", "max_tokens": 4, "frobnicate": 1}', "unknown field 'frobnicate'"),
+    (b'{"prompt": "x", "max_tokens": -3}', "max_tokens must be an integer in 1..511, got -3"),
+    (b'{"prompt": "x", "max_tokens": 100000000}', "max_tokens must be an integer in 1..511"),
+    (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens must be an integer"),
+    (b'{"prompt": "", "max_tokens": 4}', "prompt must be a non-empty string"),
+    (b'{"prompt": "x", "temperature": 0.7}', "temperature must be 0"),
+])
+def test_bad_bodies_are_400_naming_the_problem(server, body, message):
+    r = httpx.post(server + "/v1/completions", content=body, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_overload_is_429_a_disconnect_frees_its_slot_and_the_server_stays_up(server):
+    before = metrics(server)
+
+    def ask(_):
+        return httpx.post(server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True},
+                          timeout=120).status_code
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        codes = list(pool.map(ask, range(8)))  # 2 slots + 2 waiting: the rest are refused
+    assert set(codes) <= {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 1, codes
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}) as s:
+        next(line for line in s.iter_lines() if line.startswith("data: "))  # one token, then hang up
+    deadline = time.time() + 20
+    while metrics(server)["workbench_requests_running"] > 0 and time.time() < deadline:
+        time.sleep(0.2)
+    after = metrics(server)
+    assert after["workbench_requests_running"] == 0 and after["workbench_requests_waiting"] == 0
+    assert after["workbench_requests_rejected_total"] - before["workbench_requests_rejected_total"] == codes.count(429)
+    # the abandoned stream stopped well before its 400 tokens
+    made = after["workbench_generation_tokens_total"] - before["workbench_generation_tokens_total"]
+    assert made < 48 * codes.count(200) + 300
+    assert httpx.get(server + "/health").json()["status"] == "ok"

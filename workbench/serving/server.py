@@ -1,0 +1,314 @@
+"""An OpenAI-compatible HTTP server over the scheduler (`workbench serve`).
+
+    workbench serve --model smollm2-135m --port 8000 --slots 8 --prefix-cache-tokens 8192
+    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
+
+Endpoints: POST /v1/completions and /v1/chat/completions (with "stream": true, server-sent
+events ending in `data: [DONE]`), GET /health, GET /metrics (Prometheus text). Built on
+Starlette and served by uvicorn, bound to 127.0.0.1 unless told otherwise.
+
+The scheduler runs on one thread of its own (`Engine`): the event loop hands it requests
+through a queue and gets each new token back on the request's asyncio queue, so HTTP stays
+responsive while a step runs. A bad request is a 400 naming the field; a full queue is a 429;
+a client that disconnects has its request cancelled and its slot freed at the next step.
+Sampling is greedy (temperature 0 only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+
+from workbench.serving.scheduler import QueueFull, Request, Scheduler
+
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "stream", "temperature", "ignore_eos", "stream_options", "n"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens"}
+
+
+class BadRequest(ValueError):
+    """What is wrong with a request body, for a 400."""
+
+
+class Engine:
+    """The scheduler on a thread of its own. submit() is called from the event loop; each
+    new token (or the end) is put on the request's asyncio queue as (token ids so far, done)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.inbox: queue.Queue = queue.Queue()
+        self.listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.generated_tokens = 0
+        self.rejected = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="workbench-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) -> tuple[Request, asyncio.Queue]:
+        """Queue a request (checked here, so a bad one fails in the handler): (request, the
+        queue its tokens arrive on). Raises ValueError or QueueFull."""
+        s = self.scheduler
+        pending = self.inbox.qsize() + len(s.waiting)
+        if pending >= s.max_queue:
+            self.rejected += 1
+            raise QueueFull(f"{pending} requests are waiting (max_queue {s.max_queue})")
+        request = s.new_request(prompt, max_new_tokens, stop_at_eos)  # validates; not queued yet
+        tokens: asyncio.Queue = asyncio.Queue()
+        self.listeners[request.id] = (asyncio.get_running_loop(), tokens)
+        self.inbox.put(("submit", request))
+        return request, tokens
+
+    def cancel(self, request: Request) -> None:
+        self.inbox.put(("cancel", request))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        s = self.scheduler
+        while not self._stop.is_set():
+            try:  # block while idle; otherwise take what arrived and step
+                item = self.inbox.get(timeout=None if not s.busy else 0)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                kind, request = item
+                if kind == "submit":
+                    s.enqueue(request)
+                elif kind == "cancel":
+                    s.cancel(request)
+                    self.listeners.pop(request.id, None)
+                elif kind == "stop":
+                    return
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not s.busy:
+                continue
+            before = {r.id: len(r.output) for r in s.running.values()}
+            finished = s.step()
+            for r in [*s.running.values(), *finished]:
+                if len(r.output) > before.get(r.id, 0):
+                    self.generated_tokens += len(r.output) - before.get(r.id, 0)
+                    self._notify(r)
+
+    def _notify(self, r: Request) -> None:
+        listener = self.listeners.get(r.id)
+        if listener is None:
+            return
+        loop, tokens = listener
+        if r.done:
+            self.listeners.pop(r.id, None)
+        try:
+            loop.call_soon_threadsafe(tokens.put_nowait, (list(r.output), r.done))
+        except RuntimeError:  # the loop has closed (server shutting down)
+            pass
+
+    def metrics(self) -> str:
+        s, st = self.scheduler, self.scheduler.stats
+        lines = []
+
+        def metric(name: str, kind: str, value, help_: str) -> None:
+            lines.extend([f"# HELP workbench_{name} {help_}", f"# TYPE workbench_{name} {kind}",
+                          f"workbench_{name} {value}"])
+
+        metric("requests_total", "counter", st["requests"], "requests accepted")
+        metric("requests_rejected_total", "counter", self.rejected, "requests refused with 429 (queue full)")
+        metric("requests_running", "gauge", len(s.running), "requests holding a slot")
+        metric("requests_waiting", "gauge", len(s.waiting) + self.inbox.qsize(), "requests waiting for a slot")
+        metric("prompt_tokens_total", "counter", st["prompt_tokens"], "prompt tokens of accepted requests")
+        metric("prefilled_tokens_total", "counter", st["prefilled_tokens"], "prompt tokens computed")
+        metric("prefix_reused_tokens_total", "counter", st["reused_tokens"], "prompt tokens reused from the prefix cache")
+        metric("generation_tokens_total", "counter", self.generated_tokens, "tokens generated")
+        metric("decode_steps_total", "counter", st["decode_steps"], "batched decode steps")
+        metric("prefix_cache_bytes", "gauge", s.prefix_cache_bytes, "bytes of K / V kept for prefix reuse")
+        return "\n".join(lines) + "\n"
+
+
+# -- request bodies ------------------------------------------------------------------------
+
+def parse_body(raw: bytes, allowed: set[str]) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}; accepted: {', '.join(sorted(allowed))}")
+    return body
+
+
+def _int_field(body: dict, name: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def common_options(body: dict, max_len: int) -> tuple[int, bool, bool]:
+    """(max_tokens, stream, stop_at_eos) of a completion or chat body."""
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int_field(body, name, 16, 1, max_len - 1)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {stream!r}")
+    temperature = body.get("temperature", 0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != 0:
+        raise BadRequest(f"temperature must be 0 (the scheduler samples greedily), got {temperature!r}")
+    if body.get("n", 1) != 1:
+        raise BadRequest(f"n must be 1, got {body.get('n')!r}")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    return max_tokens, stream, not ignore_eos
+
+
+def build_app(model, engine: Engine, model_name: str):
+    """The Starlette application over `engine`."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HTTPRequest
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    tokenizer = model.tokenizer
+    max_len = engine.scheduler.max_len
+
+    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+    async def completion(http: HTTPRequest, chat: bool):
+        try:
+            body = parse_body(await http.body(), CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            max_tokens, stream, stop_at_eos = common_options(body, max_len)
+            if chat:
+                messages = body.get("messages")
+                if (not isinstance(messages, list) or not messages or
+                        not all(isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                                for m in messages)):
+                    raise BadRequest("messages must be a non-empty list of {\"role\": ..., \"content\": \"...\"}")
+                try:
+                    text = tokenizer.apply_chat_template(messages)
+                except Exception as e:  # no template, or one that refuses these roles
+                    raise BadRequest(f"messages: the model's chat template cannot apply ({e})") from None
+                ids = tokenizer.encode(text)
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, str) and prompt:
+                    ids = tokenizer.encode(prompt)
+                elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                 for t in prompt):
+                    ids = list(prompt)
+                else:
+                    raise BadRequest("prompt must be a non-empty string or a list of token ids")
+            request, tokens = engine.submit(ids, max_tokens, stop_at_eos)
+        except BadRequest as e:
+            return error(400, str(e))
+        except ValueError as e:  # the scheduler's own checks (lengths, token ids)
+            return error(400, str(e))
+        except QueueFull as e:
+            return error(429, f"overloaded: {e}; retry later", "rate_limit_error")
+
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, finish: str | None, delta: bool) -> dict:
+            if chat:
+                key = "delta" if delta else "message"
+                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"index": 0, "text": text, "finish_reason": finish}
+
+        def finish_reason() -> str:
+            return "stop" if request.finish_reason == "eos" else "length"
+
+        def text_of(ids: list[int], done: bool) -> str:
+            if done and request.finish_reason == "eos":
+                ids = ids[:-1]  # the end-of-sequence token is not text
+            return tokenizer.decode(ids)
+
+        if stream:
+            async def events():
+                sent = ""
+                try:
+                    while True:
+                        ids_so_far, done = await tokens.get()
+                        text = text_of(ids_so_far, done)
+                        if done or not text.endswith("\ufffd"):  # hold back a half-decoded character
+                            delta, sent = text[len(sent):], text
+                            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                     "model": model_name, "choices": [choice(delta, finish_reason() if done else None, True)]}
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                        if done:
+                            break
+                    yield "data: [DONE]\n\n"
+                finally:
+                    if not request.done:  # the client went away mid-stream
+                        engine.cancel(request)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            while True:
+                try:
+                    ids_so_far, done = await asyncio.wait_for(tokens.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        engine.cancel(request)
+                        return error(499, "client closed the request")
+                    continue
+                if done:
+                    break
+        except asyncio.CancelledError:
+            engine.cancel(request)
+            raise
+        text = text_of(ids_so_far, True)
+        n = len(ids_so_far)
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
+                             "choices": [choice(text, finish_reason(), False)],
+                             "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": n,
+                                       "total_tokens": len(request.prompt) + n}})
+
+    async def completions(http):
+        return await completion(http, chat=False)
+
+    async def chat_completions(http):
+        return await completion(http, chat=True)
+
+    async def health(http):
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    async def metrics(http):
+        return PlainTextResponse(engine.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def models(http):
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "workbench"}]})
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)])
+
+
+def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, **scheduler_options) -> None:
+    """Run the server until interrupted (the `workbench serve` command)."""
+    import uvicorn
+
+    engine = Engine(Scheduler(model, **scheduler_options))
+    app = build_app(model, engine, model_name)
+    print(f"workbench serve: {model_name} on http://{host}:{port} (slots {engine.scheduler.slots}, max_len "
+          f"{engine.scheduler.max_len}, prefix cache {engine.scheduler.prefix_budget} tokens)", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        engine.stop()
