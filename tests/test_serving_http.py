@@ -116,3 +116,27 @@ def test_overload_is_429_a_disconnect_frees_its_slot_and_the_server_stays_up(ser
     made = after["workbench_generation_tokens_total"] - before["workbench_generation_tokens_total"]
     assert made < 48 * codes.count(200) + 300
     assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_serve_bench_loads_the_server_and_reports_percentiles(server, tmp_path):
+    """`workbench serve-bench` against the real server: a fixed concurrency and a Poisson rate,
+    every request served in full, percentiles ordered, goodput at SLOs no larger than the rate
+    served, rows written as JSON."""
+    out = tmp_path / "sb.json"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "serve-bench", "--url", server, "--rate", "max,20",
+                        "--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "12", "--max-tokens", "5",
+                        "--shared-prefix-tokens", "40", "--shared-fraction", "1", "--slo-ttft", "10s",
+                        "--slo-tpot", "1ms", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TTFT ms p50/p90/p99" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["rate"] for row in rows] == [None, 20.0] and rows[0]["concurrency"] == 2
+    for row in rows:
+        assert row["completed"] == 4 and row["statuses"] == {"200": 4} and row["output_tokens"] == 20
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            p = row[key]
+            assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+        assert row["goodput_requests_per_s"] <= row["requests_per_s"]
+        assert row["goodput_requests_per_s"] == 0  # nobody makes a 1 ms TPOT here
+    assert rows[1]["overloaded"]  # 20 requests/s offered; these four took longer than 0.2 s
+    assert metrics(server)["workbench_prefix_reused_tokens_total"] > 0  # the shared 40 words hit the prefix cache

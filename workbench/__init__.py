@@ -30,10 +30,11 @@ import importlib
 # layer, not the model, the kernels or the report layer.
 _LAZY = {"ModelLoadError": "workbench.model.loaders", "GenerationResult": "workbench.runtime.model",
          "Model": "workbench.runtime.model", "load_model": "workbench.runtime.model",
-         "status_report": "workbench.runtime.status", "report": "workbench.report"}
+         "status_report": "workbench.runtime.status", "report": "workbench.report",
+         "Scheduler": "workbench.serving.scheduler", "serve_bench": "workbench.analysis.serve_bench"}
 
-__all__ = ["GenerationResult", "Model", "ModelLoadError", "cluster", "kv_quality", "load_model", "measure_allreduce",
-           "panel", "predict", "report", "status_report"]
+__all__ = ["GenerationResult", "Model", "ModelLoadError", "Scheduler", "cluster", "kv_quality", "load_model",
+           "measure_allreduce", "panel", "predict", "report", "serve_bench", "status_report"]
 
 
 def __getattr__(name: str):

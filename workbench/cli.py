@@ -1,4 +1,4 @@
-"""`workbench` command line: generate, demo (the main job), report, compare, peers, profile, serve, bench.
+"""`workbench` command line: generate, demo (the main job), report, compare, peers, profile, serve, serve-bench, bench.
 
     workbench generate "The capital of France is" --max-new-tokens 32 --attention slim --kv-cache int8
     workbench demo                      # every attention x KV dtype on the bundled model, table + JSON + report
@@ -7,6 +7,7 @@
     workbench peers                     # ours vs transformers and llama.cpp, interleaved, same tokens
     workbench profile [--native] -- generate "Hello"          # py-spy over a workbench command
     workbench serve --port 8000 --slots 8 --prefix-cache-tokens 8192   # OpenAI-compatible server
+    workbench serve-bench --url http://127.0.0.1:8000 --rate 1,2,4 --slo-ttft 1s --slo-tpot 100ms
     workbench bench attention|generation|peaks [args...]
 """
 
@@ -198,6 +199,34 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_serve_bench(args) -> int:
+    from workbench import report
+    from workbench.analysis.serve_bench import format_rows, serve_bench
+
+    rates = [None if r == "max" else float(r) for r in args.rate.split(",")]
+    rows = serve_bench(args.url, rates=rates, concurrency=args.concurrency, num_requests=args.num_requests,
+                       prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                       shared_prefix_tokens=args.shared_prefix_tokens, shared_fraction=args.shared_fraction,
+                       burstiness=args.burstiness, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                       model=args.model, label=args.label)
+    print(format_rows(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["workbench", *sys.argv[1:]])
+    out.write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _seconds(text: str) -> float:
+    """'1s', '250ms' or a plain number of seconds."""
+    text = text.strip()
+    try:
+        return float(text[:-2]) / 1e3 if text.endswith("ms") else float(text[:-1]) if text.endswith("s") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 1s or 100ms, got {text!r}") from None
+
+
 def cmd_bench(args) -> int:
     script = ROOT / "bench" / {"attention": "all.py", "generation": "generation.py", "peaks": "peaks.py"}[args.which]
     if not script.is_file():
@@ -271,6 +300,24 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--prefix-cache-tokens", type=int, default=0, help="prompt-prefix reuse budget in tokens (0: off)")
     sv.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 429")
     sv.set_defaults(func=cmd_serve)
+
+    sb = sub.add_parser("serve-bench", help="load an OpenAI-compatible server: TTFT / TPOT / ITL percentiles, goodput")
+    sb.add_argument("--url", default="http://127.0.0.1:8000")
+    sb.add_argument("--rate", default="max", help="requests/s, comma-separated for a sweep; max: all at once "
+                    "under --concurrency (default)")
+    sb.add_argument("--concurrency", type=int, default=8)
+    sb.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson, <1 burstier)")
+    sb.add_argument("--num-requests", type=int, default=32)
+    sb.add_argument("--prompt-tokens", type=int, default=64)
+    sb.add_argument("--max-tokens", type=int, default=32)
+    sb.add_argument("--shared-prefix-tokens", type=int, default=0)
+    sb.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts starting with the prefix")
+    sb.add_argument("--slo-ttft", type=_seconds, default=None, help="e.g. 1s")
+    sb.add_argument("--slo-tpot", type=_seconds, default=None, help="e.g. 100ms")
+    sb.add_argument("--model", default="default", help="the model name sent in each request")
+    sb.add_argument("--label", default="", help="a name for these rows (which server, which settings)")
+    sb.add_argument("--out", default=str(Path("results") / "serve-bench.json"))
+    sb.set_defaults(func=cmd_serve_bench)
 
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("which", choices=["attention", "generation", "peaks"])

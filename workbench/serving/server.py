@@ -51,7 +51,8 @@ class Engine:
         """Queue a request (checked here, so a bad one fails in the handler): (request, the
         queue its tokens arrive on). Raises ValueError or QueueFull."""
         s = self.scheduler
-        pending = self.inbox.qsize() + len(s.waiting)
+        # what would wait for a slot: handed over but not admitted, beyond the free slots
+        pending = self.inbox.qsize() + len(s.waiting) - (s.slots - len(s.running))
         if pending >= s.max_queue:
             self.rejected += 1
             raise QueueFull(f"{pending} requests are waiting (max_queue {s.max_queue})")
@@ -238,6 +239,8 @@ def build_app(model, engine: Engine, model_name: str):
                 ids = ids[:-1]  # the end-of-sequence token is not text
             return tokenizer.decode(ids)
 
+        options = body.get("stream_options") or {}
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         if stream:
             async def events():
                 sent = ""
@@ -252,6 +255,11 @@ def build_app(model, engine: Engine, model_name: str):
                             yield f"data: {json.dumps(chunk)}\n\n"
                         if done:
                             break
+                    if include_usage:  # OpenAI's stream_options: a last chunk with the counts
+                        n = len(ids_so_far)
+                        usage = {"prompt_tokens": len(request.prompt), "completion_tokens": n,
+                                 "total_tokens": len(request.prompt) + n}
+                        yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk' if chat else obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     if not request.done:  # the client went away mid-stream

@@ -1,0 +1,199 @@
+"""A load generator for any OpenAI-compatible completions endpoint (`workbench serve-bench`,
+`wb.serve_bench`): ours, llama.cpp's server, vLLM, driven the same way.
+
+    rows = serve_bench("http://127.0.0.1:8000", rates=[1, 2, 4], num_requests=32, prompt_tokens=64,
+                       max_tokens=32, shared_prefix_tokens=1000, shared_fraction=0.5, slo_ttft_s=1.0, slo_tpot_s=0.1)
+
+Arrivals: at a rate (requests/s) with gamma-distributed gaps (burstiness 1 is a Poisson
+process, below 1 burstier), or all at once under a fixed concurrency (rate None). Prompts are
+synthetic (words of the bundled sample text, about one token each) of prompt_tokens words, a
+shared_fraction of them starting with the same shared_prefix_tokens words; every request
+streams (server-sent events) and asks for max_tokens with ignore_eos, so each should produce
+exactly that many; tokens are counted from the usage the server reports at the end of the
+stream (stream_options.include_usage), else as text chunks.
+
+Per run (one rate): TTFT (request sent -> first text), TPOT ((end - first) / (tokens - 1)),
+ITL (gaps between streamed chunks; a chunk may carry more than one token) and end-to-end latency at p50 / p90 / p99; output tokens/s
+and requests/s over the run; goodput (requests/s meeting both SLOs); refusals by status; and
+`overloaded` when the requests served per second fell below 90% of the offered rate or any was
+refused: the load exceeded what the server sustains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    chunks: list[float] = field(default_factory=list)  # arrival times of text chunks
+    tokens: int = 0
+    error: str = ""
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
+    v = sorted(values)
+
+    def pct(p: float) -> float:  # nearest rank
+        return v[min(len(v) - 1, max(0, int(round(p / 100 * len(v) + 0.5)) - 1))]
+
+    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(v), "n": len(v)}
+
+
+def synthetic_prompts(n: int, prompt_tokens: int, shared_prefix_tokens: int = 0, shared_fraction: float = 0.0,
+                      seed: int = 0) -> list[str]:
+    """n prompts of about prompt_tokens words (plus the shared prefix where it applies)."""
+    from workbench.analysis.text import sample_text
+
+    words = sample_text().split()
+    rng = random.Random(seed)
+
+    def words_from(k: int) -> str:
+        start = rng.randrange(len(words))
+        return " ".join(words[(start + i) % len(words)] for i in range(k))
+
+    prefix = words_from(shared_prefix_tokens) if shared_prefix_tokens else ""
+    prompts = []
+    for i in range(n):
+        body = f"[{i}] " + words_from(prompt_tokens)  # distinct from the first word on
+        prompts.append(f"{prefix} {body}" if prefix and rng.random() < shared_fraction else body)
+    return prompts
+
+
+async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Outcome:
+    out = Outcome()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    usage_tokens = None
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = (await r.aread()).decode("utf-8", "replace")[:200]
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):  # the server's own count (a chunk may carry several tokens)
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                if not chunk.get("choices"):
+                    continue
+                text = chunk["choices"][0].get("text") or chunk["choices"][0].get("delta", {}).get("content") or ""
+                if text:
+                    now = time.perf_counter()
+                    out.chunks.append(now)
+                    out.tokens += 1
+                    if out.ttft_s is None:
+                        out.ttft_s = now - t0
+        if usage_tokens is not None:
+            out.tokens = usage_tokens
+        out.e2e_s = time.perf_counter() - t0
+    except Exception as e:  # a refused or dropped connection is an outcome, not a crash
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def _run(url: str, prompts: list[str], max_tokens: int, rate: float | None, concurrency: int,
+               burstiness: float, model: str, seed: int, timeout_s: float) -> tuple[list[Outcome], float]:
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=max(concurrency, 1) if rate is None else 1000)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.perf_counter()
+        if rate is None:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def gated(p):
+                async with gate:
+                    return await _one(client, url, model, p, max_tokens)
+
+            outcomes = await asyncio.gather(*(gated(p) for p in prompts))
+        else:
+            tasks = []
+            for p in prompts:
+                tasks.append(asyncio.create_task(_one(client, url, model, p, max_tokens)))
+                # gamma gaps with mean 1 / rate; shape = burstiness (1: exponential, Poisson)
+                await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+            outcomes = await asyncio.gather(*tasks)
+        return list(outcomes), time.perf_counter() - t0
+
+
+def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: int = 8, num_requests: int = 32,
+                prompt_tokens: int = 64, max_tokens: int = 32, shared_prefix_tokens: int = 0,
+                shared_fraction: float = 0.0, burstiness: float = 1.0, slo_ttft_s: float | None = None,
+                slo_tpot_s: float | None = None, model: str = "default", seed: int = 0,
+                timeout_s: float = 600.0, label: str = "") -> list[dict]:
+    """One row per rate (None: all requests at once under `concurrency`)."""
+    for name, value in (("num_requests", num_requests), ("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens),
+                        ("concurrency", concurrency)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 <= shared_fraction <= 1:
+        raise ValueError(f"shared_fraction must be in [0, 1], got {shared_fraction}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    rows = []
+    for i, rate in enumerate(rates):
+        if rate is not None and rate <= 0:
+            raise ValueError(f"rates must be > 0 (or None for a fixed concurrency), got {rate}")
+        prompts = synthetic_prompts(num_requests, prompt_tokens, shared_prefix_tokens, shared_fraction, seed + i)
+        outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, max_tokens, rate, concurrency, burstiness, model,
+                                          seed + i, timeout_s))
+        ok = [o for o in outcomes if o.status == 200 and o.e2e_s is not None]
+        ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+        tpot = [(o.e2e_s - o.ttft_s) / (o.tokens - 1) for o in ok if o.tokens > 1]
+        itl = [b - a for o in ok for a, b in zip(o.chunks, o.chunks[1:])]
+        e2e = [o.e2e_s for o in ok]
+        good = [o for o in ok if (slo_ttft_s is None or o.ttft_s <= slo_ttft_s) and
+                (slo_tpot_s is None or o.tokens < 2 or (o.e2e_s - o.ttft_s) / (o.tokens - 1) <= slo_tpot_s)]
+        statuses: dict[str, int] = {}
+        for o in outcomes:
+            key = str(o.status) if o.status else "error"
+            statuses[key] = statuses.get(key, 0) + 1
+        served_rps = len(ok) / wall
+        offered = rate if rate is not None else None
+        rows.append({
+            "kind": "serve_bench", "label": label, "url": url, "rate": offered,
+            "concurrency": None if rate is not None else concurrency, "burstiness": burstiness,
+            "num_requests": num_requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "shared_prefix_tokens": shared_prefix_tokens, "shared_fraction": shared_fraction,
+            "duration_s": wall, "completed": len(ok), "statuses": statuses,
+            "output_tokens": sum(o.tokens for o in ok), "output_tokens_per_s": sum(o.tokens for o in ok) / wall,
+            "requests_per_s": served_rps, "goodput_requests_per_s": len(good) / wall,
+            "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
+            "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot), "itl_s": _percentiles(itl),
+            "e2e_s": _percentiles(e2e),
+            "overloaded": bool(len(ok) < len(outcomes) or (offered is not None and served_rps < 0.9 * offered)),
+            "errors": sorted({o.error for o in outcomes if o.error})[:5],
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    from workbench.analysis.tables import format_table
+
+    def ms(p: dict, key: str) -> str:
+        return "-" if p[key] is None else f"{1e3 * p[key]:.0f}"
+
+    table = [{"load": (f"{r['rate']:g} req/s" if r["rate"] is not None else f"concurrency {r['concurrency']}"),
+              "done": f"{r['completed']}/{r['num_requests']}",
+              "TTFT ms p50/p90/p99": f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p90')}/{ms(r['ttft_s'], 'p99')}",
+              "TPOT ms p50/p99": f"{ms(r['tpot_s'], 'p50')}/{ms(r['tpot_s'], 'p99')}",
+              "ITL ms p50/p99": f"{ms(r['itl_s'], 'p50')}/{ms(r['itl_s'], 'p99')}",
+              "out tok/s": f"{r['output_tokens_per_s']:.1f}", "req/s": f"{r['requests_per_s']:.2f}",
+              "goodput req/s": f"{r['goodput_requests_per_s']:.2f}",
+              "overloaded": "yes" if r["overloaded"] else ""} for r in rows]
+    return format_table(table, list(table[0]))
