@@ -51,18 +51,19 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def synthetic_prompts(n: int, prompt_tokens: int, shared_prefix_tokens: int = 0, shared_fraction: float = 0.0,
-                      seed: int = 0) -> list[str]:
-    """n prompts of about prompt_tokens words (plus the shared prefix where it applies)."""
+                      seed: int = 0, prefix_seed: int = 0) -> list[str]:
+    """n prompts of about prompt_tokens words (plus the shared prefix where it applies); the
+    prefix comes from prefix_seed alone, so runs with other seeds share it (and only it)."""
     from workbench.analysis.text import sample_text
 
     words = sample_text().split()
     rng = random.Random(seed)
 
-    def words_from(k: int) -> str:
-        start = rng.randrange(len(words))
+    def words_from(k: int, r: random.Random = rng) -> str:
+        start = r.randrange(len(words))
         return " ".join(words[(start + i) % len(words)] for i in range(k))
 
-    prefix = words_from(shared_prefix_tokens) if shared_prefix_tokens else ""
+    prefix = words_from(shared_prefix_tokens, random.Random(f"prefix-{prefix_seed}")) if shared_prefix_tokens else ""
     prompts = []
     for i in range(n):
         body = f"[{i}] " + words_from(prompt_tokens)  # distinct from the first word on

@@ -1,0 +1,127 @@
+"""Serving on this machine: our server (`workbench serve`) under load from our load generator
+(`workbench serve-bench`), the comparisons interleaved.
+
+    prefix      time to first token with prompt-prefix reuse off and on: every prompt is the same
+                --prefix-tokens words followed by a --suffix-tokens suffix of its own (new every
+                round: nothing but the prefix can be reused), one request at a time; the reuse
+                server is warmed with one request first
+    throughput  output tokens/s with one request at a time (batch 1) and with --concurrency at
+                once (continuous batching), the same prompts and lengths
+
+Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
+stopped here with its command in the results.
+
+    python bench/serving.py [--only prefix,throughput] [--repeats 3] [--prefix-tokens 1000]
+                            [--suffix-tokens 50] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import print_table, write_results  # noqa: E402
+import httpx  # noqa: E402
+
+from workbench.analysis.serve_bench import serve_bench  # noqa: E402
+from workbench.hw.rounds import interleaved_rounds  # noqa: E402
+
+
+def start_server(model: str, *options: str) -> tuple[subprocess.Popen, str, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--model", model, "--port", str(port), *options]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, " ".join(["workbench", *cmd[3:]])
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.3)
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="prefix,throughput")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefix-tokens", type=int, default=1000)
+    parser.add_argument("--suffix-tokens", type=int, default=50)
+    parser.add_argument("--requests", type=int, default=4, help="prefix: requests per round and server")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    payload: dict = {"servers": {}}
+
+    if "prefix" in only:
+        servers = {"reuse off": start_server(args.model, "--slots", "4"),
+                   "reuse on": start_server(args.model, "--slots", "4", "--prefix-cache-tokens", "4096")}
+        try:
+            payload["servers"].update({k: v[2] for k, v in servers.items()})
+            run = dict(rates=[None], concurrency=1, num_requests=args.requests, prompt_tokens=args.suffix_tokens,
+                       max_tokens=2, shared_prefix_tokens=args.prefix_tokens, shared_fraction=1.0)
+            serve_bench(servers["reuse on"][1], **run, seed=10_000)  # warm: the prefix enters the cache
+            ttft = {k: [] for k in servers}
+            for round_, name in interleaved_rounds(servers, args.repeats, warmup=1):
+                row = serve_bench(servers[name][1], **run, seed=round_ + 100)[0]  # new suffixes each round
+                if round_ >= 0:
+                    ttft[name].append(row["ttft_s"]["p50"])
+        finally:
+            for proc, _, _ in servers.values():
+                proc.terminate()
+        ratios = [a / b for a, b in zip(ttft["reuse off"], ttft["reuse on"])]
+        rows = [{"server": k, "TTFT ms p50 (min-max over rounds)":
+                 f"{1e3 * med(v):.1f} ({1e3 * min(v):.1f}-{1e3 * max(v):.1f})"} for k, v in ttft.items()]
+        rows.append({"server": "off / on", "TTFT ms p50 (min-max over rounds)":
+                     f"{med(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f})"})
+        print_table(rows, list(rows[0]), title=(
+            f"Prefix reuse: {args.prefix_tokens}-word shared prefix + {args.suffix_tokens}-word suffix, one request at a "
+            f"time, {args.requests} requests x {args.repeats} rounds, interleaved"))
+        payload["prefix"] = {"ttft_s": ttft, "ratio_off_over_on": ratios}
+
+    if "throughput" in only:
+        proc, url, command = start_server(args.model, "--slots", str(args.concurrency))
+        payload["servers"]["throughput"] = command
+        try:
+            cases = {"batch 1": 1, f"concurrency {args.concurrency}": args.concurrency}
+            run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=64)
+            tps = {k: [] for k in cases}
+            for round_, name in interleaved_rounds(cases, args.repeats, warmup=1):
+                row = serve_bench(url, **run, concurrency=cases[name], seed=round_ + 200)[0]
+                if round_ >= 0:
+                    tps[name].append(row["output_tokens_per_s"])
+        finally:
+            proc.terminate()
+        names = list(cases)
+        ratios = [b / a for a, b in zip(tps[names[0]], tps[names[1]])]
+        rows = [{"load": k, "output tokens/s (min-max)": f"{med(v):.1f} ({min(v):.1f}-{max(v):.1f})"} for k, v in tps.items()]
+        rows.append({"load": "ratio", "output tokens/s (min-max)": f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"})
+        print_table(rows, list(rows[0]), title=(
+            f"Continuous batching: {2 * args.concurrency} requests of 64 prompt + 64 output tokens, "
+            f"{args.repeats} rounds interleaved"))
+        payload["throughput"] = {"output_tokens_per_s": tps, "ratio": ratios}
+
+    write_results("serving", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
