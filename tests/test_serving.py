@@ -103,3 +103,11 @@ def test_bad_requests_and_settings_are_clear(model):
     assert first.done and first.finish_reason == "cancelled" and len(s.waiting) == 1
     s.run()
     assert not s.busy
+
+
+def test_a_reference_format_serves_without_reuse_and_refuses_reuse_clearly(model):
+    s = Scheduler(model, slots=2, max_len=48, kv_cache="int4-kivi")
+    handles = arrive_and_run(s, [([1, 2, 3, 4, 5], 4), ([6, 7, 8], 3)])
+    assert [len(r.output) for r in handles] == [4, 3] and s.stats["decode_paths"] == {"reference"}
+    with pytest.raises(ValueError, match="reference format quantized across tokens"):
+        Scheduler(model, kv_cache="int4-kivi", prefix_cache_tokens=64)

@@ -109,6 +109,9 @@ class Scheduler:
         self.prefix_budget = _positive("prefix_cache_tokens", prefix_cache_tokens, 0)
         self.switches = model.switches.overridden(kv_cache=kv_cache, kv_kernel=kv_kernel)
         self.cache = self.llama.new_cache(self.slots, self.max_len, self.switches.kv_cache, self.switches.kv_kernel)
+        if self.prefix_budget and self.cache.kernel is None:
+            raise ValueError(f"prefix reuse copies blocks of token rows; kv_cache {self.switches.kv_cache!r} is a "
+                             f"reference format quantized across tokens: use a kernel format with prefix_cache_tokens")
         if self.prefix_budget and self.cache.tiled:
             raise ValueError(f"prefix reuse copies token rows; kv_kernel {self.cache.kernel!r} stores K / V in "
                              f"tiles: use kv_kernel 'dot' or 'widen' with prefix_cache_tokens")

@@ -93,7 +93,17 @@ class Engine:
             if not s.busy:
                 continue
             before = {r.id: len(r.output) for r in s.running.values()}
-            finished = s.step()
+            try:
+                finished = s.step()
+            except Exception:  # a bug, or memory: fail the requests in flight, keep serving
+                import traceback
+
+                traceback.print_exc()
+                for r in [*s.running.values(), *s.waiting]:
+                    s.cancel(r)
+                    r.finish_reason = "error"
+                    self._notify(r)
+                continue
             for r in [*s.running.values(), *finished]:
                 if len(r.output) > before.get(r.id, 0):
                     self.generated_tokens += len(r.output) - before.get(r.id, 0)
@@ -232,7 +242,7 @@ def build_app(model, engine: Engine, model_name: str):
             return {"index": 0, "text": text, "finish_reason": finish}
 
         def finish_reason() -> str:
-            return "stop" if request.finish_reason == "eos" else "length"
+            return {"eos": "stop", "error": "error"}.get(request.finish_reason, "length")
 
         def text_of(ids: list[int], done: bool) -> str:
             if done and request.finish_reason == "eos":
@@ -281,6 +291,9 @@ def build_app(model, engine: Engine, model_name: str):
         except asyncio.CancelledError:
             engine.cancel(request)
             raise
+        if request.finish_reason == "error":
+            return error(500, "the scheduler failed on this request (the server's log has the traceback)",
+                         "server_error")
         text = text_of(ids_so_far, True)
         n = len(ids_so_far)
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
