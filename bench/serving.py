@@ -18,40 +18,21 @@ stopped here with its command in the results.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import print_table, write_results  # noqa: E402
-import httpx  # noqa: E402
-
 from workbench.analysis.serve_bench import serve_bench  # noqa: E402
 from workbench.hw.rounds import interleaved_rounds  # noqa: E402
+from workbench.serving.process import ServerProcess  # noqa: E402
 
 
-def start_server(model: str, *options: str) -> tuple[subprocess.Popen, str, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--model", model, "--port", str(port), *options]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, " ".join(["workbench", *cmd[3:]])
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.3)
+def start_server(model: str, *options: str) -> tuple[ServerProcess, str, str]:
+    server = ServerProcess(["--model", model, *options]).start()
+    return server, server.url, server.shell_command
 
 
 def med(xs):
@@ -86,8 +67,8 @@ def main() -> None:
                 if round_ >= 0:
                     ttft[name].append(row["ttft_s"]["p50"])
         finally:
-            for proc, _, _ in servers.values():
-                proc.terminate()
+            for server, _, _ in servers.values():
+                server.stop()
         ratios = [a / b for a, b in zip(ttft["reuse off"], ttft["reuse on"])]
         rows = [{"server": k, "TTFT ms p50 (min-max over rounds)":
                  f"{1e3 * med(v):.1f} ({1e3 * min(v):.1f}-{1e3 * max(v):.1f})"} for k, v in ttft.items()]
@@ -99,7 +80,7 @@ def main() -> None:
         payload["prefix"] = {"ttft_s": ttft, "ratio_off_over_on": ratios}
 
     if "throughput" in only:
-        proc, url, command = start_server(args.model, "--slots", str(args.concurrency))
+        server, url, command = start_server(args.model, "--slots", str(args.concurrency))
         payload["servers"]["throughput"] = command
         try:
             cases = {"batch 1": 1, f"concurrency {args.concurrency}": args.concurrency}
@@ -110,7 +91,7 @@ def main() -> None:
                 if round_ >= 0:
                     tps[name].append(row["output_tokens_per_s"])
         finally:
-            proc.terminate()
+            server.stop()
         names = list(cases)
         ratios = [b / a for a, b in zip(tps[names[0]], tps[names[1]])]
         rows = [{"load": k, "output tokens/s (min-max)": f"{med(v):.1f} ({min(v):.1f}-{max(v):.1f})"} for k, v in tps.items()]

@@ -7,6 +7,7 @@
     In [5]: %generate --max-new-tokens 32 The capital of France is
     In [6]: %ablate --attention slim,flash --kvcache int8,fp32 --prompt-len 128 --batch 1,4 -o df
     In [7]: %workbench
+    In [8]: %serve start --slots 8; %serve_bench --rate 1,2,4 -o sb; %serve stop
 
 Every magic has `%magic?` help. A user's mistake (unknown model or backend, a bad number,
 nothing loaded yet) raises UsageError with a one-line message; the loaded model stays.
@@ -25,7 +26,7 @@ from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KV_KERNELS, k
 from workbench.distributed.cluster import LAUNCHERS
 from workbench.distributed.backends import BACKENDS
 from workbench.distributed.tp import LM_HEAD, TOKEN_BROADCAST
-from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options
+from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options, parse_duration
 
 
 def _csv(option: str, kind, choices=None):
@@ -600,6 +601,116 @@ class WorkbenchMagics(Magics):
         from workbench.runtime.status import status_report
 
         print(status_report(self.model))
+
+    @magic_arguments()
+    @argument("action", choices=["start", "stop", "status"], help="start a server on the loaded model, stop it, "
+              "or say what runs")
+    @argument("--port", type=int, default=None, help="default: a free port")
+    @argument("--slots", type=int, default=8, help="sequences decoded together at most")
+    @argument("--max-len", type=int, default=None, help="tokens per sequence (default min(context, 2048))")
+    @argument("--chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step")
+    @argument("--prefix-cache-tokens", type=int, default=0, help="prompt-prefix reuse budget (0: off)")
+    @argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 429")
+    @line_magic
+    def serve(self, line):
+        """An OpenAI-compatible server (`workbench serve`) on the loaded model, as a process of
+        its own on 127.0.0.1, with the model's KV cache switch; %serve_bench loads it.
+
+        Examples::
+
+          In [1]: %serve start --slots 8 --prefix-cache-tokens 8192
+          In [2]: %serve_bench --rate 1,2,4 --slo-ttft 1s -o sb
+          In [3]: %serve stop
+        """
+        from workbench.serving.process import ServerProcess
+
+        args = parse_argstring(self.serve, line)
+        running = getattr(self, "_server", None)
+        if args.action == "status":
+            print(f"serving at {running.url}: {running.shell_command}" if running and running.running else
+                  "no server running (%serve start)")
+            return
+        if args.action == "stop":
+            if running is None:
+                raise UsageError("no server running (%serve start)")
+            running.stop()
+            self._server = None
+            print(f"server at {running.url} stopped")
+            return
+        if running is not None and running.running:
+            raise UsageError(f"a server already runs at {running.url} (%serve stop first)")
+        model = self._require_model()
+        if getattr(model, "cluster", None) is not None:
+            raise UsageError("%serve runs one process; stop the cluster first (%distributed stop)")
+        name, load = self._last_load or (model.load_args.get("name_or_path", "smollm2-135m"), {})
+        options = ["--model", str(name), "--dtype", load.get("dtype") or model.weight_dtype,
+                   "--kv-cache", model.kv_cache, "--slots", str(args.slots), "--chunk", str(args.chunk),
+                   "--prefix-cache-tokens", str(args.prefix_cache_tokens), "--max-queue", str(args.max_queue)]
+        if model.kv_kernel:
+            options += ["--kv-kernel", model.kv_kernel]
+        if load.get("random"):
+            options.append("--random")
+        if load.get("layers"):
+            options += ["--layers", str(load["layers"])]
+        if args.max_len:
+            options += ["--max-len", str(args.max_len)]
+        server = ServerProcess(options, port=args.port)
+        try:
+            server.start()
+        except RuntimeError as e:
+            raise UsageError(str(e)) from None
+        self._server = server
+        self.shell.user_ns["wb_server_url"] = server.url
+        print(f"serving at {server.url} (wb_server_url): {server.shell_command}")
+
+    @magic_arguments()
+    @argument("--url", default=None, help="the server (default: the one %serve started)")
+    @argument("--rate", default="max", help="requests/s, comma-separated for a sweep; max: all at once under "
+              "--concurrency")
+    @argument("--concurrency", type=int, default=8)
+    @argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    @argument("--num-requests", type=int, default=32)
+    @argument("--prompt-tokens", type=int, default=64)
+    @argument("--max-tokens", type=int, default=32)
+    @argument("--shared-prefix-tokens", type=int, default=0)
+    @argument("--shared-fraction", type=float, default=0.0)
+    @argument("--slo-ttft", default=None, help="e.g. 1s")
+    @argument("--slo-tpot", default=None, help="e.g. 100ms")
+    @argument("-o", "--out", default=None, help="store the rows as a DataFrame in this variable")
+    @line_magic
+    def serve_bench(self, line):
+        """Load an OpenAI-compatible server and print TTFT / TPOT / ITL percentiles, tokens/s
+        and goodput per load (workbench.analysis.serve_bench).
+
+        Examples::
+
+          In [1]: %serve_bench --concurrency 8 --num-requests 32
+          In [2]: %serve_bench --rate 1,2,4 --slo-ttft 1s --slo-tpot 100ms -o sb
+        """
+        import argparse
+
+        from workbench.analysis.serve_bench import format_rows, serve_bench
+
+        args = parse_argstring(self.serve_bench, line)
+        server = getattr(self, "_server", None)
+        url = args.url or (server.url if server is not None and server.running else None)
+        if url is None:
+            raise UsageError("no server to load: %serve start, or --url http://host:port")
+        try:
+            rates = [None if r == "max" else float(r) for r in args.rate.split(",")]
+            slo_ttft = parse_duration(args.slo_ttft) if args.slo_ttft else None
+            slo_tpot = parse_duration(args.slo_tpot) if args.slo_tpot else None
+            rows = serve_bench(url, rates=rates, concurrency=args.concurrency, num_requests=args.num_requests,
+                               prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                               shared_prefix_tokens=args.shared_prefix_tokens, shared_fraction=args.shared_fraction,
+                               burstiness=args.burstiness, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise UsageError(str(e)) from None
+        print(format_rows(rows))
+        if args.out:
+            if not args.out.isidentifier():
+                raise UsageError(f"-o needs a variable name, got {args.out!r}")
+            self.shell.user_ns[args.out] = _dataframe(rows)
 
 
 def _cluster_status(cluster) -> str:

@@ -39,6 +39,23 @@ def demo_run(tmp_path_factory):
     return done, out
 
 
+@pytest.fixture
+def magic(capsys):
+    """A real IPython shell with the workbench extension: magic(line) runs a cell as a user
+    types it and returns (what it printed, its error or None)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "workbench")
+
+    def run(line: str):
+        r = sh.run_cell(line)
+        return capsys.readouterr().out, r.error_in_exec or r.error_before_exec
+
+    run.shell = sh
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -90,19 +90,13 @@ def test_bad_cluster_arguments_are_clear():
     assert torch.get_num_threads() >= 1
 
 
-def test_distributed_magics_in_a_real_shell(capsys):
+def test_distributed_magics_in_a_real_shell(magic):
     from IPython.core.error import UsageError
-    from IPython.core.interactiveshell import InteractiveShell
 
     from workbench import report
     from workbench.distributed.cluster import running
 
-    sh = InteractiveShell.instance()
-    sh.run_line_magic("load_ext", "workbench")
-
-    def run(line):
-        r = sh.run_cell(line)
-        return capsys.readouterr().out, r.error_in_exec or r.error_before_exec
+    run, sh = magic, magic.shell
 
     run("%load_model smollm2-135m")
     single = sh.user_ns["wb_model"]

@@ -140,3 +140,28 @@ def test_serve_bench_loads_the_server_and_reports_percentiles(server, tmp_path):
         assert row["goodput_requests_per_s"] == 0  # nobody makes a 1 ms TPOT here
     assert rows[1]["overloaded"]  # 20 requests/s offered; these four took longer than 0.2 s
     assert metrics(server)["workbench_prefix_reused_tokens_total"] > 0  # the shared 40 words hit the prefix cache
+
+
+def test_serve_and_serve_bench_magics_in_a_real_shell(magic):
+    from IPython.core.error import UsageError
+
+    run, sh = magic, magic.shell
+    assert isinstance(run("%serve_bench --num-requests 2")[1], UsageError)  # nothing to load yet
+    run("%load_model smollm2-135m")
+    out, err = run("%serve start --slots 2 --prefix-cache-tokens 128")
+    assert err is None and "serving at http://127.0.0.1:" in out
+    url = sh.user_ns["wb_server_url"]
+    try:
+        assert isinstance(run("%serve start")[1], UsageError)  # one at a time
+        out, err = run("%serve_bench --concurrency 2 --num-requests 3 --prompt-tokens 8 --max-tokens 3 "
+                       "--slo-ttft 30s -o sb")
+        assert err is None and "TTFT ms p50/p90/p99" in out
+        df = sh.user_ns["sb"]
+        assert list(df.completed) == [3] and list(df.output_tokens) == [9] and df.goodput_requests_per_s[0] > 0
+        assert isinstance(run("%serve_bench --slo-ttft soon")[1], UsageError)
+        assert "serving at " + url in run("%serve status")[0]
+    finally:
+        out, err = run("%serve stop")
+    assert err is None and "stopped" in out
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, add_options, chat_prompt, generate_kwargs
+from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, add_options, chat_prompt, generate_kwargs, parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,15 +218,6 @@ def cmd_serve_bench(args) -> int:
     return 0
 
 
-def _seconds(text: str) -> float:
-    """'1s', '250ms' or a plain number of seconds."""
-    text = text.strip()
-    try:
-        return float(text[:-2]) / 1e3 if text.endswith("ms") else float(text[:-1]) if text.endswith("s") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a duration such as 1s or 100ms, got {text!r}") from None
-
-
 def cmd_bench(args) -> int:
     script = ROOT / "bench" / {"attention": "all.py", "generation": "generation.py", "peaks": "peaks.py"}[args.which]
     if not script.is_file():
@@ -312,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--max-tokens", type=int, default=32)
     sb.add_argument("--shared-prefix-tokens", type=int, default=0)
     sb.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts starting with the prefix")
-    sb.add_argument("--slo-ttft", type=_seconds, default=None, help="e.g. 1s")
-    sb.add_argument("--slo-tpot", type=_seconds, default=None, help="e.g. 100ms")
+    sb.add_argument("--slo-ttft", type=parse_duration, default=None, help="e.g. 1s")
+    sb.add_argument("--slo-tpot", type=parse_duration, default=None, help="e.g. 100ms")
     sb.add_argument("--model", default="default", help="the model name sent in each request")
     sb.add_argument("--label", default="", help="a name for these rows (which server, which settings)")
     sb.add_argument("--out", default=str(Path("results") / "serve-bench.json"))

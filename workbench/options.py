@@ -72,3 +72,18 @@ def generate_kwargs(args) -> dict:
 def chat_prompt(model, prompt: str, chat: bool) -> str:
     """The prompt, wrapped in the model's chat template with --chat (ValueError if it has none)."""
     return model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '1s', '250ms' or a plain number of seconds (the SLO options)."""
+    import argparse
+
+    text = str(text).strip()
+    try:
+        seconds = (float(text[:-2]) / 1e3 if text.endswith("ms") else float(text[:-1]) if text.endswith("s")
+                   else float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 1s or 100ms, got {text!r}") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text!r}")
+    return seconds

@@ -1,0 +1,66 @@
+"""`workbench serve` as a child process on 127.0.0.1 (what %serve start, bench/serving.py and
+the peers harness start and stop): its command, its URL, waiting for /health, stopping it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `workbench serve` child: model / load options as the CLI takes them (e.g.
+    ["--model", "smollm2-135m", "--dtype", "bf16"]) and the server's own options."""
+
+    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.command = [sys.executable, "-m", "workbench.cli", "serve", *args, "--host", host, "--port", str(self.port)]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def shell_command(self) -> str:
+        """The command as a user would type it."""
+        return " ".join(["workbench", *self.command[3:]])
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 300) -> ServerProcess:
+        import httpx
+
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.proc.kill()
+                err = self.proc.stderr.read()[-2000:] if self.proc.stderr else ""
+                self.proc = None
+                raise RuntimeError(f"`{self.shell_command}` did not start: {err.strip() or 'no output'}")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
