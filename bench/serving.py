@@ -7,11 +7,15 @@
                 server is warmed with one request first
     throughput  output tokens/s with one request at a time (batch 1) and with --concurrency at
                 once (continuous batching), the same prompts and lengths
+    reliability --reliability-requests (1,000) Poisson arrivals at twice the rate the server
+                serves flat out, 10% of the clients hanging up after their first token: every
+                request answered (tokens or 429), every slot freed, resident memory before and
+                after, the server still up
 
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
 stopped here with its command in the results.
 
-    python bench/serving.py [--only prefix,throughput] [--repeats 3] [--prefix-tokens 1000]
+    python bench/serving.py [--only prefix,throughput,reliability] [--repeats 3] [--prefix-tokens 1000]
                             [--suffix-tokens 50] [--concurrency 8]
 """
 
@@ -20,11 +24,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import print_table, write_results  # noqa: E402
+import httpx  # noqa: E402
 from workbench.analysis.serve_bench import serve_bench  # noqa: E402
 from workbench.hw.rounds import interleaved_rounds  # noqa: E402
 from workbench.serving.process import ServerProcess  # noqa: E402
@@ -41,13 +47,14 @@ def med(xs):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="prefix,throughput")
+    parser.add_argument("--only", default="prefix,throughput,reliability")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefix-tokens", type=int, default=1000)
     parser.add_argument("--suffix-tokens", type=int, default=50)
     parser.add_argument("--requests", type=int, default=4, help="prefix: requests per round and server")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--reliability-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -101,7 +108,53 @@ def main() -> None:
             f"{args.repeats} rounds interleaved"))
         payload["throughput"] = {"output_tokens_per_s": tps, "ratio": ratios}
 
+    if "reliability" in only:
+        server, url, command = start_server(args.model, "--slots", "8", "--max-queue", "32")
+        payload["servers"]["reliability"] = command
+        try:
+            run = dict(prompt_tokens=16, max_tokens=8)
+            warm = serve_bench(url, rates=[None], concurrency=8, num_requests=32, **run, seed=300)[0]
+            sustainable = warm["requests_per_s"]  # all at once under 8 slots: what it serves flat out
+            rss_before = rss_bytes(server.proc.pid)
+            row = serve_bench(url, rates=[2 * sustainable], num_requests=args.reliability_requests, **run,
+                              hang_up_fraction=0.1, seed=301, timeout_s=120)[0]
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                m = metrics(url)
+                if m["workbench_requests_running"] == 0 and m["workbench_requests_waiting"] == 0:
+                    break
+                time.sleep(0.5)
+            rss_after = rss_bytes(server.proc.pid)
+            healthy = httpx.get(url + "/health").status_code == 200
+        finally:
+            server.stop()
+        answered = sum(v for k, v in row["statuses"].items() if k != "error")
+        rows = [{"requests": args.reliability_requests, "offered req/s": f"{2 * sustainable:.1f} (2 x {sustainable:.1f})",
+                 "statuses": ", ".join(f"{k}: {v}" for k, v in sorted(row["statuses"].items())),
+                 "answered": f"{answered}/{args.reliability_requests}",
+                 "slots free after": "yes" if m["workbench_requests_running"] == 0 else "NO",
+                 "RSS MiB before / after": f"{rss_before / 2**20:.0f} / {rss_after / 2**20:.0f} "
+                                           f"({100 * (rss_after / rss_before - 1):+.1f}%)",
+                 "up after": "yes" if healthy else "NO"}]
+        print_table(rows, list(rows[0]), title=(
+            "Reliability: Poisson arrivals at twice the rate served flat out, 10% of clients hanging up after "
+            "their first token (16-word prompts, 8 tokens each)"))
+        payload["reliability"] = {"sustainable_rps": sustainable, "row": row, "rss_before": rss_before,
+                                  "rss_after": rss_after, "metrics_after": m, "healthy_after": healthy}
+
     write_results("serving", payload, args.out)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
 
 
 if __name__ == "__main__":

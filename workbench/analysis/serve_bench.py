@@ -71,7 +71,9 @@ def synthetic_prompts(n: int, prompt_tokens: int, shared_prefix_tokens: int = 0,
     return prompts
 
 
-async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Outcome:
+async def _one(client, url: str, model: str, prompt: str, max_tokens: int, hang_up: bool = False) -> Outcome:
+    """One streamed request; hang_up: close the connection after the first text (a client
+    that goes away mid-stream)."""
     out = Outcome()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -98,6 +100,9 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Ou
                     out.tokens += 1
                     if out.ttft_s is None:
                         out.ttft_s = now - t0
+                    if hang_up:
+                        out.error = "hung up after the first text (on purpose)"
+                        return out
         if usage_tokens is not None:
             out.tokens = usage_tokens
         out.e2e_s = time.perf_counter() - t0
@@ -107,25 +112,27 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Ou
 
 
 async def _run(url: str, prompts: list[str], max_tokens: int, rate: float | None, concurrency: int,
-               burstiness: float, model: str, seed: int, timeout_s: float) -> tuple[list[Outcome], float]:
+               burstiness: float, model: str, seed: int, timeout_s: float,
+               hang_up_fraction: float = 0.0) -> tuple[list[Outcome], float]:
     import httpx
 
     rng = random.Random(seed)
+    hang_ups = [rng.random() < hang_up_fraction for _ in prompts]
     limits = httpx.Limits(max_connections=max(concurrency, 1) if rate is None else 1000)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
         if rate is None:
             gate = asyncio.Semaphore(concurrency)
 
-            async def gated(p):
+            async def gated(p, hang_up):
                 async with gate:
-                    return await _one(client, url, model, p, max_tokens)
+                    return await _one(client, url, model, p, max_tokens, hang_up)
 
-            outcomes = await asyncio.gather(*(gated(p) for p in prompts))
+            outcomes = await asyncio.gather(*(gated(p, h) for p, h in zip(prompts, hang_ups)))
         else:
             tasks = []
-            for p in prompts:
-                tasks.append(asyncio.create_task(_one(client, url, model, p, max_tokens)))
+            for p, h in zip(prompts, hang_ups):
+                tasks.append(asyncio.create_task(_one(client, url, model, p, max_tokens, h)))
                 # gamma gaps with mean 1 / rate; shape = burstiness (1: exponential, Poisson)
                 await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
             outcomes = await asyncio.gather(*tasks)
@@ -136,8 +143,9 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
                 prompt_tokens: int = 64, max_tokens: int = 32, shared_prefix_tokens: int = 0,
                 shared_fraction: float = 0.0, burstiness: float = 1.0, slo_ttft_s: float | None = None,
                 slo_tpot_s: float | None = None, model: str = "default", seed: int = 0,
-                timeout_s: float = 600.0, label: str = "") -> list[dict]:
-    """One row per rate (None: all requests at once under `concurrency`)."""
+                timeout_s: float = 600.0, label: str = "", hang_up_fraction: float = 0.0) -> list[dict]:
+    """One row per rate (None: all requests at once under `concurrency`). hang_up_fraction of
+    the clients close their stream after the first text (counted apart, not as served)."""
     for name, value in (("num_requests", num_requests), ("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens),
                         ("concurrency", concurrency)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,8 +160,9 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
             raise ValueError(f"rates must be > 0 (or None for a fixed concurrency), got {rate}")
         prompts = synthetic_prompts(num_requests, prompt_tokens, shared_prefix_tokens, shared_fraction, seed + i)
         outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, max_tokens, rate, concurrency, burstiness, model,
-                                          seed + i, timeout_s))
+                                          seed + i, timeout_s, hang_up_fraction))
         ok = [o for o in outcomes if o.status == 200 and o.e2e_s is not None]
+        hung_up = sum(1 for o in outcomes if o.error.startswith("hung up"))
         ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
         tpot = [(o.e2e_s - o.ttft_s) / (o.tokens - 1) for o in ok if o.tokens > 1]
         itl = [b - a for o in ok for a, b in zip(o.chunks, o.chunks[1:])]
@@ -162,7 +171,7 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
                 (slo_tpot_s is None or o.tokens < 2 or (o.e2e_s - o.ttft_s) / (o.tokens - 1) <= slo_tpot_s)]
         statuses: dict[str, int] = {}
         for o in outcomes:
-            key = str(o.status) if o.status else "error"
+            key = ("hung up" if o.error.startswith("hung up") else str(o.status) if o.status else "error")
             statuses[key] = statuses.get(key, 0) + 1
         served_rps = len(ok) / wall
         offered = rate if rate is not None else None
@@ -177,8 +186,10 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
             "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
             "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot), "itl_s": _percentiles(itl),
             "e2e_s": _percentiles(e2e),
-            "overloaded": bool(len(ok) < len(outcomes) or (offered is not None and served_rps < 0.9 * offered)),
-            "errors": sorted({o.error for o in outcomes if o.error})[:5],
+            "hang_up_fraction": hang_up_fraction, "hung_up": hung_up,
+            "overloaded": bool(len(ok) + hung_up < len(outcomes) or
+                               (offered is not None and (len(ok) + hung_up) / wall < 0.9 * offered)),
+            "errors": sorted({o.error for o in outcomes if o.error and not o.error.startswith("hung up")})[:5],
         })
     return rows
 
