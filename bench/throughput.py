@@ -13,9 +13,10 @@ Xeon 8563C socket: 796.9 and 853.6 tokens/s. Here:
   - per batch and KV format, in rounds that interleave every case: the step's median ms with
     min-max, tokens/s = batch / step, the step's bytes (weights, KV, head) against this run's
     triad and its FLOPs against the peak of the unit the GEMM ran on;
-  - projected to 32 layers from the same steps (the head once, the measured layers scaled by
-    32 / layers), beside the cost model's roofline for 32 layers (`wb.predict`) and for the
-    layers that ran (so the projection's inputs can be checked against the model).
+  - projected to all the model's layers (32) from the same steps (the head once, the measured
+    layers scaled by 32 / layers), beside the cost model's roofline for all of them
+    (`wb.predict`) and for the layers that ran (so the projection's inputs can be checked
+    against the model). `--model` runs another preset's shapes.
 
     python bench/throughput.py [--batches 1,16,64,256] [--layers 4] [--steps 6] [--repeats 3]
                                [--kv int8,fp16] [--input 148]
@@ -42,7 +43,6 @@ from workbench.model.config import preset  # noqa: E402
 from workbench.model.switches import Switches  # noqa: E402
 
 PAPER = {256: 796.9, 512: 853.6}  # tokens/s, Table 4 (int8 KV cache, one socket)
-FULL_LAYERS = 32
 
 
 def fill_randomly(cache, length: int) -> None:
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv", default="int8,fp16")
     parser.add_argument("--input", type=int, default=148, help="tokens in each sequence's cache (the paper's input)")
+    parser.add_argument("--model", default="llama2-7b", help="the preset whose shapes run (default: the paper's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -96,7 +97,8 @@ def main() -> None:
     peaks = measured_peaks()
     engine = kernels.gemm_engine_for("bfloat16")
     compute_peak = peaks.compute_peak_gflops(engine)
-    model = wb.load_model("llama2-7b", random=True, dtype="bf16", layers=args.layers, max_batch=max(batches),
+    full_layers = preset(args.model).n_layers
+    model = wb.load_model(args.model, random=True, dtype="bf16", layers=args.layers, max_batch=max(batches),
                           max_seq_len=args.input + args.steps + 1)
     llama = model.llama
     cases = {(b, kv): Case(llama, b, kv, args.input, args.steps) for b in batches for kv in kvs}
@@ -116,32 +118,33 @@ def main() -> None:
         med = ms[len(ms) // 2]
         layers_ms = sorted(1e3 * (r.total_s - r.head_s) for r in recs)[len(ms) // 2]
         head_ms = med - layers_ms
-        projected_ms = head_ms + layers_ms * FULL_LAYERS / args.layers
+        projected_ms = head_ms + layers_ms * full_layers / args.layers
         step_bytes = sum(r.bytes_read for r in recs) / len(recs)
         step_flops = sum(r.total_flops for r in recs) / len(recs)
-        cfg_here = replace(preset("llama2-7b"), n_layers=args.layers)
+        cfg_here = replace(preset(args.model), n_layers=args.layers)
         model_here = predict(cfg_here, batch=b, prompt_len=args.input, new_tokens=args.steps, kv_cache=kv,
                              weight_dtype="bf16").step_ms("decode")
-        model_full = predict("llama2-7b", batch=b, prompt_len=args.input, new_tokens=args.steps, kv_cache=kv,
+        model_full = predict(args.model, batch=b, prompt_len=args.input, new_tokens=args.steps, kv_cache=kv,
                              weight_dtype="bf16").step_ms("decode")
         r = {"batch": b, "kv_cache": kv, "layers": args.layers, "step_ms": {"median": med, "min": ms[0], "max": ms[-1]},
              "tokens_per_s": {"median": 1e3 * b / med, "min": 1e3 * b / ms[-1], "max": 1e3 * b / ms[0]},
              "layers_ms": layers_ms, "head_ms": head_ms, "step_gb": step_bytes / 1e9, "step_gflop": step_flops / 1e9,
              "pct_of_triad": 100 * step_bytes / (triad * 1e9) / (med / 1e3),
              "pct_of_compute_peak": 100 * step_flops / (compute_peak * 1e9) / (med / 1e3),
-             "model_step_ms": model_here, "projected_32_layers_ms": projected_ms,
-             "projected_32_layers_tokens_per_s": 1e3 * b / projected_ms, "model_32_layers_ms": model_full,
-             "model_32_layers_tokens_per_s": 1e3 * b / model_full, "paper_tokens_per_s": PAPER.get(b) if kv == "int8" else None}
+             "model_step_ms": model_here, "projected_all_layers_ms": projected_ms,
+             "projected_all_layers_tokens_per_s": 1e3 * b / projected_ms, "model_all_layers_ms": model_full,
+             "model_all_layers_tokens_per_s": 1e3 * b / model_full,
+             "paper_tokens_per_s": PAPER.get(b) if kv == "int8" and args.model == "llama2-7b" else None}
         results.append(r)
         rows.append({"batch": b, "KV": kv, f"step ms ({args.layers} layers)": f"{med:.1f} ({ms[0]:.1f}-{ms[-1]:.1f})",
                      "tokens/s": f"{r['tokens_per_s']['median']:.0f} ({r['tokens_per_s']['min']:.0f}-{r['tokens_per_s']['max']:.0f})",
                      "% triad": f"{r['pct_of_triad']:.0f}", f"% {engine}": f"{r['pct_of_compute_peak']:.0f}",
                      "model ms": f"{model_here:.1f}",
-                     "32 layers: tokens/s projected": f"{r['projected_32_layers_tokens_per_s']:.0f}",
-                     "32 layers: cost model": f"{r['model_32_layers_tokens_per_s']:.0f}",
+                     f"{full_layers} layers: tokens/s projected": f"{r['projected_all_layers_tokens_per_s']:.0f}",
+                     f"{full_layers} layers: cost model": f"{r['model_all_layers_tokens_per_s']:.0f}",
                      "paper": "" if r["paper_tokens_per_s"] is None else f"{r['paper_tokens_per_s']:.1f}"})
     print_table(rows, list(rows[0]), title=(
-        f"Table 4 here: Llama-2-7B shapes (random bf16 weights, {args.layers} of 32 layers), {args.input}-token caches, "
+        f"Table 4 here: {args.model} shapes (random bf16 weights, {args.layers} of {full_layers} layers), {args.input}-token caches, "
         f"{args.steps} decode steps x {args.repeats} rounds, interleaved; GEMM on {engine} (peak {compute_peak:.0f} "
         f"GFLOP/s), triad {triad:.1f} GB/s this run. Paper: one Xeon 8563C socket, 32 layers, int8 KV"))
     write_results("throughput", {"peaks": peaks.as_dict(), "triad_gbps": triad, "engine": engine,

@@ -118,7 +118,8 @@ def test_workbench_status_and_help(shell, capsys):
     assert run(shell, "%workbench")[1] is None
     out = capsys.readouterr().out
     assert "attention=" in out and "triad" in out and "path" in out
-    for magic in ("load_model", "attention", "kvcache", "threads", "generate", "ablate", "workbench"):
+    for magic in ("load_model", "attention", "kvcache", "threads", "generate", "ablate", "workbench", "serve",
+                  "serve_bench"):
         doc = shell.find_line_magic(magic).__doc__
         assert "Examples::" in doc and f"%{magic}" in doc.split("Examples::")[0]  # usage line, then examples
 
