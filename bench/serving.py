@@ -33,12 +33,7 @@ from common import print_table, write_results  # noqa: E402
 import httpx  # noqa: E402
 from workbench.analysis.serve_bench import serve_bench  # noqa: E402
 from workbench.hw.rounds import interleaved_rounds  # noqa: E402
-from workbench.serving.process import ServerProcess  # noqa: E402
-
-
-def start_server(model: str, *options: str) -> tuple[ServerProcess, str, str]:
-    server = ServerProcess(["--model", model, *options]).start()
-    return server, server.url, server.shell_command
+from workbench.serving.process import ServerProcess, read_metrics  # noqa: E402
 
 
 def med(xs):
@@ -61,20 +56,21 @@ def main() -> None:
     payload: dict = {"servers": {}}
 
     if "prefix" in only:
-        servers = {"reuse off": start_server(args.model, "--slots", "4"),
-                   "reuse on": start_server(args.model, "--slots", "4", "--prefix-cache-tokens", "4096")}
+        servers = {"reuse off": ServerProcess(["--model", args.model, "--slots", "4"]).start(),
+                   "reuse on": ServerProcess(["--model", args.model, "--slots", "4",
+                                              "--prefix-cache-tokens", "4096"]).start()}
         try:
-            payload["servers"].update({k: v[2] for k, v in servers.items()})
+            payload["servers"].update({k: v.shell_command for k, v in servers.items()})
             run = dict(rates=[None], concurrency=1, num_requests=args.requests, prompt_tokens=args.suffix_tokens,
                        max_tokens=2, shared_prefix_tokens=args.prefix_tokens, shared_fraction=1.0)
-            serve_bench(servers["reuse on"][1], **run, seed=10_000)  # warm: the prefix enters the cache
+            serve_bench(servers["reuse on"].url, **run, seed=10_000)  # warm: the prefix enters the cache
             ttft = {k: [] for k in servers}
             for round_, name in interleaved_rounds(servers, args.repeats, warmup=1):
-                row = serve_bench(servers[name][1], **run, seed=round_ + 100)[0]  # new suffixes each round
+                row = serve_bench(servers[name].url, **run, seed=round_ + 100)[0]  # new suffixes each round
                 if round_ >= 0:
                     ttft[name].append(row["ttft_s"]["p50"])
         finally:
-            for server, _, _ in servers.values():
+            for server in servers.values():
                 server.stop()
         ratios = [a / b for a, b in zip(ttft["reuse off"], ttft["reuse on"])]
         rows = [{"server": k, "TTFT ms p50 (min-max over rounds)":
@@ -87,8 +83,9 @@ def main() -> None:
         payload["prefix"] = {"ttft_s": ttft, "ratio_off_over_on": ratios}
 
     if "throughput" in only:
-        server, url, command = start_server(args.model, "--slots", str(args.concurrency))
-        payload["servers"]["throughput"] = command
+        server = ServerProcess(["--model", args.model, "--slots", str(args.concurrency)]).start()
+        url = server.url
+        payload["servers"]["throughput"] = server.shell_command
         try:
             cases = {"batch 1": 1, f"concurrency {args.concurrency}": args.concurrency}
             run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=64)
@@ -109,8 +106,9 @@ def main() -> None:
         payload["throughput"] = {"output_tokens_per_s": tps, "ratio": ratios}
 
     if "reliability" in only:
-        server, url, command = start_server(args.model, "--slots", "8", "--max-queue", "32")
-        payload["servers"]["reliability"] = command
+        server = ServerProcess(["--model", args.model, "--slots", "8", "--max-queue", "32"]).start()
+        url = server.url
+        payload["servers"]["reliability"] = server.shell_command
         try:
             run = dict(prompt_tokens=16, max_tokens=8)
             warm = serve_bench(url, rates=[None], concurrency=8, num_requests=32, **run, seed=300)[0]
@@ -120,7 +118,7 @@ def main() -> None:
                               hang_up_fraction=0.1, seed=301, timeout_s=120)[0]
             deadline = time.time() + 60
             while time.time() < deadline:
-                m = metrics(url)
+                m = read_metrics(url)
                 if m["workbench_requests_running"] == 0 and m["workbench_requests_waiting"] == 0:
                     break
                 time.sleep(0.5)
@@ -150,11 +148,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ Xeon 8563C socket: 796.9 and 853.6 tokens/s. Here:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import print_table, write_results  # noqa: E402
+from common import print_table, summarize, write_results  # noqa: E402
 import torch  # noqa: E402
 
 import workbench as wb  # noqa: E402
@@ -110,13 +111,14 @@ def main() -> None:
             steps[key].extend(records)
             if len(triads) <= round_:
                 triads.append(measure_triad_gbps())  # once per round, between cases
-    triad = sorted(triads)[len(triads) // 2]
+    triad = statistics.median(triads)
 
     rows, results = [], []
     for (b, kv), recs in steps.items():
-        ms = sorted(1e3 * r.total_s for r in recs)
-        med = ms[len(ms) // 2]
-        layers_ms = sorted(1e3 * (r.total_s - r.head_s) for r in recs)[len(ms) // 2]
+        step = summarize([r.total_s for r in recs])
+        med = step["median_ms"]
+        ms = [step["min_ms"], step["max_ms"]]
+        layers_ms = summarize([r.total_s - r.head_s for r in recs])["median_ms"]
         head_ms = med - layers_ms
         projected_ms = head_ms + layers_ms * full_layers / args.layers
         step_bytes = sum(r.bytes_read for r in recs) / len(recs)

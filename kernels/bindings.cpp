@@ -740,6 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"),
            py::arg("w_down"), py::arg("wqkv_scale"), py::arg("wo_scale"), py::arg("w_gate_up_scale"),
            py::arg("w_down_scale"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"));
+  py::register_exception<wbk::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
   // The collectives a tensor-parallel rank's DecodeStack.step takes (comm=).
   py::class_<wbk::StepCollective>(m, "StepCollective", py::module_local());
   py::class_<ShmCollective, wbk::StepCollective>(m, "ShmCollective", py::module_local())

@@ -69,7 +69,7 @@ void barrier(const ShmArgs& a, int64_t seq) {
           for (int j = 0; j < a.world; ++j)
             if (counter(a.seg, j)->load(std::memory_order_acquire) < seq)
               missing += (missing.empty() ? "" : ", ") + std::to_string(j);
-          throw std::runtime_error("shm collective: rank " + std::to_string(a.rank) + " waited " +
+          throw CollectiveError("shm collective: rank " + std::to_string(a.rank) + " waited " +
                                    std::to_string(static_cast<int>(waited)) + " s for rank(s) " + missing +
                                    " (barrier " + std::to_string(seq) + "); a rank died or is stuck");
         }

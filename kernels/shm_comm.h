@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace wbk {
 
@@ -15,6 +16,12 @@ struct ShmArgs {
   int rank, world;
   int64_t capacity;  // bytes per slot
   double timeout_s;  // how long a barrier waits for the others before it raises
+};
+
+// A rank did not arrive at a barrier in time (dead or stuck): Python sees it as
+// CollectiveError, a RuntimeError, wherever the collective was called from.
+struct CollectiveError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 // Segment bytes for `world` ranks with slots of `capacity` bytes.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import workbench as wb
 from workbench.analysis.text import sample_prompts
@@ -48,7 +47,7 @@ def test_requests_arriving_while_others_decode_get_their_own_greedy_tokens(model
     for (prompt, n), r in zip(requests, handles):
         assert r.done and r.finish_reason == "length" and len(r.output) == n
         assert r.output == alone(model, prompt, n), (len(prompt), n)
-        assert r.ttft_s > 0 and len(r.token_times) == n
+        assert r.first_token_s == r.token_times[0] and len(r.token_times) == n
     assert s.stats["decode_paths"] == {"fused"} and s.stats["prefilled_tokens"] == sum(len(p) for p, _ in requests)
     assert not s.running and not s.waiting
 
@@ -111,3 +110,28 @@ def test_a_reference_format_serves_without_reuse_and_refuses_reuse_clearly(model
     assert [len(r.output) for r in handles] == [4, 3] and s.stats["decode_paths"] == {"reference"}
     with pytest.raises(ValueError, match="reference format quantized across tokens"):
         Scheduler(model, kv_cache="int4-kivi", prefix_cache_tokens=64)
+
+
+def test_a_runs_summary_goodput_and_overload_from_given_latencies():
+    """serve_bench's arithmetic on fixed outcomes (no clock): percentiles by nearest rank,
+    TPOT after the first token, goodput against each SLO, hang-ups counted as answered, and the
+    overload flag for a refusal or a served rate under 90% of the offered one."""
+    from workbench.analysis.serve_bench import Outcome, summarize_run
+
+    def served(ttft, e2e, tokens):
+        return Outcome(200, ttft, e2e, [ttft + 0.1 * i for i in range(tokens)], tokens)
+
+    outcomes = [served(0.2, 1.1, 10), served(0.5, 2.3, 10), served(1.5, 2.4, 10),
+                Outcome(200, 0.3, None, [0.3], 1, hung_up=True), Outcome(429)]
+    row = summarize_run(outcomes, 2.0, rate=2.0, slo_ttft_s=1.0, slo_tpot_s=0.15)
+    assert row["completed"] == 3 and row["hung_up"] == 1 and row["statuses"] == {"200": 3, "hung up": 1, "429": 1}
+    assert row["output_tokens"] == 30 and row["output_tokens_per_s"] == 15.0 and row["requests_per_s"] == 1.5
+    assert row["ttft_s"]["p50"] == 0.5 and row["ttft_s"]["p99"] == 1.5
+    assert row["tpot_s"]["p50"] == pytest.approx(0.1)  # (1.1 - 0.2) / 9, (2.4 - 1.5) / 9 and (2.3 - 0.5) / 9
+    assert row["itl_s"]["p50"] == pytest.approx(0.1)
+    # the first meets both SLOs; the second misses TPOT (0.2 s), the third TTFT
+    assert row["goodput_requests_per_s"] == 0.5
+    assert row["overloaded"]  # one refused
+    fine = summarize_run(outcomes[:3], 2.0, rate=1.6)
+    assert not fine["overloaded"] and fine["goodput_requests_per_s"] == 1.5  # no SLOs: every served request
+    assert summarize_run(outcomes[:3], 2.0, rate=1.7)["overloaded"]  # 1.5 served / s < 90% of 1.7

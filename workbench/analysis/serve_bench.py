@@ -37,6 +37,16 @@ class Outcome:
     chunks: list[float] = field(default_factory=list)  # arrival times of text chunks
     tokens: int = 0
     error: str = ""
+    hung_up: bool = False  # the client closed the stream after the first text, on purpose
+
+    @property
+    def served(self) -> bool:
+        return self.status == 200 and self.e2e_s is not None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first."""
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.served and self.tokens > 1 else None
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -101,7 +111,7 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, hang_
                     if out.ttft_s is None:
                         out.ttft_s = now - t0
                     if hang_up:
-                        out.error = "hung up after the first text (on purpose)"
+                        out.hung_up = True
                         return out
         if usage_tokens is not None:
             out.tokens = usage_tokens
@@ -139,6 +149,33 @@ async def _run(url: str, prompts: list[str], max_tokens: int, rate: float | None
         return list(outcomes), time.perf_counter() - t0
 
 
+def summarize_run(outcomes: list[Outcome], wall_s: float, *, rate: float | None = None,
+                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+    """What one run's outcomes amount to: percentiles, rates over wall_s, goodput at the SLOs,
+    statuses, and `overloaded` (a request refused or failed, or fewer served per second than
+    90% of the offered rate; a client that hung up on purpose counts as served)."""
+    ok = [o for o in outcomes if o.served]
+    hung_up = sum(o.hung_up for o in outcomes)
+    good = [o for o in ok if (slo_ttft_s is None or o.ttft_s <= slo_ttft_s) and
+            (slo_tpot_s is None or o.tpot_s is None or o.tpot_s <= slo_tpot_s)]
+    statuses: dict[str, int] = {}
+    for o in outcomes:
+        key = "hung up" if o.hung_up else str(o.status) if o.status else "error"
+        statuses[key] = statuses.get(key, 0) + 1
+    answered = len(ok) + hung_up
+    return {
+        "duration_s": wall_s, "completed": len(ok), "hung_up": hung_up, "statuses": statuses,
+        "output_tokens": sum(o.tokens for o in ok), "output_tokens_per_s": sum(o.tokens for o in ok) / wall_s,
+        "requests_per_s": len(ok) / wall_s, "goodput_requests_per_s": len(good) / wall_s,
+        "ttft_s": _percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
+        "tpot_s": _percentiles([o.tpot_s for o in ok if o.tpot_s is not None]),
+        "itl_s": _percentiles([b - a for o in ok for a, b in zip(o.chunks, o.chunks[1:])]),
+        "e2e_s": _percentiles([o.e2e_s for o in ok]),
+        "overloaded": bool(answered < len(outcomes) or (rate is not None and answered / wall_s < 0.9 * rate)),
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+    }
+
+
 def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: int = 8, num_requests: int = 32,
                 prompt_tokens: int = 64, max_tokens: int = 32, shared_prefix_tokens: int = 0,
                 shared_fraction: float = 0.0, burstiness: float = 1.0, slo_ttft_s: float | None = None,
@@ -161,35 +198,13 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
         prompts = synthetic_prompts(num_requests, prompt_tokens, shared_prefix_tokens, shared_fraction, seed + i)
         outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, max_tokens, rate, concurrency, burstiness, model,
                                           seed + i, timeout_s, hang_up_fraction))
-        ok = [o for o in outcomes if o.status == 200 and o.e2e_s is not None]
-        hung_up = sum(1 for o in outcomes if o.error.startswith("hung up"))
-        ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
-        tpot = [(o.e2e_s - o.ttft_s) / (o.tokens - 1) for o in ok if o.tokens > 1]
-        itl = [b - a for o in ok for a, b in zip(o.chunks, o.chunks[1:])]
-        e2e = [o.e2e_s for o in ok]
-        good = [o for o in ok if (slo_ttft_s is None or o.ttft_s <= slo_ttft_s) and
-                (slo_tpot_s is None or o.tokens < 2 or (o.e2e_s - o.ttft_s) / (o.tokens - 1) <= slo_tpot_s)]
-        statuses: dict[str, int] = {}
-        for o in outcomes:
-            key = ("hung up" if o.error.startswith("hung up") else str(o.status) if o.status else "error")
-            statuses[key] = statuses.get(key, 0) + 1
-        served_rps = len(ok) / wall
-        offered = rate if rate is not None else None
         rows.append({
-            "kind": "serve_bench", "label": label, "url": url, "rate": offered,
+            "kind": "serve_bench", "label": label, "url": url, "rate": rate,
             "concurrency": None if rate is not None else concurrency, "burstiness": burstiness,
             "num_requests": num_requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
             "shared_prefix_tokens": shared_prefix_tokens, "shared_fraction": shared_fraction,
-            "duration_s": wall, "completed": len(ok), "statuses": statuses,
-            "output_tokens": sum(o.tokens for o in ok), "output_tokens_per_s": sum(o.tokens for o in ok) / wall,
-            "requests_per_s": served_rps, "goodput_requests_per_s": len(good) / wall,
-            "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
-            "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot), "itl_s": _percentiles(itl),
-            "e2e_s": _percentiles(e2e),
-            "hang_up_fraction": hang_up_fraction, "hung_up": hung_up,
-            "overloaded": bool(len(ok) + hung_up < len(outcomes) or
-                               (offered is not None and (len(ok) + hung_up) / wall < 0.9 * offered)),
-            "errors": sorted({o.error for o in outcomes if o.error and not o.error.startswith("hung up")})[:5],
+            "hang_up_fraction": hang_up_fraction, "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
+            **summarize_run(outcomes, wall, rate=rate, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s),
         })
     return rows
 

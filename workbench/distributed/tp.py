@@ -200,10 +200,8 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
         begin(record)
         try:
             logits, rec = decode(tokens, cache, switches, record)
-        except RuntimeError as e:  # the fused step's shm all-reduce: a rank died or is stuck
-            if "collective" in str(e):
-                raise CommError(str(e)) from None
-            raise
+        except kernels.native.ext.CollectiveError as e:  # the fused step's shm all-reduce: a rank died or is stuck
+            raise CommError(str(e)) from None
         return logits, end(rec)
 
     llama.prefill, llama.decode = tp_prefill, tp_decode

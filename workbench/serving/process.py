@@ -1,5 +1,6 @@
 """`workbench serve` as a child process on 127.0.0.1 (what %serve start, bench/serving.py and
-the peers harness start and stop): its command, its URL, waiting for /health, stopping it."""
+the tests start and stop): its command, its URL, waiting for /health, stopping it; and
+reading a server's /metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import socket
 import subprocess
 import sys
 import time
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics (Prometheus text) as {name: value}."""
+    import httpx
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -56,7 +56,8 @@ class Request:
     first_token_s: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was produced
     finish_s: float | None = None
-    finish_reason: str | None = None  # "eos" or "length"
+    finish_reason: str | None = None  # "eos", "length", "cancelled" (or "error", set by a server)
+    block_keys: list[bytes] = field(default_factory=list, repr=False)  # prefix reuse: its whole blocks' hashes
 
     @property
     def ttft_s(self) -> float | None:
@@ -256,9 +257,10 @@ class Scheduler:
         one prompt token is always left to prefill, for the first output's logits)."""
         if not self.prefix_budget:
             return 0
+        r.block_keys = self._block_keys(r.prompt, len(r.prompt) // self.block)  # kept again after its prefill
         usable = (len(r.prompt) - 1) // self.block
         matched = 0
-        for key in self._block_keys(r.prompt, usable):
+        for key in r.block_keys[:usable]:
             if key not in self._prefix:
                 break
             self._prefix.move_to_end(key)
@@ -280,7 +282,7 @@ class Scheduler:
         if not self.prefix_budget:
             return
         c = self.cache
-        for b, key in enumerate(self._block_keys(r.prompt, len(r.prompt) // self.block)):
+        for b, key in enumerate(r.block_keys):
             if key in self._prefix:
                 self._prefix.move_to_end(key)
                 continue
