@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import background
 from workbench.kernels import KernelSet, runnable_variants
 
 # Hypothesis: no per-example deadline (the scalar build and the float64 references are
@@ -21,7 +22,9 @@ settings.load_profile("default")
 def kernels(request) -> KernelSet:
     """The kernel API on every build this host can execute: native, avx2, scalar."""
     ks = KernelSet(request.param)
-    ks.ext  # build now, outside any hypothesis example
+    if request.param != "native":
+        background.result(_build_variants)  # usually compiled by now, in the background
+    ks.ext  # build (or load) now, outside any hypothesis example
     return ks
 
 
@@ -98,3 +101,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+# -- builds needed later, started in the background when collection ends (tests/background.py)
+
+_variants_needed: list[str] = []
+
+
+def _build_variants():
+    background.build_variants(_variants_needed)
+
+
+def pytest_collection_finish(session):
+    params = [item.callspec.params for item in session.items if hasattr(item, "callspec")]
+    _variants_needed[:] = sorted({p["kernels"] for p in params if p.get("kernels", "native") != "native"})
+    if _variants_needed:
+        background.start(_build_variants)
+    for module in {item.module for item in session.items}:
+        prepare = getattr(module, "prepare_in_background", None)
+        if prepare is not None:
+            background.start(prepare)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    background.stop()

@@ -8,12 +8,42 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
+import background
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def prepare_in_background():
+    """Build a wheel from a copy of the tree, install it into a fresh environment and let the
+    installed package compile its kernels there, the way a user's first import does.
+    Started at nice 19 when the suite is collected (tests/background.py): this is a minute of
+    compiling that needs nothing from the other tests. Returns (wheel, python, env, folder)."""
+    tmp = background.remove_at_exit(Path(tempfile.mkdtemp(prefix="workbench-install-")))
+    # Built from a copy of the source tree: a setuptools build leaves build/ behind, and a stale
+    # one in the checkout broke a later build here.
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", ".cache", "*.egg-info",
+                                                             "__pycache__", ".hypothesis", ".pytest_cache"))
+    background.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src])
+    wheel = next((tmp / "dist").glob("cpu_llm_workbench-*.whl"))
+    env_dir = tmp / "venv"
+    background.run([sys.executable, "-m", "venv", "--without-pip", env_dir])
+    python = env_dir / "bin" / "python"
+    background.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel])
+    # The dependencies (torch, gguf, ...) come from this environment's site-packages as a plain
+    # path: its .pth files, the editable install's among them, are not processed from there.
+    site = Path(background.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp), "WORKBENCH_CACHE_DIR": str(tmp / "cache")}
+    # The installed package's first use compiles its kernels from the sources it ships.
+    background.run([python, "-c", "import workbench.kernels as K; K.native.ext"], env=env, cwd=tmp)
+    return wheel, python, env, tmp
 
 
 def run(cmd, **kw):
@@ -23,25 +53,8 @@ def run(cmd, **kw):
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("install")
-    # Built from a copy of the source tree: a setuptools build leaves build/ behind, and a stale
-    # one in the checkout broke a later build here.
-    src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", ".cache", "*.egg-info",
-                                                             "__pycache__", ".hypothesis", ".pytest_cache"))
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src])
-    wheel = next((tmp / "dist").glob("cpu_llm_workbench-*.whl"))
-    env_dir = tmp / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", env_dir])
-    python = env_dir / "bin" / "python"
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel])
-    # The dependencies (torch, gguf, ...) come from this environment's site-packages as a plain
-    # path: its .pth files, the editable install's among them, are not processed from there.
-    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    env = {"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp), "WORKBENCH_CACHE_DIR": str(tmp / "cache")}
-    return wheel, python, env, tmp
+def installed():
+    return background.result(prepare_in_background)
 
 
 def test_wheel_ships_the_sources_inside_the_package(installed):
@@ -67,6 +80,7 @@ def test_installed_package_runs_a_kernel_generate_and_the_magics(installed):
             "print(K.build_info()['sources'][0])")
     r = run([python, "-c", code], env=env, cwd=tmp)
     assert "site-packages/workbench/kernels/csrc/" in r.stdout
+    assert list((tmp / "cache" / "kernels").glob("native-*/workbench_kernels_native*.so")), "compiled elsewhere"
     r = run([tmp / "venv" / "bin" / "workbench", "generate", "The capital of France is", "--max-new-tokens", "6"],
             env=env, cwd=tmp)
     assert "Paris" in r.stdout and "tokens/s" in r.stdout

@@ -1,0 +1,92 @@
+"""Work the suite needs later, started at the lowest CPU priority as soon as it is collected.
+
+Two jobs need nothing from the tests before them and cost a minute or more of compiling:
+the kernels' avx2 and scalar builds (the `kernels` fixture's later parameters) and the
+project installed from a wheel into a fresh environment, where it compiles its kernels
+again (tests/test_install.py). Started at nice 19 when collection ends, they compile while
+earlier tests wait on Jupyter kernels, clusters, servers and a browser; whenever a test's
+own processes want the CPU they get it. A test that needs a job's result waits for it
+(`result`), and a job nobody started runs there and then, so a single test file run alone
+behaves as before.
+
+Nothing here changes what a test checks: the same builds happen, in the same folders, by
+the same code; only when they happen moves.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+NICE = ["nice", "-n", "19"]
+
+_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")  # one job at a time
+_jobs: dict[Callable, Future] = {}
+_procs: list[subprocess.Popen] = []
+_paths: list[Path] = []
+_lock = threading.Lock()
+_stopping = False
+
+
+def run(cmd, **kw) -> subprocess.CompletedProcess:
+    """Run a command at nice 19 (killed if the session ends first); fail with its output."""
+    with _lock:
+        if _stopping:
+            raise RuntimeError("the test session ended")
+        proc = subprocess.Popen(NICE + [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, **kw)
+        _procs.append(proc)
+    out, err = proc.communicate()
+    with _lock:
+        _procs.remove(proc)
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def start(job: Callable) -> None:
+    """Queue `job()` to run in the background (once)."""
+    with _lock:
+        if job not in _jobs and not _stopping:
+            _jobs[job] = _pool.submit(job)
+
+
+def result(job: Callable):
+    """`job()`'s result: waited for if it was started, run now if it was not."""
+    with _lock:
+        future = _jobs.get(job)
+    return future.result() if future is not None else job()
+
+
+def remove_at_exit(path: Path) -> Path:
+    _paths.append(path)
+    return path
+
+
+def stop() -> None:
+    """The session is over: drop queued jobs, kill running commands, delete their folders."""
+    global _stopping
+    with _lock:
+        _stopping = True
+        for future in _jobs.values():
+            future.cancel()
+        for proc in _procs:
+            proc.kill()
+    _pool.shutdown(wait=True)
+    for path in _paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def build_variants(variants: list[str]) -> None:
+    """Compile the kernel builds `variants` into the cache, as KernelSet(v).ext would."""
+    for variant in variants:
+        code = f"from workbench.kernels import KernelSet; KernelSet({variant!r}).ext"
+        try:
+            run([sys.executable, "-c", code])
+        except AssertionError:
+            pass  # the fixture builds it again in the test process and reports the error there
