@@ -29,6 +29,18 @@ const char* engine_name(wbk::GemmEngine e) {
   return e == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16" : "fma";
 }
 
+// A weight kernel by its name (WeightFormat.kernel, constants()["weight_kernels"]).
+wbk::WeightDtype weight_kernel(const std::string& kernel, const char* fn) {
+  const wbk::WeightDtype d = kernel == "float32"      ? wbk::WeightDtype::kFloat32
+                             : kernel == "bfloat16"   ? wbk::WeightDtype::kBFloat16
+                             : kernel == "int8"       ? wbk::WeightDtype::kInt8
+                             : kernel == "int8_group" ? wbk::WeightDtype::kInt8Group
+                                                      : static_cast<wbk::WeightDtype>(-1);
+  TORCH_CHECK_VALUE(static_cast<int>(d) >= 0, fn, ": kernel must be 'float32', 'bfloat16', 'int8' or 'int8_group', ",
+                    "got '", kernel, "'");
+  return d;
+}
+
 void check_tensor(const Tensor& t, const char* fn, const char* name, int64_t dim, const char* layout,
                   bool need_contiguous = true) {
   TORCH_CHECK_VALUE(t.defined(), fn, ": ", name, " is missing");
@@ -407,7 +419,7 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   }
   if (y.numel() == 0) return y;
   if (K == 0) return y.zero_();
-  if (M <= matvec_max_rows) {
+  if (M <= (matvec_max_rows < 0 ? wbk::matvec_max_rows(kind) : matvec_max_rows)) {
     wbk::linear_matvec(x.data_ptr<float>(), w.data_ptr(), kind, row_scale, y.data_ptr<float>(), M, N, K);
     return y;
   }
@@ -813,15 +825,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_engine", [] { return engine_name(wbk::gemm_engine()); });
   // The engine the GEMM runs a weight kernel (WeightFormat.kernel) on.
   m.def("gemm_engine_for", [](const std::string& kernel) {
-    const wbk::WeightDtype d = kernel == "float32"    ? wbk::WeightDtype::kFloat32
-                               : kernel == "bfloat16" ? wbk::WeightDtype::kBFloat16
-                               : kernel == "int8"     ? wbk::WeightDtype::kInt8
-                               : kernel == "int8_group"
-                                   ? wbk::WeightDtype::kInt8Group
-                                   : static_cast<wbk::WeightDtype>(-1);
-    TORCH_CHECK_VALUE(static_cast<int>(d) >= 0, "gemm_engine_for: kernel must be 'float32', 'bfloat16', 'int8' or ",
-                      "'int8_group', got '", kernel, "'");
-    return engine_name(wbk::gemm_engine_for(d));
+    return engine_name(wbk::gemm_engine_for(weight_kernel(kernel, "gemm_engine_for")));
+  });
+  // The matrix-vector / GEMM crossover in force for a weight kernel (workbench/kernels/crossover.py).
+  m.def("matvec_max_rows", [](const std::string& kernel) {
+    return wbk::matvec_max_rows(weight_kernel(kernel, "matvec_max_rows"));
+  });
+  m.def("set_matvec_max_rows", [](const std::string& kernel, int64_t rows) {
+    TORCH_CHECK_VALUE(rows >= 1, "set_matvec_max_rows: rows must be >= 1 (batch-1 decode is the matrix-vector ",
+                      "kernel), got ", rows);
+    wbk::set_matvec_max_rows(weight_kernel(kernel, "set_matvec_max_rows"), rows);
   });
   m.def("set_gemm_engine", [](const std::string& name) {
     wbk::GemmEngine e = name == "auto" ? wbk::GemmEngine::kAuto
@@ -862,7 +875,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["int8_kernels"] = std::vector<std::string>(std::begin(wbk::kInt8KernelNames), std::end(wbk::kInt8KernelNames));
     d["tile_tokens"] = wbk::kTileTokens;
     d["v_group_tokens"] = wbk::kVGroupTokens;
-    d["matvec_max_rows"] = wbk::kMatvecMaxRows;
+    d["matvec_max_rows_default"] = wbk::kMatvecMaxRowsDefault;
     d["shm_header_bytes"] = wbk::kShmHeaderBytes;
     weights["float32"] = static_cast<int>(wbk::WeightDtype::kFloat32);
     weights["bfloat16"] = static_cast<int>(wbk::WeightDtype::kBFloat16);

@@ -68,7 +68,7 @@ void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
 }
 
 void linear(const float* x, const WeightRef& w, float* y, int64_t M) {
-  if (M <= kMatvecMaxRows) {
+  if (M <= matvec_max_rows(w.dtype)) {
     linear_matvec(x, w.w, w.dtype, w.scale, y, M, w.N, w.K);
   } else {
     linear_gemm(x, w.w, w.dtype, w.scale, y, M, w.N, w.K);

@@ -248,28 +248,33 @@ WBK_AMX_TARGET void weight_slice(const Weights& w, int64_t n0, int64_t rows, int
   }
 }
 
-// acc[MR rows][2 token vectors] over pairs [p0, p1) of K (p0 a multiple of 16), then stored
+// One pair p of K for MR rows: acc[r][col + v] += w[r, pair p] . x[pair p, token vector v] for
+// the NV token vectors (16 tokens each) from bp on.
+//
+// block_dp: acc over pairs [p0, p1) of K (p0 a multiple of 16), then stored
 // to (or added into) c (rows ldc floats apart). w: MR rows ldw values apart (clamped to `rows`:
 // a short block repeats its last row, never stored) holding K's values from pair `pbase` on
 // (0: whole rows; p0: a converted slice); x packed as for the tiles: pair p of token tile
 // jt at xb + ((p / 16) token_tiles + jt) 256 + (p % 16) 16 dwords, so the 16 pairs of one
-// tile are 64 bytes apart and the pair of the next token tile 1 KB on.
-template <int MR>
-WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[MR][2], const uint32_t* bp, const uint16_t* const (&wr)[MR],
-                                   int64_t p) {
-  const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp));
-  const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp + 256));
+// tile are 64 bytes apart and the pair of the next token tile 1 KB on. Its MR x 2 accumulators
+// are MR rows x 2 token vectors (NV = 2: 32 tokens), or, for 16 tokens alone (NV = 1), MR rows
+// x the even and the odd pairs of K, added at the end: as many independent chains either way,
+// and the same 8 row pointers (16 rows would not fit the general registers).
+template <int MR, int NV>
+WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[MR][2], int col, const uint32_t* bp,
+                                   const uint16_t* const (&wr)[MR], int64_t p) {
+  __m512bh b[NV];
+  for (int v = 0; v < NV; ++v) b[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp + v * 256));
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     uint32_t pair;
     std::memcpy(&pair, wr[r] + 2 * p, 4);  // rows need not be 4-byte aligned
     const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    for (int v = 0; v < NV; ++v) acc[r][col + v] = _mm512_dpbf16_ps(acc[r][col + v], a, b[v]);
   }
 }
 
-template <int MR>
+template <int MR, int NV>
 WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int64_t K, int64_t rows,
                              const uint32_t* xb, int64_t token_tiles, int64_t jt, int64_t p0, int64_t p1, float* c,
                              int64_t ldc, bool accumulate) {
@@ -282,10 +287,10 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int6
   for (; p + 16 <= full_end; p += 16) {  // whole tiles: the 16 steps at constant offsets
     const uint32_t* bt = xb + ((p / 16) * token_tiles + jt) * 256;
 #pragma GCC unroll 16
-    for (int q = 0; q < 16; ++q) dp_step<MR>(acc, bt + q * 16, wr, p + q - pbase);
+    for (int q = 0; q < 16; ++q) dp_step<MR, NV>(acc, NV == 2 ? 0 : q % 2, bt + q * 16, wr, p + q - pbase);
   }
   for (; p < full_end; ++p)
-    dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p - pbase);
+    dp_step<MR, NV>(acc, 0, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p - pbase);
   if (K % 2 && p1 > K / 2) {  // the last value alone, its pair's other half zero (never read past the row)
     const uint16_t* last[MR];
     uint16_t tail[MR][2] = {};
@@ -293,20 +298,24 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int6
       tail[r][0] = wr[r][K - 1 - 2 * pbase];
       last[r] = tail[r];
     }
-    dp_step<MR>(acc, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, last, 0);
+    dp_step<MR, NV>(acc, 0, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, last, 0);
   }
+  if (NV == 1)
+    for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][1]);
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
-    if (accumulate) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(cr));
-      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(cr + 16));
+    for (int v = 0; v < NV; ++v) {
+      if (accumulate) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_loadu_ps(cr + 16 * v));
+      _mm512_storeu_ps(cr + 16 * v, acc[r][v]);
     }
-    _mm512_storeu_ps(cr, acc[r][0]);
-    _mm512_storeu_ps(cr + 16, acc[r][1]);
   }
 }
 
-constexpr int kDpRows = 8;  // MR of the AVX512-BF16 block
+// The AVX512-BF16 blocks: 8 rows of w x 32 tokens, and for a last 16 tokens alone (batched
+// decode at 16 or fewer sequences, or a count of tokens that is an odd multiple of 16) 8 rows x
+// 16 tokens, so half of every vdpbf16ps is not spent on zero padding.
+constexpr int kDpRows = 8;
+static_assert(kRows % kDpRows == 0, "a task's rows are whole blocks");
 
 // The AVX512-BF16 tasks. K is cut into slices: within a slice, each 32-token piece of packed x
 // stays in L1 while every kDpRows-row block of the task's rows (in L2) passes over it. A
@@ -327,8 +336,7 @@ WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t 
                                  int64_t token_tiles, int64_t block_elems, int64_t n_blocks, const uint16_t* xp,
                                  bool stream, int64_t begin, int64_t end) {
   const int64_t K = w.K, pairs = (K + 1) / 2, slice = dp_pairs_per_slice();
-  const int64_t padded_rows = (kRows + kDpRows - 1) / kDpRows * kDpRows;  // whole blocks of rows
-  Scratch cs(0, padded_rows * tokens_per_block);
+  Scratch cs(0, kRows * tokens_per_block);
   float* ct = cs.data();
   Scratch ws(1, w.q ? (kRows * 2 * slice + 1) / 2 : 0);  // int8: the slice converted to bf16
   uint16_t* wbuf = reinterpret_cast<uint16_t*>(ws.data());
@@ -342,10 +350,18 @@ WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t 
       const uint16_t* rows_w = w.bf16 ? w.bf16 + n0 * K : wbuf;
       const int64_t ldw = w.bf16 ? K : 2 * slice, pbase = w.bf16 ? 0 : p0;
       if (!w.bf16) weight_slice(w, n0, rows, 2 * p0, std::min(2 * p1, K), wbuf, ldw);
-      for (int64_t jt = 0; jt < (tokens + 31) / 32 * 2; jt += 2)
-        for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)
-          block_dp<kDpRows>(rows_w + r0 * ldw, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1,
-                            ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
+      const int64_t used_tiles = (tokens + 15) / 16;  // 16-token tiles holding a token
+      for (int64_t jt = 0; jt < used_tiles; jt += 2) {
+        if (jt + 1 < used_tiles) {
+          for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)
+            block_dp<kDpRows, 2>(rows_w + r0 * ldw, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1,
+                                 ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
+        } else {
+          for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)  // a last 16 tokens alone
+            block_dp<kDpRows, 1>(rows_w + r0 * ldw, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1,
+                                 ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
+        }
+      }
     }
     store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N, stream);
   }

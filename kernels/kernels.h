@@ -180,9 +180,14 @@ void fill_normal_bf16(uint16_t* out, int64_t n, uint64_t seed, uint64_t stream, 
 void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,
                       const float* sin);
 
-// Up to this many rows a linear layer runs the matrix-vector kernel, above it the GEMM (the
-// measured crossover, bench/linear.py; workbench.kernels.linear's default matvec_max_rows).
-inline constexpr int64_t kMatvecMaxRows = 10;
+// Up to how many rows of x a linear layer runs the matrix-vector kernel, above it the GEMM, per
+// weight dtype: the crossover depends on the dtype and on the GEMM's engine, so it is measured
+// on each host when the kernels load (workbench/kernels/crossover.py) and set here; the default
+// holds until then (and in a build nobody measured). Batch-1 decode is always the matrix-vector
+// kernel (at least 1).
+inline constexpr int64_t kMatvecMaxRowsDefault = 10;
+int64_t matvec_max_rows(WeightDtype dtype);
+void set_matvec_max_rows(WeightDtype dtype, int64_t rows);
 
 // The fused decode step (decode_step.cpp): every layer of the stack in one call.
 struct WeightRef {  // one linear layer's weights, as linear_matvec / linear_gemm take them

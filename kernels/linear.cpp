@@ -2,7 +2,8 @@
 // scale per output row, applied to each finished output), accumulating in fp32.
 //
 // Layout: x [M, K] fp32, w [N, K] fp32 or bf16 (torch's nn.Linear layout), y [M, N] fp32.
-// Two kernels, chosen by the caller on M (bindings.cpp, `matvec_max_rows`):
+// Two kernels, chosen on M against the measured crossover for the weight dtype
+// (matvec_max_rows below; bindings.cpp's `matvec_max_rows` argument overrides it):
 //
 // linear_matvec, for a few rows (decode at batch 1-4): memory-bound on the weight bytes.
 //   Parallel split: blocks of 16 rows of W, one contiguous range of blocks per thread.
@@ -25,6 +26,7 @@
 //   - the task's y^T tile, accumulated over the K slices in a small buffer, is written
 //     transposed into y.
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <type_traits>
 
@@ -421,6 +423,19 @@ void with_weights(const void* w, WeightDtype dtype, const float* scale, float* y
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int64_t> g_matvec_max_rows[4] = {kMatvecMaxRowsDefault, kMatvecMaxRowsDefault, kMatvecMaxRowsDefault,
+                                             kMatvecMaxRowsDefault};  // one per WeightDtype
+}  // namespace
+
+int64_t matvec_max_rows(WeightDtype dtype) {
+  return g_matvec_max_rows[static_cast<int>(dtype)].load(std::memory_order_relaxed);
+}
+
+void set_matvec_max_rows(WeightDtype dtype, int64_t rows) {
+  g_matvec_max_rows[static_cast<int>(dtype)].store(std::max<int64_t>(1, rows), std::memory_order_relaxed);
+}
 
 void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                    int64_t N, int64_t K) {

@@ -341,9 +341,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     norm_bytes = 2 * d * NORM_BYTES_PER_ELEM
     kv_len = prompt_len + new_tokens / 2  # the mean KV length the decode steps read
 
-    from workbench.kernels import constants
+    from workbench import kernels
 
-    matvec_rows = constants()["matvec_max_rows"]
+    matvec_rows = kernels.matvec_max_rows(wfmt.kernel)  # the crossover measured on this host
 
     def cost(nbytes, flops, comm_s=0.0, linear_flops=0, rows=1) -> PartCost:
         """linear_flops of `flops` are matrix products of `rows` rows: on the matrix engine's

@@ -184,9 +184,9 @@ class KernelSet:
 
         Up to matvec_max_rows rows of x (decode at small batch) run our memory-bound
         matrix-vector kernel, which reads each weight byte once, widening bf16 in registers;
-        more rows (batched decode, prefill) run our packed GEMM, which widens w slice by slice
-        into an fp32 buffer for a register-blocked micro-kernel. The default is the measured
-        crossover (bench/linear.py: the GEMM wins from about 10-12 rows on); 0 always uses the GEMM.
+        more rows (batched decode, prefill) run our GEMM (on the bf16 engine in force for bf16
+        and int8 weights). The default (None) is the crossover measured on this host for the
+        weights' dtype (matvec_max_rows(), workbench/kernels/crossover.py); 0 always uses the GEMM.
         out: an fp32 [rows, N] tensor to write y into (a collective's buffer: zero copy)."""
         _check_tensor_args(x=x, w=w)
         if out is not None:
@@ -196,11 +196,15 @@ class KernelSet:
         if x.dim() < 1:
             raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        if matvec_max_rows is None:
-            matvec_max_rows = constants()["matvec_max_rows"]
-        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, _positive_int("matvec_max_rows", matvec_max_rows, 0),
-                            out, scale)
+        rows = -1 if matvec_max_rows is None else _positive_int("matvec_max_rows", matvec_max_rows, 0)
+        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, rows, out, scale)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
+
+    def matvec_max_rows(self, kernel: str) -> int:
+        """Up to how many rows of x a linear layer with `kernel` weights (WeightFormat.kernel:
+        'float32', 'bfloat16', 'int8', 'int8_group') runs the matrix-vector kernel rather than
+        the GEMM: measured on this host when the kernels load (workbench/kernels/crossover.py)."""
+        return self.ext.matvec_max_rows(kernel)
 
     GEMM_ENGINES = ("auto", "fma", "amx_bf16", "avx512_bf16")
 
@@ -318,7 +322,7 @@ def constants() -> dict:
     """The constants the C++ side defines and Python needs (kernels.h, exported by the
     extension's constants(); read, never copied): weight_group (grouped int8 weights per
     scale), tiled_align / tile_tokens / v_group_tokens (the tiled int8 KV layout),
-    matvec_max_rows (the matrix-vector / GEMM crossover), tile_max_block_m (the most query rows
+    matvec_max_rows_default (the matrix-vector / GEMM crossover before it is measured), tile_max_block_m (the most query rows
     of a prefill task on the bf16 engines), shm_header_bytes, weight_kernels
     (the WeightDtype enumerators), timer_parts (the fused step's timer columns), int8_kernels
     (the ways a decode kernel reads an int8 cache, Int8Kernel's order)."""
@@ -423,6 +427,7 @@ gemm_engine = native.gemm_engine
 gemm_engine_for = native.gemm_engine_for
 set_gemm_engine = native.set_gemm_engine
 gemm_engines = native.gemm_engines
+matvec_max_rows = native.matvec_max_rows
 rope_ = native.rope_
 silu_mul = native.silu_mul
 random_normal = native.random_normal

@@ -175,9 +175,10 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
                 f"building the {variant!r} kernels in {build_dir} failed: {e}. "
                 f"Run `python -m workbench.kernels --info --verbose` to see the compiler output."
             ) from e
-        from workbench.kernels import prefetch
+        from workbench.kernels import crossover, prefetch
 
         prefetch.apply(module, measure_if_missing=variant == "native")  # measured for this host, once
+        crossover.apply(module, _sources_key(variant), measure_if_missing=variant == "native")
         _modules[variant] = module
         return module
 
@@ -195,6 +196,8 @@ def build_info(variant: str = "native") -> dict:
         # the GEMM (batched decode, prefill) per weight kernel: fp32 on the FMA micro-kernel,
         # bf16 and int8 on the engine in force; and why the matrix engine may or may not run
         "gemm_engine": {k: module.gemm_engine_for(k) for k in ("float32", "bfloat16", "int8", "int8_group")},
+        # up to how many rows each weight kernel runs the matrix-vector kernel (measured here)
+        "matvec_max_rows": {k: module.matvec_max_rows(k) for k in ("float32", "bfloat16", "int8", "int8_group")},
         # prefill attention per input dtype: bf16 q / k / v on the same engine (prefill_tiles.cpp)
         "prefill_attention": {"float32": "fma", "bfloat16": module.gemm_engine()},
         "amx_bf16": module.gemm_engines()["amx_bf16"][1],
