@@ -23,7 +23,7 @@ from workbench.cache import cache_dir, cpu_key
 
 ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # candidate row counts, ascending
 K = 4096  # a Llama-2-7B layer's input width
-VERSION = 1
+VERSION = 3  # 2: the crossover that makes the measured counts fastest together; 3: best of 5
 
 
 def _path(sources_key: str):
@@ -45,24 +45,25 @@ def _weights(ext, kernel: str, min_bytes: int):
 
 
 def decide(ms: dict[int, dict[str, float]]) -> tuple[int, bool]:
-    """From both kernels' times at the row counts measured so far (ascending): (the crossover,
-    whether to stop measuring). Stop once the GEMM has been faster at two counts in a row; the
-    crossover is the last count before that at which the matrix-vector kernel was faster (1,
-    batch-1 decode's, if it never was)."""
-    rows, gemm_wins = 1, 0
-    for m in sorted(ms):
-        if ms[m]["gemm"] < ms[m]["matvec"]:
-            gemm_wins += 1
-            if gemm_wins == 2:
-                return rows, True
-        else:
-            gemm_wins, rows = 0, m
-    return rows, False
+    """From both kernels' times at the row counts measured so far: (the crossover, whether to
+    stop measuring). Stop once the GEMM has been faster at the two largest counts. The
+    crossover is the count c (1, batch-1 decode's, or a measured one) that makes the measured
+    counts fastest together, each weighed by its time over the faster kernel's there:
+    matrix-vector up to c, GEMM beyond. One noisy count does not move it the way a rule on
+    the last win would."""
+    counts = sorted(ms)
+
+    def cost(c: int) -> float:
+        return sum(ms[m]["matvec" if m <= c else "gemm"] / min(ms[m].values()) for m in counts)
+
+    rows = min([1, *counts], key=lambda c: (cost(c), c))
+    done = len(counts) >= 2 and all(ms[m]["gemm"] < ms[m]["matvec"] for m in counts[-2:])
+    return rows, done
 
 
-def measure(ext, repeats: int = 3) -> dict:
+def measure(ext, repeats: int = 5) -> dict:
     """For each weight kernel: the best of `repeats` interleaved times of both kernels at each
-    candidate row count, ascending, until `decide` says stop."""
+    candidate row count, ascending, until `decide` says stop; its crossover."""
     from workbench.hw.machine import machine_info
 
     min_bytes = max(64 << 20, 2 * (machine_info().cache_bytes(3) or 0))
