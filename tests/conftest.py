@@ -93,7 +93,7 @@ def require_browser() -> None:
 # The modules that start processes, clusters, kernels of Jupyter, a browser or a fresh
 # environment: `pytest tests -m "not slow"` is the quick loop while working (README's test
 # command and CI run everything).
-SLOW_MODULES = {"test_distributed", "test_distributed_lifecycle", "test_notebooks", "test_browser", "test_install",
+SLOW_MODULES = {"test_distributed", "test_distributed_lifecycle", "test_distributed_netns", "test_notebooks", "test_browser", "test_install",
                 "test_peers", "test_profile"}
 
 

@@ -154,6 +154,17 @@ class Cluster:
             if self.launcher == "mpi" and "MPIEngineSetLauncher" not in self.launcher_config:
                 config.MPIEngineSetLauncher = Config(mpi_defaults(self.iface))
             env = backend_record(self.backend).launch_env(self)  # given to the engines when they start
+            if self.launcher != "local":
+                # Engines started through ssh / mpi / slurm begin with that launcher's environment,
+                # not this process's: the workbench's own settings (the cache of built kernels and
+                # measured peaks, WORKBENCH_CACHE_DIR) travel with them.
+                env = {**{k: v for k, v in os.environ.items() if k.startswith("WORKBENCH_")}, **env}
+            if self.launcher == "ssh":
+                import sys
+
+                ssh = config.SSHEngineSetLauncher
+                if "remote_python" not in ssh:  # the same interpreter, where the hosts share the install
+                    ssh.remote_python = sys.executable
             if env:
                 config.BaseLauncher.environment = {**config.BaseLauncher.get("environment", {}), **env}
             # The hub accepts a registered engine only at its next heartbeat, two beats after it
