@@ -3,7 +3,8 @@
 Two jobs need nothing from the tests before them and cost a minute or more of compiling:
 the kernels' avx2 and scalar builds (the `kernels` fixture's later parameters) and the
 project installed from a wheel into a fresh environment, where it compiles its kernels
-again (tests/test_install.py). Started at nice 19 when collection ends, they compile while
+again (tests/test_install.py). Started at the lowest priority (nice 19, in a session whose
+scheduling group has the lowest weight) when collection ends, they compile while
 earlier tests wait on Jupyter kernels, clusters, servers and a browser; whenever a test's
 own processes want the CPU they get it. A test that needs a job's result waits for it
 (`result`), and a job nobody started runs there and then, so a single test file run alone
@@ -25,6 +26,18 @@ from typing import Callable
 
 NICE = ["nice", "-n", "19"]
 
+
+def _lowest_group_priority(pid: int) -> None:
+    """With autogroup scheduling (Linux's default on desktops and in many VMs) nice only ranks
+    processes of one session: a test's Jupyter kernel or ipyparallel engine, started in a
+    session of its own, shares the CPU half and half with the pytest session, nice 19 or not.
+    So each job gets a session of its own and that session's group the lowest weight."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write("19")
+    except OSError:
+        pass  # no autogroup scheduling here: nice alone ranks the processes
+
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")  # one job at a time
 _jobs: dict[Callable, Future] = {}
 _procs: list[subprocess.Popen] = []
@@ -39,7 +52,8 @@ def run(cmd, **kw) -> subprocess.CompletedProcess:
         if _stopping:
             raise RuntimeError("the test session ended")
         proc = subprocess.Popen(NICE + [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, **kw)
+                                text=True, start_new_session=True, **kw)
+        _lowest_group_priority(proc.pid)
         _procs.append(proc)
     out, err = proc.communicate()
     with _lock:
