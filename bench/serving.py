@@ -11,6 +11,11 @@
                 serves flat out, 10% of the clients hanging up after their first token: every
                 request answered (tokens or 429), every slot freed, resident memory before and
                 after, the server still up
+    peers       ours and llama.cpp's server (llama-cpp-python's llama_cpp.server, the peers
+                extra) on the same weights (the bundled model's F32 GGUF conversion; ours fp32
+                weights and an fp16 KV cache, as llama.cpp's default f16 KV) under the same
+                load: one request at a time and --concurrency at once, fresh prompts every
+                round, the servers' rounds interleaved; skipped with the reason where absent
 
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
 stopped here with its command in the results.
@@ -42,7 +47,7 @@ def med(xs):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="prefix,throughput,reliability")
+    parser.add_argument("--only", default="prefix,throughput,reliability,peers")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefix-tokens", type=int, default=1000)
@@ -140,7 +145,62 @@ def main() -> None:
         payload["reliability"] = {"sustainable_rps": sustainable, "row": row, "rss_before": rss_before,
                                   "rss_after": rss_after, "metrics_after": m, "healthy_after": healthy}
 
+    if "peers" in only:
+        payload["peers"] = peers(args)
+
     write_results("serving", payload, args.out)
+
+
+def peers(args) -> dict:
+    """Ours against llama.cpp's server under the same loads, interleaved (see the docstring)."""
+    import torch
+
+    from workbench.analysis.peers import converted_gguf, llama_cpp_server
+
+    threads = torch.get_num_threads()
+    try:
+        peer = llama_cpp_server(converted_gguf("F32"), threads)
+    except ValueError as e:
+        print(f"peers: skipped: {e}")
+        return {"skipped": str(e)}
+    servers = {"ours fp32, fp16 KV": ServerProcess(["--model", args.model, "--dtype", "fp32", "--kv-cache", "fp16",
+                                                    "--slots", str(args.concurrency)]),
+               "llama.cpp F32 (llama_cpp.server)": peer}
+    loads = {"one at a time": 1, f"concurrency {args.concurrency}": args.concurrency}
+    run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=32)
+    found = {(s, load): [] for s in servers for load in loads}
+    try:
+        for server in servers.values():  # one at a time: the other is idle while each one loads
+            server.start()
+        cases = [(s, load) for s in servers for load in loads]
+        for round_, (name, load) in interleaved_rounds(cases, args.repeats, warmup=1):
+            row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=400 + max(round_, 0))[0]
+            if round_ >= 0:
+                found[(name, load)].append(row)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    def spread(rows, pick):
+        xs = [pick(r) for r in rows]
+        return f"{med(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+
+    table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
+              "output tokens/s": spread(rows, lambda r: r["output_tokens_per_s"]),
+              "TTFT ms p50": spread(rows, lambda r: 1e3 * r["ttft_s"]["p50"]),
+              "TPOT ms p50": spread(rows, lambda r: 1e3 * r["tpot_s"]["p50"])} for (name, load), rows in found.items()]
+    names = list(servers)
+    for load in loads:  # ours over the peer, round by round (the rounds interleave them)
+        ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+                  for a, b in zip(found[(names[0], load)], found[(names[1], load)])]
+        table.append({"server": "ours / llama.cpp", "load": load, "done": "",
+                      "output tokens/s": f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                      "TTFT ms p50": "", "TPOT ms p50": ""})
+    print_table(table, list(table[0]), title=(
+        f"Against llama.cpp's server: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
+        f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, fresh prompts every round"))
+    return {"servers": {k: v.shell_command for k, v in servers.items()},
+            "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
 
 
 def rss_bytes(pid: int) -> int:

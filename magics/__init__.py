@@ -659,7 +659,7 @@ class WorkbenchMagics(Magics):
             server.start()
         except RuntimeError as e:
             raise UsageError(str(e)) from None
-        self._server = server
+        self._server, self._serve_line = server, line
         self.shell.user_ns["wb_server_url"] = server.url
         print(f"serving at {server.url} (wb_server_url): {server.shell_command}")
 
@@ -706,7 +706,19 @@ class WorkbenchMagics(Magics):
                                burstiness=args.burstiness, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise UsageError(str(e)) from None
+        from IPython.display import display
+
+        from workbench import report
+        from workbench.ui.plots import knee_spec, mime_bundle
+
+        command = self._command("serve_bench", line)
+        if args.url is None:  # loaded the server %serve started: its start and stop reproduce it too
+            head, last = command.rsplit("\n", 1)
+            command = f"{head}\n%serve {self._serve_line}\n{last}\n%serve stop"
+        report.record(rows, kind="serve_bench", command=command)
         print(format_rows(rows))
+        if len(rows) > 1:  # a sweep: the latency-throughput curve
+            display(mime_bundle(knee_spec(rows)), raw=True)
         if args.out:
             if not args.out.isidentifier():
                 raise UsageError(f"-o needs a variable name, got {args.out!r}")

@@ -135,3 +135,58 @@ def test_a_runs_summary_goodput_and_overload_from_given_latencies():
     fine = summarize_run(outcomes[:3], 2.0, rate=1.6)
     assert not fine["overloaded"] and fine["goodput_requests_per_s"] == 1.5  # no SLOs: every served request
     assert summarize_run(outcomes[:3], 2.0, rate=1.7)["overloaded"]  # 1.5 served / s < 90% of 1.7
+
+
+def _sweep_rows(scale: float = 1.0) -> list[dict]:
+    """Three loads of a sweep as serve_bench writes them (fixed numbers; no server)."""
+    from workbench.analysis.serve_bench import Outcome, summarize_run
+
+    rows = []
+    for rate, ttft, overloaded_by in ((1.0, 0.2, 1.0), (2.0, 0.4, 1.0), (4.0, 2.0, 0.5)):
+        outcomes = [Outcome(200, scale * ttft, scale * (ttft + 1), [scale * (ttft + 0.1 * i) for i in range(10)], 10)
+                    for _ in range(8)]
+        wall = 8 / (rate * overloaded_by)  # the last load: served at half the offered rate
+        rows.append({"kind": "serve_bench", "label": "ours", "url": "http://127.0.0.1:1", "rate": rate,
+                     "concurrency": None, "burstiness": 1.0, "num_requests": 8, "prompt_tokens": 64, "max_tokens": 10,
+                     "shared_prefix_tokens": 0, "shared_fraction": 0.0, "hang_up_fraction": 0.0,
+                     "slo_ttft_s": None, "slo_tpot_s": None, **summarize_run(outcomes, wall, rate=rate)})
+    return rows
+
+
+def test_a_sweep_has_a_knee_a_figure_a_report_section_and_compares():
+    """A sweep over rates as a user shares it: the knee (the last rate kept up with, the first
+    fallen behind), the latency-throughput figure, the report's section and findings, a JSON
+    that validates, and `workbench compare` matching loads between two reports."""
+    import json
+    from pathlib import Path
+
+    from workbench.analysis.serve_bench import knee
+    from workbench.report import compare as cmp
+    from workbench.report.collect import build
+    from workbench.report.render import html_page
+    from workbench.ui.plots import knee_spec
+
+    rows = _sweep_rows()
+    k = knee(rows)
+    assert k["kept_up"]["rate"] == 2.0 and k["fell_behind"]["rate"] == 4.0
+    assert knee([{**rows[0], "rate": None, "concurrency": 8}]) is None  # no rates, no knee
+
+    spec = knee_spec(rows)
+    assert [t["name"] for t in spec["data"]] == ["TTFT p50", "TTFT p99", "TPOT p50 (right)"]
+    xs = spec["data"][0]["x"]
+    assert xs == sorted(xs) and spec["data"][0]["y"][0] == pytest.approx(200)  # ms
+    assert spec["data"][0]["marker"]["symbol"][-1] == "x"  # the load it fell behind on
+
+    entry = {"kind": "serve_bench", "time": "2026-12-03T00:00:00+0000", "model": None, "rows": rows,
+             "command": "%serve start --slots 8\n%serve_bench --rate 1,2,4\n%serve stop"}
+    report = build([entry], title="sweep")
+    schema = json.loads((Path(wb.__file__).parent / "report" / "schema.json").read_text())
+    pytest.importorskip("jsonschema").validate(json.loads(json.dumps(report)), schema)
+    page = html_page(report)
+    assert "fig-serve-0" in page and "kept up with 2 req/s" in page and "fell behind at 4 req/s" in page
+
+    slower = build([{**entry, "rows": _sweep_rows(scale=2.0)}], title="slower")
+    found = {r["measurement"]: r for r in cmp.compare(report, slower)}
+    ttft = found["serve ours 1 req/s prompt 64 max 10 shared 0x0 | TTFT p50 ms"]
+    assert ttft["a"] == pytest.approx(200) and ttft["ratio_b_over_a"] == pytest.approx(2.0)
+    assert ttft["verdict"] == "no spread"  # one run per load: a ratio, no verdict

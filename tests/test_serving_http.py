@@ -114,6 +114,13 @@ def test_serve_bench_loads_the_server_and_reports_percentiles(server, tmp_path):
             assert 0 < p["p50"] <= p["p90"] <= p["p99"]
         assert row["goodput_requests_per_s"] <= row["requests_per_s"] and row["slo_tpot_s"] == 1e-3
     assert metrics(server)["workbench_prefix_reused_tokens_total"] > 0  # the shared 40 words hit the prefix cache
+    # a report beside the rows, which `workbench compare` reads
+    shared = tmp_path / "sb-report.json"
+    assert json.loads(shared.read_text())["entries"][0]["kind"] == "serve_bench"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "compare", str(shared), str(shared)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "concurrency 2 prompt 12 max 5" in r.stdout and "TTFT p50 ms" in r.stdout
 
 
 def test_serve_and_serve_bench_magics_in_a_real_shell(magic):
@@ -132,6 +139,14 @@ def test_serve_and_serve_bench_magics_in_a_real_shell(magic):
         assert err is None and "TTFT ms p50/p90/p99" in out
         df = sh.user_ns["sb"]
         assert list(df.completed) == [3] and list(df.output_tokens) == [9] and list(df.slo_ttft_s) == [30.0]
+        from workbench import report
+
+        entry = report.recorded()[-1]  # in %report, with the commands that reproduce it
+        assert entry["kind"] == "serve_bench" and entry["rows"][0]["completed"] == 3
+        assert entry["command"].splitlines()[-3:] == [
+            "%serve start --slots 2 --prefix-cache-tokens 128",
+            "%serve_bench --concurrency 2 --num-requests 3 --prompt-tokens 8 --max-tokens 3 --slo-ttft 30s -o sb",
+            "%serve stop"]
         assert isinstance(run("%serve_bench --slo-ttft soon")[1], UsageError)
         assert "serving at " + url in run("%serve status")[0]
     finally:

@@ -214,7 +214,9 @@ def cmd_serve_bench(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["workbench", *sys.argv[1:]])
     out.write_text(json.dumps({"command": command, "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    report.record(rows, None, command=command, kind="serve_bench")
+    paths = report.write(out.with_name(out.stem + "-report.html"), title="workbench serve-bench")
+    print(f"\nwrote {out}, {paths['html']} and {paths['json']} (`workbench compare` takes two such JSON)")
     return 0
 
 

@@ -174,6 +174,25 @@ def _available(engine: Engine) -> str | None:
     return None
 
 
+def llama_cpp_server(gguf: Path, threads: int, n_ctx: int = 4096, alias: str = "default"):
+    """llama.cpp's OpenAI-compatible server as the peers extra installs it (llama-cpp-python's
+    `llama_cpp.server`) on `gguf`, as a child process on 127.0.0.1 (a ServerProcess, not
+    started); a ValueError saying how to install it where it is absent. It answers the same
+    /v1/completions streams serve-bench sends, under the model name `alias`."""
+    import importlib.util
+    import sys
+
+    from workbench.serving.process import ServerProcess
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
+        raise ValueError(f"llama.cpp's server is not installed: {INSTALL['llama_cpp']} "
+                         "and its server's packages (pip install 'llama-cpp-python[server]')")
+    return ServerProcess(command=[sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "{host}",
+                                  "--port", "{port}", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                                  "--n_ctx", str(n_ctx), "--model_alias", alias],
+                         ready_path="/v1/models")
+
+
 def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 

@@ -209,13 +209,29 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
     return rows
 
 
+def load_label(row: dict) -> str:
+    """A row's offered load: "4 req/s" (Poisson or gamma arrivals) or "concurrency 8"."""
+    return f"{row['rate']:g} req/s" if row.get("rate") is not None else f"concurrency {row['concurrency']}"
+
+
+def knee(rows: list[dict]) -> dict | None:
+    """The highest offered rate (req/s) the server kept up with (not `overloaded`) and the
+    lowest it fell behind at, from a sweep over rates; None without rated rows."""
+    rated = sorted((r for r in rows if r.get("rate") is not None), key=lambda r: r["rate"])
+    if not rated:
+        return None
+    kept = [r for r in rated if not r["overloaded"]]
+    behind = [r for r in rated if r["overloaded"]]
+    return {"kept_up": kept[-1] if kept else None, "fell_behind": behind[0] if behind else None}
+
+
 def format_rows(rows: list[dict]) -> str:
     from workbench.analysis.tables import format_table
 
     def ms(p: dict, key: str) -> str:
         return "-" if p[key] is None else f"{1e3 * p[key]:.0f}"
 
-    table = [{"load": (f"{r['rate']:g} req/s" if r["rate"] is not None else f"concurrency {r['concurrency']}"),
+    table = [{"load": load_label(r),
               "done": f"{r['completed']}/{r['num_requests']}",
               "TTFT ms p50/p90/p99": f"{ms(r['ttft_s'], 'p50')}/{ms(r['ttft_s'], 'p90')}/{ms(r['ttft_s'], 'p99')}",
               "TPOT ms p50/p99": f"{ms(r['tpot_s'], 'p50')}/{ms(r['tpot_s'], 'p99')}",

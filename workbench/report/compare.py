@@ -7,7 +7,7 @@ respects noise.
 A measurement is matched by what was run (kind, model, switches, batch, prompt length,
 threads, ranks, engine), not by its position. Each side has a median and the min-max of its
 samples (a generation's per-step decode times, a tensor-parallel row's repeats, a peer's
-rounds). The verdict, for B against A:
+rounds; a serve-bench load is one run, so its ratios come without a verdict). The verdict, for B against A:
     within noise   the two min-max ranges overlap
     regression     B is worse (slower, or fewer tokens/s) and the ranges do not overlap
     improvement    B is better and the ranges do not overlap
@@ -85,6 +85,19 @@ def measurements(report: dict) -> dict[str, dict]:
                                                   ("prefill ms", "ms", "lower", "prefill_ms")):
                     d = r[field]
                     add(key, _metric(name, unit, better, d["median"], d["min"], d["max"], len(d.get("samples", []))))
+        elif kind == "serve_bench":
+            from workbench.analysis.serve_bench import load_label
+
+            for r in e["rows"]:  # one run per load: no repeats, so a ratio without a verdict
+                key = (f"serve {r.get('label') or r.get('url')} {load_label(r)} prompt {r['prompt_tokens']} max {r['max_tokens']} "
+                       f"shared {r['shared_prefix_tokens']}x{r['shared_fraction']:g}")
+                for name, unit, better, value in (
+                        ("TTFT p50 ms", "ms", "lower", r["ttft_s"]["p50"]), ("TTFT p99 ms", "ms", "lower", r["ttft_s"]["p99"]),
+                        ("TPOT p50 ms", "ms", "lower", r["tpot_s"]["p50"]),
+                        ("output tokens/s", "tokens/s", "higher", r["output_tokens_per_s"]),
+                        ("goodput req/s", "req/s", "higher", r["goodput_requests_per_s"])):
+                    add(key, _metric(name, unit, better, None if value is None else
+                                     (1e3 * value if unit == "ms" else value)))
     return out
 
 

@@ -273,6 +273,29 @@ def _peers_findings(i: int, e: dict, peaks: dict) -> str:
     return _entry_finding(i, e, "engines in their own processes, interleaved rounds, the same prompt tokens", items)
 
 
+def _serve_findings(i: int, e: dict, peaks: dict) -> str:
+    """A serve-bench run: where the server stopped keeping up, and the best it served."""
+    from workbench.analysis.serve_bench import knee, load_label
+
+    rows = e["rows"]
+    items = []
+    k = knee(rows)
+    if k is not None:
+        kept, behind = k["kept_up"], k["fell_behind"]
+        if kept is not None:
+            items.append(f"<li>kept up with {kept['rate']:g} req/s: time to first token p50 "
+                         f"{_number(1e3 * kept['ttft_s']['p50'], 'ms')} ms, p99 {_number(1e3 * kept['ttft_s']['p99'], 'ms')} ms, "
+                         f"{_number(kept['output_tokens_per_s'], 'sig')} output tokens/s</li>")
+        if behind is not None:
+            items.append(f"<li>fell behind at {behind['rate']:g} req/s (served {behind['requests_per_s']:.2f} req/s, "
+                         f"statuses {html.escape(str(behind['statuses']))}): the knee lies between</li>")
+    best = max(rows, key=lambda r: r["output_tokens_per_s"])
+    items.append(f"<li>most output: {_number(best['output_tokens_per_s'], 'sig')} tokens/s at {html.escape(load_label(best))}</li>")
+    head = (f"{len(rows)} load(s) against {html.escape(str(rows[0].get('url')))}, {rows[0]['num_requests']} requests each; "
+            "latencies are percentiles over the requests of one run")
+    return _entry_finding(i, e, head, items)
+
+
 def _quality_findings(i: int, e: dict, peaks: dict) -> str:
     from workbench.analysis.quality import best_per_byte
 
@@ -301,7 +324,8 @@ def _rows_findings(i: int, e: dict, peaks: dict) -> str:
 
 
 FINDINGS = {"ablation": _ablation_findings, "generation": _generation_findings, "tp_ablation": _tp_findings,
-            "peers": _peers_findings, "kv_quality": _quality_findings, "profile": _profile_findings}
+            "peers": _peers_findings, "kv_quality": _quality_findings, "profile": _profile_findings,
+            "serve_bench": _serve_findings}
 
 
 def _findings(report: dict) -> str:

@@ -1,6 +1,6 @@
-"""`workbench serve` as a child process on 127.0.0.1 (what %serve start, bench/serving.py and
-the tests start and stop): its command, its URL, waiting for /health, stopping it; and
-reading a server's /metrics."""
+"""`workbench serve` (or a peer's server) as a child process on 127.0.0.1 (what %serve start,
+bench/serving.py and the tests start and stop): its command, its URL, waiting until it
+answers, stopping it; and reading a server's /metrics."""
 
 from __future__ import annotations
 
@@ -26,11 +26,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerProcess:
     """A `workbench serve` child: model / load options as the CLI takes them (e.g.
-    ["--model", "smollm2-135m", "--dtype", "bf16"]) and the server's own options."""
+    ["--model", "smollm2-135m", "--dtype", "bf16"]) and the server's own options. Another
+    OpenAI-compatible server: `command` (its words may hold {host} and {port}) and the path
+    that answers 200 once it is ready (`ready_path`)."""
 
-    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None):
+    def __init__(self, args: list[str] = (), host: str = "127.0.0.1", port: int | None = None, *,
+                 command: list[str] | None = None, ready_path: str = "/health"):
         self.host, self.port = host, port or free_port(host)
-        self.command = [sys.executable, "-m", "workbench.cli", "serve", *args, "--host", host, "--port", str(self.port)]
+        if command is None:
+            command = [sys.executable, "-m", "workbench.cli", "serve", *args, "--host", host, "--port", str(self.port)]
+        self.command = [c.format(host=host, port=self.port) for c in command]
+        self.ready_path = ready_path
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,7 +46,9 @@ class ServerProcess:
     @property
     def shell_command(self) -> str:
         """The command as a user would type it."""
-        return " ".join(["workbench", *self.command[3:]])
+        if self.command[1:4] == ["-m", "workbench.cli", "serve"]:
+            return " ".join(["workbench", *self.command[3:]])
+        return " ".join(["python" if c == sys.executable else c for c in self.command])
 
     @property
     def running(self) -> bool:
@@ -53,7 +61,7 @@ class ServerProcess:
         deadline = time.time() + timeout_s
         while True:
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -202,6 +202,37 @@ def throughput_figure(timings: Timings, batch: int, previous=()) -> go.Figure:
     return go.Figure(throughput_spec(timings, batch, previous))
 
 
+def knee_spec(rows: list[dict], title: str = "Latency against throughput") -> dict:
+    """serve-bench rows (one per offered load) as a latency-throughput curve: output tokens/s
+    served on x; time to first token p50 and p99 (left axis) and time per output token p50
+    (right axis) on y, each point named by its load. Where latency turns up while throughput
+    stops growing is the knee; loads the server fell behind on (`overloaded`) are crosses."""
+    from workbench.analysis.serve_bench import load_label
+
+    rows = sorted(rows, key=lambda r: r["output_tokens_per_s"])
+    x = [r["output_tokens_per_s"] for r in rows]
+    loads = [load_label(r) for r in rows]
+    symbols = ["x" if r["overloaded"] else "circle" for r in rows]
+
+    def ms(r: dict, key: str, p: str):
+        v = r[key][p]
+        return None if v is None else 1e3 * v
+
+    def trace(name: str, key: str, p: str, dash: str, axis: str = "y") -> dict:
+        return {"type": "scatter", "mode": "lines+markers", "name": name, "x": x, "y": [ms(r, key, p) for r in rows],
+                "text": loads, "hovertemplate": "%{text}: %{y:.0f} ms at %{x:.1f} tokens/s", "yaxis": axis,
+                "line": {"dash": dash}, "marker": {"symbol": symbols, "size": 9}}
+
+    return {"data": [trace("TTFT p50", "ttft_s", "p50", "solid"), trace("TTFT p99", "ttft_s", "p99", "dot"),
+                     trace("TPOT p50 (right)", "tpot_s", "p50", "dash", "y2")],
+            "layout": {"title": {"text": title}, "height": 400, "margin": {"b": 110},
+                       "xaxis": _axis("output tokens/s served", rangemode="tozero"),
+                       "yaxis": _axis("time to first token, ms", rangemode="tozero"),
+                       "yaxis2": {"title": {"text": "time per output token, ms"}, "overlaying": "y", "side": "right",
+                                  "rangemode": "tozero"},
+                       "legend": BELOW}}
+
+
 def mime_bundle(spec: dict) -> dict:
     """A figure's plotly JSON as a display_data output: drawn by JupyterLab, text elsewhere."""
     return {"output_type": "display_data", "metadata": {},
