@@ -78,6 +78,36 @@ def test_a_reused_prefix_is_exact_on_a_quantized_cache_too(model):
     assert outs[0] == outs[1]
 
 
+def test_sampled_requests_draw_from_their_own_generator(model):
+    """A request's sampling (temperature, top_k, top_p, seed) is its own: the same seed gives
+    the same tokens alone and in a batch with greedy neighbours (fp32 weights and cache), seeds
+    differ in what they draw, top_k 1 is greedy, and greedy neighbours keep their tokens."""
+    from workbench.serving import Sampling
+
+    prompts = sample_prompts(model.tokenizer, 24, 4)
+    hot = Sampling(temperature=1.2, top_p=0.98, seed=11)
+
+    def run(requests):
+        s = Scheduler(model, slots=4, max_len=96, chunk=16, kv_cache="fp32")
+        handles = [s.submit(p, 16, stop_at_eos=False, sampling=smp) for p, smp in requests]
+        while s.busy:
+            s.step()
+        return [r.output for r in handles]
+
+    alone_hot = run([(prompts[0], hot)])[0]
+    mixed = run([(prompts[0], hot), (prompts[1], Sampling()), (prompts[2], Sampling(temperature=0.8, top_k=1)),
+                 (prompts[3], Sampling(temperature=1.2, top_p=0.98, seed=12))])
+    assert mixed[0] == alone_hot  # its own draws, whatever else is in the batch
+    assert mixed[1] == alone(model, prompts[1], 16) and mixed[2] == alone(model, prompts[2], 16)
+    assert run([(prompts[0], Sampling(temperature=1.2, top_p=0.98, seed=12))])[0] != alone_hot
+    for bad, message in ((dict(temperature=-1), "temperature must be a number in 0..100"),
+                         (dict(top_k=-2), "top_k must be a non-negative integer"),
+                         (dict(top_p=0), "top_p must be a number in \\(0, 1\\]"),
+                         (dict(seed=1.5), "seed must be a non-negative integer")):
+        with pytest.raises(ValueError, match=message):
+            Sampling(**bad)
+
+
 def test_bad_requests_and_settings_are_clear(model):
     s = Scheduler(model, slots=1, max_len=32, max_queue=2)
     with pytest.raises(ValueError, match="prompt must be a non-empty list"):

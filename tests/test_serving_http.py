@@ -61,11 +61,28 @@ def test_a_completion_is_the_models_greedy_text_streamed_or_not(server):
     (b'{"prompt": "x", "max_tokens": 100000000}', "max_tokens must be an integer in 1..511"),
     (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens must be an integer"),
     (b'{"prompt": "", "max_tokens": 4}', "prompt must be a non-empty string"),
-    (b'{"prompt": "x", "temperature": 0.7}', "temperature must be 0"),
+    (b'{"prompt": "x", "temperature": -0.5}', "temperature must be a number in 0..100, got -0.5"),
+    (b'{"prompt": "x", "temperature": 0.7, "top_p": 1.5}', "top_p must be a number in (0, 1], got 1.5"),
+    (b'{"prompt": "x", "temperature": 0.7, "top_k": "ten"}', "top_k must be a non-negative integer"),
+    (b'{"prompt": "x", "temperature": 0.7, "seed": -1}', "seed must be a non-negative integer, got -1"),
 ])
 def test_bad_bodies_are_400_naming_the_problem(server, body, message):
     r = httpx.post(server + "/v1/completions", content=body, timeout=30)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_sampled_requests_follow_their_seed(server):
+    """temperature / top_p / top_k / seed as a client sends them: the same seed gives the same
+    text, top_k 1 is greedy whatever the temperature."""
+    def ask(**kw):
+        body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **kw}
+        r = httpx.post(server + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert ask(temperature=1.0, top_p=0.95, seed=7) == ask(temperature=1.0, top_p=0.95, seed=7)
+    assert ask(temperature=1.5, top_k=1, seed=3) == ask(temperature=0)
+    assert ask(temperature=None) == ask()  # null is the default (greedy here)
 
 
 def test_overload_is_429_a_disconnect_frees_its_slot_and_the_server_stays_up(server):

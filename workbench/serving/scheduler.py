@@ -35,10 +35,38 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.model.switches import Switches
+from workbench.runtime.sampling import sample
 
 
 class QueueFull(RuntimeError):
     """The scheduler's waiting queue is at its limit (a server answers 429 / 503)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request picks its tokens: greedy at temperature 0 (the default), else sampled
+    from the softmax at `temperature`, cut to the top_k most likely and the top_p nucleus,
+    with its own generator seeded by `seed` (or by the request's id), so a request's draws do
+    not depend on what else is in the batch."""
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 100:
+            raise ValueError(f"temperature must be a number in 0..100, got {t!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be a non-negative integer (0 or None: no cut), got {self.top_k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+GREEDY = Sampling()
 
 
 @dataclass
@@ -47,6 +75,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     stop_at_eos: bool = True
+    sampling: Sampling = GREEDY
     output: list[int] = field(default_factory=list)
     state: str = "waiting"  # waiting -> prefill -> decode -> done
     slot: int | None = None
@@ -58,6 +87,16 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None  # "eos", "length", "cancelled" (or "error", set by a server)
     block_keys: list[bytes] = field(default_factory=list, repr=False)  # prefix reuse: its whole blocks' hashes
+    generator: torch.Generator | None = field(default=None, repr=False)  # a sampled request's draws
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from this request's row of logits [V]."""
+        s = self.sampling
+        if s.temperature == 0:
+            return int(logits.argmax())
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.id if s.seed is None else s.seed)
+        return int(sample(logits[None].float(), s.temperature, s.top_k, s.top_p, self.generator)[0])
 
     @property
     def ttft_s(self) -> float | None:
@@ -128,14 +167,16 @@ class Scheduler:
                       "prefilled_tokens": 0, "decode_steps": 0, "decode_paths": set()}
 
     # -- requests ------------------------------------------------------------------------
-    def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Request:
+    def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True,
+               sampling: Sampling = GREEDY) -> Request:
         """Queue a request; returns it (its fields fill in as it runs). A ValueError names
         what is wrong with it; QueueFull when max_queue requests already wait."""
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.max_queue})")
-        return self.enqueue(self.new_request(prompt, max_new_tokens, stop_at_eos))
+        return self.enqueue(self.new_request(prompt, max_new_tokens, stop_at_eos, sampling))
 
-    def new_request(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Request:
+    def new_request(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True,
+                    sampling: Sampling = GREEDY) -> Request:
         """A checked request, not yet queued (a server checks on its own thread, then hands it
         to the scheduler's with enqueue)."""
         if isinstance(prompt, torch.Tensor):
@@ -149,7 +190,10 @@ class Scheduler:
         if len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
                              f"({self.max_len})")
-        return Request(next(self._ids), list(prompt), max_new_tokens, stop_at_eos, arrival_s=time.perf_counter())
+        if not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        return Request(next(self._ids), list(prompt), max_new_tokens, stop_at_eos, sampling,
+                       arrival_s=time.perf_counter())
 
     def enqueue(self, request: Request) -> Request:
         self.waiting.append(request)
@@ -206,7 +250,7 @@ class Scheduler:
             self.cache.lengths[r.slot] = r.filled
             self._keep_prefix(r)
             r.state = "decode"
-            self._emit(r, int(logits[0].argmax()), finished)
+            self._emit(r, r.pick(logits[0]), finished)
 
     def _decode(self, decoding: list[Request], finished: list[Request]) -> None:
         n = max(r.slot for r in decoding) + 1
@@ -229,7 +273,7 @@ class Scheduler:
         self.stats["decode_paths"].add(rec.path)
         for r in decoding:
             self.cache.lengths[r.slot] += 1
-            self._emit(r, int(logits[r.slot].argmax()), finished)
+            self._emit(r, r.pick(logits[r.slot]), finished)
 
     def _emit(self, r: Request, token: int, finished: list[Request]) -> None:
         now = time.perf_counter()

@@ -11,7 +11,8 @@ The scheduler runs on one thread of its own (`Engine`): the event loop hands it 
 through a queue and gets each new token back on the request's asyncio queue, so HTTP stays
 responsive while a step runs. A bad request is a 400 naming the field; a full queue is a 429;
 a client that disconnects has its request cancelled and its slot freed at the next step.
-Sampling is greedy (temperature 0 only).
+Sampling: greedy unless the request says otherwise (temperature, top_p, top_k, seed; the
+default temperature is 0 here, where OpenAI's is 1, so an unspecified request is reproducible).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import threading
 import time
 import uuid
 
-from workbench.serving.scheduler import QueueFull, Request, Scheduler
+from workbench.serving.scheduler import QueueFull, Request, Sampling, Scheduler
 
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "stream", "temperature", "ignore_eos", "stream_options", "n"}
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "ignore_eos",
+                     "stream_options", "n"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens"}
 
 
@@ -47,7 +49,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="workbench-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) -> tuple[Request, asyncio.Queue]:
+    def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool,
+               sampling: Sampling = Sampling()) -> tuple[Request, asyncio.Queue]:
         """Queue a request (checked here, so a bad one fails in the handler): (request, the
         queue its tokens arrive on). Raises ValueError or QueueFull."""
         s = self.scheduler
@@ -56,7 +59,7 @@ class Engine:
         if pending >= s.max_queue:
             self.rejected += 1
             raise QueueFull(f"{pending} requests are waiting (max_queue {s.max_queue})")
-        request = s.new_request(prompt, max_new_tokens, stop_at_eos)  # validates; not queued yet
+        request = s.new_request(prompt, max_new_tokens, stop_at_eos, sampling)  # validates; not queued yet
         tokens: asyncio.Queue = asyncio.Queue()
         self.listeners[request.id] = (asyncio.get_running_loop(), tokens)
         self.inbox.put(("submit", request))
@@ -168,22 +171,24 @@ def _int_field(body: dict, name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-def common_options(body: dict, max_len: int) -> tuple[int, bool, bool]:
-    """(max_tokens, stream, stop_at_eos) of a completion or chat body."""
+def common_options(body: dict, max_len: int) -> tuple[int, bool, bool, Sampling]:
+    """(max_tokens, stream, stop_at_eos, sampling) of a completion or chat body."""
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _int_field(body, name, 16, 1, max_len - 1)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"stream must be true or false, got {stream!r}")
-    temperature = body.get("temperature", 0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != 0:
-        raise BadRequest(f"temperature must be 0 (the scheduler samples greedily), got {temperature!r}")
+    try:  # null means the default, as in OpenAI's API
+        sampling = Sampling(temperature=0 if body.get("temperature") is None else body["temperature"],
+                            top_k=body.get("top_k"), top_p=body.get("top_p"), seed=body.get("seed"))
+    except ValueError as e:  # names the field, its value and what is accepted
+        raise BadRequest(str(e)) from None
     if body.get("n", 1) != 1:
         raise BadRequest(f"n must be 1, got {body.get('n')!r}")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}")
-    return max_tokens, stream, not ignore_eos
+    return max_tokens, stream, not ignore_eos, sampling
 
 
 def build_app(model, engine: Engine, model_name: str):
@@ -202,7 +207,7 @@ def build_app(model, engine: Engine, model_name: str):
     async def completion(http: HTTPRequest, chat: bool):
         try:
             body = parse_body(await http.body(), CHAT_FIELDS if chat else COMPLETION_FIELDS)
-            max_tokens, stream, stop_at_eos = common_options(body, max_len)
+            max_tokens, stream, stop_at_eos, sampling = common_options(body, max_len)
             if chat:
                 messages = body.get("messages")
                 if (not isinstance(messages, list) or not messages or
@@ -223,7 +228,7 @@ def build_app(model, engine: Engine, model_name: str):
                     ids = list(prompt)
                 else:
                     raise BadRequest("prompt must be a non-empty string or a list of token ids")
-            request, tokens = engine.submit(ids, max_tokens, stop_at_eos)
+            request, tokens = engine.submit(ids, max_tokens, stop_at_eos, sampling)
         except BadRequest as e:
             return error(400, str(e))
         except ValueError as e:  # the scheduler's own checks (lengths, token ids)
