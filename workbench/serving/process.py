@@ -38,6 +38,7 @@ class ServerProcess:
         self.command = [c.format(host=host, port=self.port) for c in command]
         self.ready_path = ready_path
         self.proc: subprocess.Popen | None = None
+        self.log = None  # the server's stderr, a temporary file
 
     @property
     def url(self) -> str:
@@ -55,9 +56,14 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout_s: float = 300) -> ServerProcess:
+        import tempfile
+
         import httpx
 
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # The server's output goes to a file, not a pipe: a chatty server (llama.cpp logs every
+        # graph node) would fill a pipe nobody reads and block before it ever answers.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.time() + timeout_s
         while True:
             try:
@@ -67,7 +73,9 @@ class ServerProcess:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
                 self.proc.kill()
-                err = self.proc.stderr.read()[-2000:] if self.proc.stderr else ""
+                self.proc.wait()
+                self.log.seek(0)
+                err = self.log.read()[-2000:]
                 self.proc = None
                 raise RuntimeError(f"`{self.shell_command}` did not start: {err.strip() or 'no output'}")
             time.sleep(0.3)
@@ -81,3 +89,6 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None
