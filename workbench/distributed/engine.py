@@ -3,7 +3,10 @@
 request per generation, never one per token; the state of the rank lives in STATE.
 
 Rank 0 streams its progress while a generation runs through ipyparallel's datapub: the
-token ids so far and the steps recorded so far (the client's live figures draw those).
+token ids so far at every step, the steps recorded so far at most every PUBLISH_EVERY_S and
+once at the end (the client's live figures draw those; it merges what arrives, dict.update).
+Publishing every record at every token pickled a list growing with the generation on the
+ranks' critical path.
 """
 
 from __future__ import annotations
@@ -143,9 +146,9 @@ def generate(prompt, kwargs: dict, check_topk: bool):
 
         state = {"ids": [], "last": 0.0, "steps": []}
 
-        def on_token(step, ids):
+        def on_token(step, ids):  # the tokens only: the client merges what is published (dict.update)
             state["ids"].append(list(ids))
-            publish_data({"ids": state["ids"], "steps": state["steps"]})
+            publish_data({"ids": state["ids"]})
 
         def on_step(record, timings):
             state["steps"].append(record)
@@ -161,6 +164,7 @@ def generate(prompt, kwargs: dict, check_topk: bool):
         tp.options = saved
     if rank != 0:
         return None
+    publish_data({"steps": state["steps"]})  # the records the last throttled publish left out
     out.topk_log = list(tp.topk_log)
     return out
 
