@@ -41,8 +41,9 @@ from workbench.hw.rounds import interleaved_rounds  # noqa: E402
 from workbench.serving.process import ServerProcess, read_metrics  # noqa: E402
 
 
-def med(xs):
-    return statistics.median(xs)
+def spread(xs, digits: int = 1, unit: str = "") -> str:
+    """Median (min-max) of one case's rounds, as every table here prints it."""
+    return f"{statistics.median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
 def main() -> None:
@@ -79,9 +80,9 @@ def main() -> None:
                 server.stop()
         ratios = [a / b for a, b in zip(ttft["reuse off"], ttft["reuse on"])]
         rows = [{"server": k, "TTFT ms p50 (min-max over rounds)":
-                 f"{1e3 * med(v):.1f} ({1e3 * min(v):.1f}-{1e3 * max(v):.1f})"} for k, v in ttft.items()]
+                 spread([1e3 * t for t in v])} for k, v in ttft.items()]
         rows.append({"server": "off / on", "TTFT ms p50 (min-max over rounds)":
-                     f"{med(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f})"})
+                     spread(ratios, unit="x")})
         print_table(rows, list(rows[0]), title=(
             f"Prefix reuse: {args.prefix_tokens}-word shared prefix + {args.suffix_tokens}-word suffix, one request at a "
             f"time, {args.requests} requests x {args.repeats} rounds, interleaved"))
@@ -103,8 +104,8 @@ def main() -> None:
             server.stop()
         names = list(cases)
         ratios = [b / a for a, b in zip(tps[names[0]], tps[names[1]])]
-        rows = [{"load": k, "output tokens/s (min-max)": f"{med(v):.1f} ({min(v):.1f}-{max(v):.1f})"} for k, v in tps.items()]
-        rows.append({"load": "ratio", "output tokens/s (min-max)": f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"})
+        rows = [{"load": k, "output tokens/s (min-max)": spread(v)} for k, v in tps.items()]
+        rows.append({"load": "ratio", "output tokens/s (min-max)": spread(ratios, 2, "x")})
         print_table(rows, list(rows[0]), title=(
             f"Continuous batching: {2 * args.concurrency} requests of 64 prompt + 64 output tokens, "
             f"{args.repeats} rounds interleaved"))
@@ -181,20 +182,16 @@ def peers(args) -> dict:
         for server in servers.values():
             server.stop()
 
-    def spread(rows, pick):
-        xs = [pick(r) for r in rows]
-        return f"{med(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
-
     table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
-              "output tokens/s": spread(rows, lambda r: r["output_tokens_per_s"]),
-              "TTFT ms p50": spread(rows, lambda r: 1e3 * r["ttft_s"]["p50"]),
-              "TPOT ms p50": spread(rows, lambda r: 1e3 * r["tpot_s"]["p50"])} for (name, load), rows in found.items()]
+              "output tokens/s": spread([r["output_tokens_per_s"] for r in rows]),
+              "TTFT ms p50": spread([1e3 * r["ttft_s"]["p50"] for r in rows]),
+              "TPOT ms p50": spread([1e3 * r["tpot_s"]["p50"] for r in rows])} for (name, load), rows in found.items()]
     names = list(servers)
     for load in loads:  # ours over the peer, round by round (the rounds interleave them)
         ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
                   for a, b in zip(found[(names[0], load)], found[(names[1], load)])]
         table.append({"server": "ours / llama.cpp", "load": load, "done": "",
-                      "output tokens/s": f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                      "output tokens/s": spread(ratios, 2, "x"),
                       "TTFT ms p50": "", "TPOT ms p50": ""})
     print_table(table, list(table[0]), title=(
         f"Against llama.cpp's server: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "

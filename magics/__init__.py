@@ -109,10 +109,11 @@ class WorkbenchMagics(Magics):
         kernel = fmt.kernel(self.model.kv_kernel, self.model.config.head_dim)
         return f"%kvcache {fmt.name}" + (f" --kernel {kernel}" if len(fmt.kernels) > 1 else "")
 
-    def _command(self, magic: str, line: str) -> str:
+    def _command(self, magic: str, line: str, serve_line: str | None = None) -> str:
         """The magics that reproduce a measurement as it was run: the model's load, the
         switches and threads in force, then this one (run as written, they measure the same
-        configuration, not the defaults)."""
+        configuration, not the defaults). serve_line: the %serve start that this one loaded,
+        started before it and stopped after, as a cluster is."""
         from workbench.runtime.threads import get_threads
 
         cluster = getattr(self.model, "cluster", None)  # a tensor-parallel model: its cluster first
@@ -127,7 +128,12 @@ class WorkbenchMagics(Magics):
             o = self.model.options
             lines.append(f"%distributed --token-broadcast {o.token_broadcast} --lm-head {o.lm_head} "
                          f"--zero-copy {'on' if o.zero_copy else 'off'} --check-topk {'on' if o.check_topk else 'off'}")
-        lines += [f"%threads {get_threads()}", f"%{magic} {line}".strip()]
+        lines.append(f"%threads {get_threads()}")
+        if serve_line is not None:
+            lines.append(f"%serve {serve_line}")
+        lines.append(f"%{magic} {line}".strip())
+        if serve_line is not None:
+            lines.append("%serve stop")
         if cluster is not None:
             lines.append("%distributed stop")  # the commands leave nothing running
         return "\n".join(lines)
@@ -711,10 +717,8 @@ class WorkbenchMagics(Magics):
         from workbench import report
         from workbench.ui.plots import knee_spec, mime_bundle
 
-        command = self._command("serve_bench", line)
-        if args.url is None:  # loaded the server %serve started: its start and stop reproduce it too
-            head, last = command.rsplit("\n", 1)
-            command = f"{head}\n%serve {self._serve_line}\n{last}\n%serve stop"
+        # loaded the server %serve started: its start and stop reproduce it too
+        command = self._command("serve_bench", line, serve_line=None if args.url else self._serve_line)
         report.record(rows, kind="serve_bench", command=command)
         print(format_rows(rows))
         if len(rows) > 1:  # a sweep: the latency-throughput curve

@@ -106,9 +106,9 @@ def _sources_key(variant: str) -> str:
     return h.hexdigest()[:10]
 
 
-def _build_dir(variant: str) -> Path:
+def _build_dir(variant: str, sources_key: str | None = None) -> Path:
     # Keyed by the CPU as well: -march=native code from another machine may not run here.
-    return cache_dir() / "kernels" / f"{variant}-{cpu_key()}-{_sources_key(variant)}"
+    return cache_dir() / "kernels" / f"{variant}-{cpu_key()}-{sources_key or _sources_key(variant)}"
 
 
 def _check_toolchain() -> None:
@@ -158,7 +158,8 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
         _check_toolchain()
         from torch.utils.cpp_extension import load
 
-        build_dir = _build_dir(variant)
+        sources_key = _sources_key(variant)  # reads every source once: the build folder and the crossover's cache
+        build_dir = _build_dir(variant, sources_key)
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
             with _build_claim(build_dir):
@@ -178,7 +179,7 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
         from workbench.kernels import crossover, prefetch
 
         prefetch.apply(module, measure_if_missing=variant == "native")  # measured for this host, once
-        crossover.apply(module, _sources_key(variant), measure_if_missing=variant == "native")
+        crossover.apply(module, sources_key, measure_if_missing=variant == "native")
         _modules[variant] = module
         return module
 

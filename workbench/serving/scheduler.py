@@ -14,7 +14,8 @@ memory is fixed when the scheduler is made); one request still prefilling runs i
 chunk at a time, not by its whole prefill; then every decoding request advances one token
 in one batched decode step (LlamaModel.decode, on the fused C++ step where the switches
 allow) over the cache rows up to the highest busy slot. Requests leave at end-of-sequence or
-their token limit and free their slot at once. Sampling is greedy.
+their token limit and free their slot at once. Each request picks its tokens by its own
+Sampling (greedy unless it says otherwise; workbench.runtime.sampling).
 
 Prefix reuse (`prefix_cache_tokens` > 0): when a prompt's prefill ends, the K / V of its
 whole blocks of `block` tokens are copied out of its cache row and kept under a hash of the
@@ -35,35 +36,11 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.model.switches import Switches
-from workbench.runtime.sampling import sample
+from workbench.runtime.sampling import Sampling, sample
 
 
 class QueueFull(RuntimeError):
     """The scheduler's waiting queue is at its limit (a server answers 429 / 503)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a request picks its tokens: greedy at temperature 0 (the default), else sampled
-    from the softmax at `temperature`, cut to the top_k most likely and the top_p nucleus,
-    with its own generator seeded by `seed` (or by the request's id), so a request's draws do
-    not depend on what else is in the batch."""
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-    def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 100:
-            raise ValueError(f"temperature must be a number in 0..100, got {t!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
-            raise ValueError(f"top_k must be a non-negative integer (0 or None: no cut), got {self.top_k!r}")
-        p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
 
 GREEDY = Sampling()
