@@ -26,7 +26,7 @@ def server():
     process = ServerProcess(["--slots", "2", "--max-queue", "2", "--max-len", "512", "--prefix-cache-tokens", "256"])
     process.start(timeout_s=180)
     yield process.url
-    process.stop()
+    assert process.stop() == 0  # SIGTERM ends the scheduler's loop and the HTTP thread cleanly
 
 
 def test_a_completion_is_the_models_greedy_text_streamed_or_not(server):
@@ -138,6 +138,17 @@ def test_serve_bench_loads_the_server_and_reports_percentiles(server, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "concurrency 2 prompt 12 max 5" in r.stdout and "TTFT p50 ms" in r.stdout
+
+
+def test_a_taken_port_is_a_clear_error(server):
+    port = server.rsplit(":", 1)[1]
+    with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is in use"):
+        ServerProcess(["--max-len", "256"], port=int(port)).start()
+    # the command itself, past that check: uvicorn's reason and a failing exit code
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "serve", "--max-len", "256", "--port", port],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0 and "address already in use" in r.stderr, r.stderr[-2000:]
+    assert httpx.get(server + "/health", timeout=5).status_code == 200  # the first one is untouched
 
 
 def test_serve_and_serve_bench_magics_in_a_real_shell(magic):

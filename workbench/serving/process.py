@@ -62,6 +62,9 @@ class ServerProcess:
 
         # The server's output goes to a file, not a pipe: a chatty server (llama.cpp logs every
         # graph node) would fill a pipe nobody reads and block before it ever answers.
+        with socket.socket() as probe:  # else the ready check below would hear whoever holds the port
+            if probe.connect_ex((self.host, self.port)) == 0:
+                raise RuntimeError(f"port {self.port} on {self.host} is in use: pick another (port=) or stop its server")
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.time() + timeout_s
@@ -80,15 +83,18 @@ class ServerProcess:
                 raise RuntimeError(f"`{self.shell_command}` did not start: {err.strip() or 'no output'}")
             time.sleep(0.3)
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 20 s: the exit code (None when nothing ran)."""
+        code = None
         if self.proc is not None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                code = self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+                code = self.proc.wait()
             self.proc = None
         if self.log is not None:
             self.log.close()
             self.log = None
+        return code

@@ -7,9 +7,14 @@ Endpoints: POST /v1/completions and /v1/chat/completions (with "stream": true, s
 events ending in `data: [DONE]`), GET /health, GET /metrics (Prometheus text). Built on
 Starlette and served by uvicorn, bound to 127.0.0.1 unless told otherwise.
 
-The scheduler runs on one thread of its own (`Engine`): the event loop hands it requests
+The scheduler (`Engine`) runs on the process's main thread, the one that loaded the model, and
+HTTP (uvicorn's event loop) on a thread of its own: the event loop hands the engine requests
 through a queue and gets each new token back on the request's asyncio queue, so HTTP stays
-responsive while a step runs. A bad request is a 400 naming the field; a full queue is a 429;
+responsive while a step runs. The kernels run on OpenMP (libgomp), which keeps one pool of
+workers per thread that starts parallel regions; a second such thread makes the process
+manage more threads than it has CPUs, and libgomp then stops spinning between regions, so
+every region pays a futex wake-up: a batch-1 decode step ran 1.5-2x slower on a thread that
+was not the one that loaded the model. Keeping all the compute on one thread avoids that. A bad request is a 400 naming the field; a full queue is a 429;
 a client that disconnects has its request cancelled and its slot freed at the next step.
 Sampling: greedy unless the request says otherwise (temperature, top_p, top_k, seed; the
 default temperature is 0 here, where OpenAI's is 1, so an unspecified request is reproducible).
@@ -36,8 +41,9 @@ class BadRequest(ValueError):
 
 
 class Engine:
-    """The scheduler on a thread of its own. submit() is called from the event loop; each
-    new token (or the end) is put on the request's asyncio queue as (token ids so far, done)."""
+    """The scheduler's loop, run() on the thread that does the compute (see above). submit()
+    is called from the event loop; each new token (or the end) is put on the request's
+    asyncio queue as (token ids so far, done)."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
@@ -46,8 +52,6 @@ class Engine:
         self.generated_tokens = 0
         self.rejected = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="workbench-scheduler", daemon=True)
-        self._thread.start()
 
     def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool,
                sampling: Sampling = Sampling()) -> tuple[Request, asyncio.Queue]:
@@ -69,17 +73,21 @@ class Engine:
         self.inbox.put(("cancel", request))
 
     def stop(self) -> None:
+        """End run() (from any thread, or a signal handler) after the step in progress."""
         self._stop.set()
         self.inbox.put(("stop", None))
-        self._thread.join(timeout=10)
 
-    def _run(self) -> None:
+    def run(self, alive=lambda: True) -> None:
+        """Serve requests until stop(), or until alive() turns false (checked at least every
+        0.5 s while idle: the HTTP thread's health)."""
         s = self.scheduler
         while not self._stop.is_set():
             try:  # block while idle; otherwise take what arrived and step
-                item = self.inbox.get(timeout=None if not s.busy else 0)
+                item = self.inbox.get(timeout=0.5 if not s.busy else 0)
             except queue.Empty:
                 item = None
+                if not s.busy and not alive():
+                    return
             while item is not None:
                 kind, request = item
                 if kind == "submit":
@@ -327,14 +335,28 @@ def build_app(model, engine: Engine, model_name: str):
 
 
 def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, **scheduler_options) -> None:
-    """Run the server until interrupted (the `workbench serve` command)."""
+    """Run the server until SIGINT or SIGTERM (the `workbench serve` command): the scheduler on
+    this thread (the one that loaded the model), HTTP on a thread of its own."""
+    import signal
+
     import uvicorn
 
     engine = Engine(Scheduler(model, **scheduler_options))
-    app = build_app(model, engine, model_name)
+    http = uvicorn.Server(uvicorn.Config(build_app(model, engine, model_name), host=host, port=port,
+                                         log_level="warning"))
+    # uvicorn installs no signal handlers off the main thread: these end the engine's loop,
+    # and the HTTP thread is told to finish after it.
+    previous = {sig: signal.signal(sig, lambda *_: engine.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http.run, name="workbench-http", daemon=True)
+    thread.start()
     print(f"workbench serve: {model_name} on http://{host}:{port} (slots {engine.scheduler.slots}, max_len "
           f"{engine.scheduler.max_len}, prefix cache {engine.scheduler.prefix_budget} tokens)", flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        engine.run(alive=thread.is_alive)
     finally:
-        engine.stop()
+        http.should_exit = True
+        thread.join(timeout=10)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not http.started:  # e.g. the port was taken: uvicorn logged why
+        raise SystemExit(1)
