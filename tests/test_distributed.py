@@ -18,7 +18,10 @@ pytest.importorskip("ipyparallel")
 
 import workbench as wb  # noqa: E402
 from workbench.distributed.cluster import Cluster  # noqa: E402
-from workbench.distributed.shard import plan, split  # noqa: E402
+from hypothesis import assume, given, strategies as st  # noqa: E402
+
+from workbench.distributed.shard import FFN_ALIGN, ShardPlan, plan, split  # noqa: E402
+from workbench.model.config import ModelConfig  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Licensed under the Apache License, Version 2.0"]
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 ranks")
@@ -52,6 +55,40 @@ def test_plan_splits_heads_ffn_and_vocab_unevenly():
     assert [split(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
     with pytest.raises(ValueError, match="at most 3 tensor-parallel ranks"):
         plan(cfg, 0, 4)
+
+
+@given(kv_heads=st.integers(1, 12), group=st.integers(1, 8), head_dim=st.sampled_from([32, 64, 128]),
+       ffn_steps=st.integers(1, 200), world=st.integers(1, 12))
+def test_the_ffn_split_balances_each_ranks_weight_bytes(kv_heads, group, head_dim, ffn_steps, world):
+    """The FFN split leans against the attention split: every rank's weights per layer are
+    within one FFN_ALIGN step of an equal share (or as close as whole steps allow), in
+    contiguous aligned pieces covering every feature."""
+    assume(world <= kv_heads)
+    dim = 4 * head_dim
+    cfg = ModelConfig("synthetic", dim=dim, n_layers=1, n_heads=kv_heads * group, n_kv_heads=kv_heads,
+                      ffn_dim=ffn_steps * FFN_ALIGN + 32, vocab_size=1000, head_dim=head_dim)
+    plans = [plan(cfg, r, world) for r in range(world)]
+    assert plans[0].ffn[0] == 0 and plans[-1].ffn[1] == cfg.ffn_dim
+    assert all(a.ffn[1] == b.ffn[0] for a, b in zip(plans, plans[1:]))
+    assert all(p.ffn[1] > p.ffn[0] for p in plans)
+
+    def weights(p):
+        q, kv = p.q_heads[1] - p.q_heads[0], p.kv_heads[1] - p.kv_heads[0]
+        return 2 * (q + kv) * head_dim * dim + 3 * dim * (p.ffn[1] - p.ffn[0])
+
+    if len({p.kv_heads[1] - p.kv_heads[0] for p in plans}) == 1 or cfg.ffn_dim < world * FFN_ALIGN:
+        # even attention (or too few features for a step each): an even FFN split
+        assert [p.ffn for p in plans] == [split(cfg.ffn_dim, world, r) for r in range(world)]
+        return
+    assert all(p.ffn[0] % FFN_ALIGN == 0 for p in plans)
+    share, step = sum(map(weights, plans)) / world, 3 * dim * FFN_ALIGN
+    attention = [weights(p) - 3 * dim * (p.ffn[1] - p.ffn[0]) for p in plans]
+    if all(share - a >= 2 * step for a in attention):  # no rank's ideal FFN share under two steps
+        assert max(abs(weights(p) - share) for p in plans) <= step
+    # never worse than the even split it replaces
+    even = [weights(ShardPlan(p.rank, world, p.kv_heads, p.q_heads, split(cfg.ffn_dim, world, p.rank), p.vocab,
+                              p.hidden)) for p in plans]
+    assert max(map(weights, plans)) <= max(even) + step
 
 
 def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):

@@ -3,7 +3,11 @@
     attention   by KV-head groups: rank r keeps a contiguous run of KV heads, the query
                 heads that share them, and (so) their share of the KV cache; wq / wk / wv
                 rows, wo columns
-    MLP         gate / up rows (the FFN's columns), down columns
+    MLP         gate / up rows (the FFN's columns), down columns; where the attention split is
+                uneven, the FFN split leans the other way so every rank holds the same
+                weight bytes per layer (in steps of FFN_ALIGN features): a decode step
+                reads each rank's weights once, and the ranks meet at every all-reduce, so
+                the rank with the most bytes sets the pace
     after       o_proj and down_proj give partial sums on every rank: an all-reduce follows
                 (workbench.distributed.tp)
     norms       replicated
@@ -12,7 +16,8 @@
                 the "hidden-split" variant keeps columns of the hidden size instead
 
 Splits may be uneven: the bundled model's 3 KV heads over 2 ranks are 2 + 1 (and its 9
-query heads 6 + 3). More ranks than KV heads is refused: a rank would have no attention.
+query heads 6 + 3), so its 1536 FFN features go 704 + 832. More ranks than KV heads is
+refused: a rank would have no attention.
 """
 
 from __future__ import annotations
@@ -30,6 +35,32 @@ def split(n: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(n, parts)
     lo = index * base + min(index, extra)
     return lo, lo + base + (1 if index < extra else 0)
+
+
+FFN_ALIGN = 64  # FFN features per step of the balanced split: whole int8-g32 groups and cache lines
+
+
+def balanced_ffn_split(cfg: ModelConfig, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of the FFN features rank keeps: as many as make its attention and MLP weights
+    together 1/world of a layer's (each feature is a gate row, an up row and a down column:
+    3 x dim weights), in multiples of FFN_ALIGN, at least one step each; an even split where
+    the attention split is even."""
+    hd, dim, group = cfg.head_dim, cfg.dim, cfg.n_heads // cfg.n_kv_heads
+
+    def attention(r: int) -> int:  # wq, wk, wv rows and wo columns of rank r
+        lo, hi = split(cfg.n_kv_heads, world, r)
+        return 2 * (hi - lo) * (group + 1) * hd * dim
+
+    if len({attention(r) for r in range(world)}) == 1 or cfg.ffn_dim < world * FFN_ALIGN:
+        return split(cfg.ffn_dim, world, rank)
+    share = (sum(attention(r) for r in range(world)) + 3 * dim * cfg.ffn_dim) / world
+    bounds, want = [0], 0.0
+    for r in range(world - 1):  # each boundary at its cumulative target, rounded to a step
+        want += (share - attention(r)) / (3 * dim)
+        lowest, highest = bounds[-1] + FFN_ALIGN, cfg.ffn_dim - FFN_ALIGN * (world - 1 - r)
+        bounds.append(min(max(FFN_ALIGN * round(want / FFN_ALIGN), lowest), highest))
+    bounds.append(cfg.ffn_dim)
+    return bounds[rank], bounds[rank + 1]
 
 
 @dataclass(frozen=True)
@@ -51,7 +82,7 @@ def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
                          f"ranks (each keeps at least one KV head with its query heads); got {world}")
     group = cfg.n_heads // cfg.n_kv_heads
     kv = split(cfg.n_kv_heads, world, rank)
-    return ShardPlan(rank, world, kv, (kv[0] * group, kv[1] * group), split(cfg.ffn_dim, world, rank),
+    return ShardPlan(rank, world, kv, (kv[0] * group, kv[1] * group), balanced_ffn_split(cfg, world, rank),
                      split(cfg.vocab_size, world, rank), split(cfg.dim, world, rank))
 
 
