@@ -628,7 +628,7 @@ class WorkbenchMagics(Magics):
           In [2]: %serve_bench --rate 1,2,4 --slo-ttft 1s -o sb
           In [3]: %serve stop
         """
-        from workbench.serving.process import ServerProcess
+        from workbench.serving.process import ServerProcess, server_args
 
         args = parse_argstring(self.serve, line)
         running = getattr(self, "_server", None)
@@ -648,18 +648,8 @@ class WorkbenchMagics(Magics):
         model = self._require_model()
         if getattr(model, "cluster", None) is not None:
             raise UsageError("%serve runs one process; stop the cluster first (%distributed stop)")
-        name, load = self._last_load or (model.load_args.get("name_or_path", "smollm2-135m"), {})
-        options = ["--model", str(name), "--dtype", load.get("dtype") or model.weight_dtype,
-                   "--kv-cache", model.kv_cache, "--slots", str(args.slots), "--chunk", str(args.chunk),
-                   "--prefix-cache-tokens", str(args.prefix_cache_tokens), "--max-queue", str(args.max_queue)]
-        if model.kv_kernel:
-            options += ["--kv-kernel", model.kv_kernel]
-        if load.get("random"):
-            options.append("--random")
-        if load.get("layers"):
-            options += ["--layers", str(load["layers"])]
-        if args.max_len:
-            options += ["--max-len", str(args.max_len)]
+        options = server_args(model, slots=args.slots, chunk=args.chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+                              max_queue=args.max_queue, max_len=args.max_len)
         server = ServerProcess(options, port=args.port)
         try:
             server.start()

@@ -226,3 +226,34 @@ def test_ablation_figure_has_a_bar_per_configuration(model):
     bars = fig.data[0]  # the error bars reach each row's min and max
     for r, y, up, down in zip(rows, bars.y, bars.error_y.array, bars.error_y.arrayminus):
         assert (y + up, y - down) == pytest.approx((r.decode_tokens_per_s_max, r.decode_tokens_per_s_min))
+
+
+def test_panel_serve_bench_draws_the_knee_and_goes_to_the_report(model):
+    """The panel's Serve-bench: a real `workbench serve` process on the panel's model, loaded
+    at two rates, its rows and the latency-throughput figure in the panel, the rows in the
+    session's report with the shell commands that reproduce them; bad rates a clear error."""
+    from workbench import report
+    from workbench.ui.panel import Panel
+
+    p = Panel(model)
+    p.prompt_len.value, p.new_tokens.value = 8, 3
+    p.serve_rates.value, p.serve_concurrency.value, p.serve_requests.value = "oops", 2, 3
+    assert p.serve_bench() is None
+    (out,) = p.serve_output.outputs
+    assert "rates must be numbers (requests/s) or max" in out["data"]["text/html"] and "'oops'" in out["data"]["text/plain"]
+
+    p.serve_rates.value = "20, max"
+    rows = p.serve_bench()
+    assert [r["rate"] for r in rows] == [20.0, None] and all(r["completed"] == 3 for r in rows)
+    assert all(r["output_tokens"] == 9 for r in rows)
+    table, figure = p.serve_output.outputs
+    assert "TTFT" in table["data"]["text/html"]
+    spec = figure["data"][PLOTLY]
+    assert spec["layout"]["title"]["text"].startswith("Latency against throughput")
+    entry = report.recorded()[-1]
+    assert entry["kind"] == "serve_bench" and entry["rows"] == rows
+    first, bench, stop = entry["command"].splitlines()
+    assert first.startswith("workbench serve --model smollm2-135m --dtype fp32 --kv-cache ") and first.endswith(" &")
+    assert bench.startswith("workbench serve-bench --url http://127.0.0.1:") and "--rate 20,max" in bench
+    assert stop == "kill %1"
+    assert not p.serve_button.disabled

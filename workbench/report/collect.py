@@ -157,12 +157,16 @@ def add_entry(entry: dict) -> dict:
 
 
 def _take_session_measurements() -> None:
-    """The panel's runs (workbench.runtime.session), in the order they were measured."""
+    """The panel's runs and serve-bench rows (workbench.runtime.session), in the order they
+    were measured."""
     from workbench.runtime.session import current
 
     while current.measured:
         m = current.measured.pop(0)
-        entry = generation_entry(m["result"], m["model"], m["command"], m["prompt"])
+        if "rows" in m:  # Session.add_rows
+            entry = {"kind": m["kind"], "model": None, "rows": m["rows"], "command": m["command"]}
+        else:
+            entry = generation_entry(m["result"], m["model"], m["command"], m["prompt"])
         entry["time"] = m["time"]
         _log.append(entry)
 

@@ -23,6 +23,11 @@ class Session:
         self.measured.append({"result": result, "model": model, "command": command, "prompt": prompt,
                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
+    def add_rows(self, rows: list[dict], kind: str, command: str) -> None:
+        """Rows measured outside the magics (the panel's serve-bench), for %report."""
+        self.measured.append({"rows": rows, "kind": kind, "command": command,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
     @property
     def model(self):
         return self._model

@@ -18,6 +18,25 @@ def read_metrics(url: str) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def server_args(model, *, slots: int = 8, chunk: int = 256, prefix_cache_tokens: int = 0, max_queue: int = 256,
+                max_len: int | None = None) -> list[str]:
+    """`workbench serve` options that load `model` again as load_model() loaded it (its
+    load_args), with its weights' dtype and KV cache switch, and the scheduler's settings."""
+    load = model.load_args
+    options = ["--model", str(load.get("name_or_path") or "smollm2-135m"), "--dtype", load.get("dtype") or model.weight_dtype,
+               "--kv-cache", model.kv_cache, "--slots", str(slots), "--chunk", str(chunk),
+               "--prefix-cache-tokens", str(prefix_cache_tokens), "--max-queue", str(max_queue)]
+    if model.kv_kernel:
+        options += ["--kv-kernel", model.kv_kernel]
+    if load.get("random"):
+        options.append("--random")
+    if load.get("layers"):
+        options += ["--layers", str(load["layers"])]
+    if max_len:
+        options += ["--max-len", str(max_len)]
+    return options
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -10,7 +10,10 @@ toggle moves `model.kv_cache`); batch, prompt length and new tokens; a prompt bo
 an excerpt of a license text); repeats and warm-up; whether to draw while running; Run,
 a progress bar, the sequences' text, the summary (median and min-max over the repeats);
 export of the runs as JSON or CSV; the three figures of workbench.ui.plots, earlier runs
-kept as faint traces.
+kept as faint traces. Serving: "Serve-bench" starts `workbench serve` on the panel's model
+(a process of its own), loads it at each of the rates given (or all requests at once under
+the concurrency), stops it, and shows TTFT / TPOT percentiles and tokens/s per load with the
+latency-throughput figure (the knee) of workbench.ui.plots.
 
 Every measured run is recorded for `%report` (workbench.report.record) with a Python
 command that reproduces it. The panel's output carries a static copy of its figures (plain
@@ -114,6 +117,16 @@ class Panel:
                                   f"browser does not compete with the run for the CPU (tick 'draw live' to "
                                   f"watch it anyway).</small>" if few else ""))
         self.summary = W.HTML()
+        # Serving under load: a server on this model, loaded by serve-bench (rates: req/s, or max)
+        self.serve_rates = W.Text(value="max", description="rates", layout=W.Layout(width="220px"),
+                                  tooltip="requests/s, comma-separated for a sweep; max: all at once under concurrency")
+        self.serve_concurrency = W.BoundedIntText(value=8, min=1, max=256, description="concurrency",
+                                                  layout=W.Layout(width="180px"))
+        self.serve_requests = W.BoundedIntText(value=16, min=1, max=10000, description="requests",
+                                               layout=W.Layout(width="180px"))
+        self.serve_button = W.Button(description="Serve-bench", icon="server")
+        self.serve_output = W.Output(layout=W.Layout(width="100%"))
+        self.serve_button.on_click(self.serve_bench)
         self.output = W.Output(layout=W.Layout(border="1px solid #ddd", min_height="40px", width="100%"))
         self.plots = LivePlots(widget=True, peak_gbps=peak_gbps, live=self.live.value)
         self.load_button.on_click(self.load)
@@ -137,6 +150,11 @@ class Panel:
             W.HBox([self.run_button, self.progress, self.export_json, self.export_csv],
                    layout=W.Layout(flex_flow="row wrap")),
             self.note, self.summary, self.output, self.plots.box(),
+            W.HTML("<b>Serving</b> <small>(a <code>workbench serve</code> process on this model; prompt "
+                   "tokens and new tokens as above)</small>"),
+            W.HBox([self.serve_rates, self.serve_concurrency, self.serve_requests, self.serve_button],
+                   layout=W.Layout(flex_flow="row wrap")),
+            self.serve_output,
         ], layout=W.Layout(width="100%"))
         self._show_layers()
         self._show_rank_options()
@@ -340,6 +358,57 @@ class Panel:
         if cluster is not None:
             lines.append("cluster.stop()")
         return "\n".join(lines)
+
+    def serve_bench(self, _=None) -> list[dict] | None:
+        """Start `workbench serve` on this model, load it at each rate, stop it; show the rows
+        and the knee, record them for %report. Returns the rows (None on an error)."""
+        from workbench.analysis.serve_bench import format_rows, serve_bench
+        from workbench.serving.process import ServerProcess, server_args
+        from workbench.ui.plots import knee_spec, mime_bundle
+
+        self.serve_output.outputs = ()
+        if self.model is None:
+            return self._serve_error("no model loaded: pick one and press Load, or run %load_model first")
+        if getattr(self.model, "cluster", None) is not None:
+            return self._serve_error("serve-bench runs one server process: load the model on 1 rank")
+        try:
+            rates = [None if r.strip() == "max" else float(r) for r in self.serve_rates.value.split(",")]
+        except ValueError:
+            return self._serve_error(f"rates must be numbers (requests/s) or max, comma-separated; got "
+                                     f"{self.serve_rates.value!r}")
+        options = server_args(self.model, slots=self.serve_concurrency.value,
+                              max_len=self.prompt_len.value + self.new_tokens.value + 64)
+        server = ServerProcess(options)
+        self.serve_button.disabled = True
+        self.progress.description = "serving"
+        try:
+            server.start()
+            rows = serve_bench(server.url, rates=rates, concurrency=self.serve_concurrency.value,
+                               num_requests=self.serve_requests.value, prompt_tokens=self.prompt_len.value,
+                               max_tokens=self.new_tokens.value, label="workbench serve")
+        except (ValueError, RuntimeError) as e:
+            return self._serve_error(str(e))
+        finally:
+            server.stop()
+            self.serve_button.disabled = False
+            self.progress.description = "done"
+        bench = ["workbench", "serve-bench", "--url", server.url, "--rate", self.serve_rates.value.replace(" ", ""),
+                 "--concurrency", str(self.serve_concurrency.value), "--num-requests", str(self.serve_requests.value),
+                 "--prompt-tokens", str(self.prompt_len.value), "--max-tokens", str(self.new_tokens.value)]
+        command = "\n".join([f"{server.shell_command} &", " ".join(bench), "kill %1"])
+        self.session.add_rows(rows, "serve_bench", command)
+        self._serve_show(f"<pre>{html.escape(format_rows(rows))}</pre>", format_rows(rows))
+        if len(rows) > 1:  # a sweep: the latency-throughput curve
+            self.serve_output.outputs += (mime_bundle(knee_spec(rows)),)
+        return rows
+
+    def _serve_error(self, message: str) -> None:
+        self._serve_show(f"<b style='color:#b00'>{html.escape(message)}</b>", message)
+
+    def _serve_show(self, html_text: str, plain: str) -> None:
+        """HTML in the serving output, kept as such in a saved notebook."""
+        self.serve_output.outputs += ({"output_type": "display_data", "metadata": {},
+                                       "data": {"text/html": html_text, "text/plain": plain}},)
 
     def _mimebundle(self) -> dict:
         """The widget view, with the static figures of the last run as its HTML fallback."""
