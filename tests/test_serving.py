@@ -52,6 +52,23 @@ def test_requests_arriving_while_others_decode_get_their_own_greedy_tokens(model
     assert not s.running and not s.waiting
 
 
+def test_each_step_prefills_up_to_chunk_tokens_oldest_first(model):
+    """chunk is a token budget per step: short prompts that arrive together are prefilled
+    together, a long one a chunk at a time, the oldest first, never more than chunk a step."""
+    texts = sample_prompts(model.tokenizer, 40, 4)
+    s = Scheduler(model, slots=4, max_len=96, chunk=32, kv_cache="fp32")
+    short = [s.submit(p[:10], 3, stop_at_eos=False) for p in texts[:3]]
+    long_ = s.submit(texts[3][:40], 2, stop_at_eos=False)
+    s.step()  # 3 x 10 tokens, then 2 of the long prompt's
+    assert [r.state for r in short] == ["decode"] * 3 and long_.filled == 2
+    assert s.stats["prefilled_tokens"] == 32 and all(len(r.output) == 2 for r in short)  # prefill's token + a decode
+    s.step()
+    assert long_.filled == 34 and s.stats["prefilled_tokens"] == 64
+    s.run()
+    assert long_.output == alone(model, texts[3][:40], 2)
+    assert all(r.output == alone(model, p[:10], 3) for r, p in zip(short, texts))
+
+
 def test_prefix_reuse_hits_and_changes_no_token(model):
     shared = sample_prompts(model.tokenizer, 70, 1)[0]
     suffixes = sample_prompts(model.tokenizer, 12, 20)[10:]

@@ -5,13 +5,15 @@ runs (usable without Jupyter or HTTP).
     s = Scheduler(model, slots=8, max_len=2048, chunk=256, prefix_cache_tokens=8192)
     r = s.submit(prompt_ids, max_new_tokens=64)
     while s.busy:
-        s.step()                  # admit, one prefill chunk, one decode step of the batch
+        s.step()                  # admit, up to `chunk` prompt tokens, one decode step of the batch
     r.output, r.ttft_s, r.token_times
 
 Every step: waiting requests take free slots (each slot is one row of one KV cache, so the
-memory is fixed when the scheduler is made); one request still prefilling runs its next
-`chunk` prompt tokens (LlamaModel.extend), so a long prompt delays the running batch by one
-chunk at a time, not by its whole prefill; then every decoding request advances one token
+memory is fixed when the scheduler is made); the requests still prefilling run their next
+prompt tokens (LlamaModel.extend), oldest first, `chunk` tokens in all per step (a token
+budget, as vLLM's chunked prefill has): a long prompt delays the running batch by one chunk
+at a time, not by its whole prefill, and requests that arrive together are prefilled a few
+per step rather than one per step; then every decoding request advances one token
 in one batched decode step (LlamaModel.decode, on the fused C++ step where the switches
 allow) over the cache rows up to the highest busy slot. Requests leave at end-of-sequence or
 their token limit and free their slot at once. Each request picks its tokens by its own
@@ -192,14 +194,16 @@ class Scheduler:
 
     # -- one iteration -------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit, prefill one chunk, decode one token for every decoding request; returns the
-        requests that finished in this step."""
+        """Admit, prefill up to `chunk` prompt tokens (oldest requests first), decode one token
+        for every decoding request; returns the requests that finished in this step."""
         finished: list[Request] = []
         with torch.inference_mode():
             self._admit()
-            prefilling = [r for r in self.running.values() if r.state == "prefill"]
-            if prefilling:
-                self._prefill_chunk(min(prefilling, key=lambda r: r.arrival_s), finished)
+            budget = self.chunk
+            for r in sorted((r for r in self.running.values() if r.state == "prefill"), key=lambda r: r.arrival_s):
+                if budget == 0:
+                    break
+                budget -= self._prefill_chunk(r, budget, finished)
             decoding = [r for r in self.running.values() if r.state == "decode"]
             if decoding:
                 self._decode(decoding, finished)
@@ -218,8 +222,9 @@ class Scheduler:
             self.running[r.slot] = r
             r.filled = r.reused = self._reuse_prefix(r)
 
-    def _prefill_chunk(self, r: Request, finished: list[Request]) -> None:
-        piece = r.prompt[r.filled:r.filled + self.chunk]
+    def _prefill_chunk(self, r: Request, budget: int, finished: list[Request]) -> int:
+        """r's next prompt tokens, at most `budget` of them: how many ran."""
+        piece = r.prompt[r.filled:r.filled + budget]
         logits, _ = self.llama.extend(torch.tensor(piece), self.cache, r.slot, r.filled)
         r.filled += len(piece)
         self.stats["prefilled_tokens"] += len(piece)
@@ -228,6 +233,7 @@ class Scheduler:
             self._keep_prefix(r)
             r.state = "decode"
             self._emit(r, r.pick(logits[0]), finished)
+        return len(piece)
 
     def _decode(self, decoding: list[Request], finished: list[Request]) -> None:
         n = max(r.slot for r in decoding) + 1
