@@ -137,14 +137,20 @@ def record(item, model=None, command: str | None = None, prompt: str | None = No
         entry = generation_entry(item, model, command, prompt)
     elif isinstance(item, list):
         rows = [asdict(r) if is_dataclass(r) else dict(r) for r in item]
-        entry = {"kind": kind or ("tp_ablation" if rows and "ranks" in rows[0] else "ablation"),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "model": model_identity(model) if model is not None else None, "rows": rows, "command": command}
+        entry = rows_entry(rows, kind or ("tp_ablation" if rows and "ranks" in rows[0] else "ablation"), command,
+                           model_identity(model) if model is not None else None)
     else:
         raise TypeError(f"record() takes a GenerationResult or a list of ablation rows, got {type(item).__name__}")
     _take_session_measurements()
     _log.append(entry)
     return entry
+
+
+def rows_entry(rows: list[dict], kind: str, command: str | None, model: dict | None = None,
+               when: str | None = None) -> dict:
+    """A log entry of rows (an ablation, a serve-bench run, ...)."""
+    return {"kind": kind, "time": when or time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": model, "rows": rows,
+            "command": command}
 
 
 def add_entry(entry: dict) -> dict:
@@ -164,10 +170,10 @@ def _take_session_measurements() -> None:
     while current.measured:
         m = current.measured.pop(0)
         if "rows" in m:  # Session.add_rows
-            entry = {"kind": m["kind"], "model": None, "rows": m["rows"], "command": m["command"]}
+            entry = rows_entry(m["rows"], m["kind"], m["command"], when=m["time"])
         else:
             entry = generation_entry(m["result"], m["model"], m["command"], m["prompt"])
-        entry["time"] = m["time"]
+            entry["time"] = m["time"]
         _log.append(entry)
 
 

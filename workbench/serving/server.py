@@ -14,8 +14,10 @@ responsive while a step runs. The kernels run on OpenMP (libgomp), which keeps o
 workers per thread that starts parallel regions; a second such thread makes the process
 manage more threads than it has CPUs, and libgomp then stops spinning between regions, so
 every region pays a futex wake-up: a batch-1 decode step ran 1.5-2x slower on a thread that
-was not the one that loaded the model. Keeping all the compute on one thread avoids that. A bad request is a 400 naming the field; a full queue is a 429;
-a client that disconnects has its request cancelled and its slot freed at the next step.
+was not the one that loaded the model. Keeping all the compute on one thread avoids that.
+
+A bad request is a 400 naming the field; a full queue is a 429; a client that disconnects
+has its request cancelled and its slot freed at the next step.
 Sampling: greedy unless the request says otherwise (temperature, top_p, top_k, seed; the
 default temperature is 0 here, where OpenAI's is 1, so an unspecified request is reproducible).
 """
@@ -29,7 +31,7 @@ import threading
 import time
 import uuid
 
-from workbench.serving.scheduler import QueueFull, Request, Sampling, Scheduler
+from workbench.serving.scheduler import GREEDY, QueueFull, Request, Sampling, Scheduler
 
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "ignore_eos",
                      "stream_options", "n"}
@@ -54,7 +56,7 @@ class Engine:
         self._stop = threading.Event()
 
     def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool,
-               sampling: Sampling = Sampling()) -> tuple[Request, asyncio.Queue]:
+               sampling: Sampling = GREEDY) -> tuple[Request, asyncio.Queue]:
         """Queue a request (checked here, so a bad one fails in the handler): (request, the
         queue its tokens arrive on). Raises ValueError or QueueFull."""
         s = self.scheduler
