@@ -21,6 +21,26 @@ from workbench.model.weights import WEIGHT_FORMATS
 PROMPTS = [[1, 504, 3458, 1024, 29, 10, 77, 99, 314], [5, 6, 7, 8, 9, 10, 11]]  # ragged batch
 
 
+@pytest.fixture(autouse=True)
+def _matvec_for_the_batch(request):
+    """These tests compare arithmetic at fp32 rounding, so both sides must take the same
+    kernels: the matrix-vector / GEMM crossover is measured per host (crossover.py), and a
+    host that measures bf16's at 1 row would send this batch of 2 to the GEMM's bf16
+    activations on one side. Pinned to the matrix-vector kernel for these tests, restored after."""
+    from workbench import kernels as K
+
+    sets = [K.native] + ([request.getfixturevalue("kernels")] if "kernels" in request.fixturenames else [])
+    kinds = ("float32", "bfloat16", "int8", "int8_group")
+    saved = [(ks, {k: ks.matvec_max_rows(k) for k in kinds}) for ks in sets]
+    for ks, _ in saved:
+        for k in kinds:
+            ks.ext.set_matvec_max_rows(k, max(2, ks.matvec_max_rows(k)))
+    yield
+    for ks, rows in saved:
+        for k, n in rows.items():
+            ks.ext.set_matvec_max_rows(k, n)
+
+
 @pytest.fixture(scope="module", params=list(WEIGHT_FORMATS))
 def model(request):
     return wb.load_model("smollm2-135m", dtype=request.param, max_batch=2)
