@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from hypothesis import given, settings, strategies as st
 
 import workbench as wb
 from workbench.analysis.text import sample_prompts
@@ -17,6 +19,11 @@ from workbench.serving import QueueFull, Scheduler
 @pytest.fixture(scope="module")
 def model():
     return wb.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    return wb.load_model("smollm2-135m", random=True, layers=2, seed=5)
 
 
 def alone(model, prompt, n):
@@ -50,6 +57,47 @@ def test_requests_arriving_while_others_decode_get_their_own_greedy_tokens(model
         assert r.first_token_s == r.token_times[0] and len(r.token_times) == n
     assert s.stats["decode_paths"] == {"fused"} and s.stats["prefilled_tokens"] == sum(len(p) for p, _ in requests)
     assert not s.running and not s.waiting
+
+
+@settings(max_examples=12)
+@given(pieces=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), min_size=1, max_size=4),
+       kv=st.sampled_from(["fp32", "fp16", "int8"]))
+def test_one_extend_over_several_rows_equals_each_row_alone(random_model, pieces, kv):
+    """LlamaModel.extend continues several rows in one pass (one product per weight over all
+    their tokens): each piece's last logits and its row's K / V equal extending that row
+    alone, for ragged starts (a row already holding 0..20 tokens) and lengths, GQA 3:1."""
+    llama, gen = random_model.llama, torch.Generator().manual_seed(len(pieces))
+    rows = list(range(len(pieces)))[::-1]  # rows in any order
+    seqs = [torch.randint(3, 1000, (start + n,), generator=gen) for start, n in pieces]
+    together, alone_ = (llama.new_cache(len(pieces), 32, kv) for _ in range(2))
+    for cache in (together, alone_):
+        for row, seq, (start, _) in zip(rows, seqs, pieces):
+            if start:
+                llama.extend(seq[:start], [start], [row], [0], cache)
+    tokens = torch.cat([seq[start:] for seq, (start, _) in zip(seqs, pieces)])
+    logits, _ = llama.extend(tokens, [n for _, n in pieces], rows, [start for start, _ in pieces], together)
+    for b, (row, seq, (start, n)) in enumerate(zip(rows, seqs, pieces)):
+        ref, _ = llama.extend(seq[start:], [n], [row], [start], alone_)
+        torch.testing.assert_close(logits[b], ref[0], atol=1e-4 * ref.abs().max().item(), rtol=0)
+        for layer in range(len(llama.layers)):
+            for a, r in ((together.k, alone_.k), (together.v, alone_.v)):
+                torch.testing.assert_close(a[layer][row, :, :start + n].float(), r[layer][row, :, :start + n].float(),
+                                           atol=1e-4, rtol=1e-3)
+
+
+def test_extend_names_what_does_not_fit(random_model):
+    llama = random_model.llama
+    cache = llama.new_cache(2, 16, "fp32")
+    with pytest.raises(ValueError, match="rows must be distinct rows of the cache"):
+        llama.extend(torch.tensor([5, 6]), [1, 1], [0, 0], [0, 0], cache)
+    with pytest.raises(ValueError, match="rows must be distinct rows of the cache \\(0..1\\), got \\[2\\]"):
+        llama.extend(torch.tensor([5]), [1], [2], [0], cache)
+    with pytest.raises(ValueError, match="10 tokens at position 10 do not fit a cache of 16"):
+        llama.extend(torch.arange(10), [10], [0], [10], cache)
+    with pytest.raises(ValueError, match="equally long"):
+        llama.extend(torch.tensor([5]), [1], [0, 1], [0], cache)
+    with pytest.raises(ValueError, match="3 tokens given for pieces of 2"):
+        llama.extend(torch.tensor([5, 6, 7]), [2], [0], [0], cache)
 
 
 def test_each_step_prefills_up_to_chunk_tokens_oldest_first(model):

@@ -285,41 +285,59 @@ class LlamaModel:
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
                                     sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
 
-    def extend(self, tokens: torch.Tensor, cache: KVCache, row: int, start: int,
-               record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
-        """tokens [n] of sequence `row` at positions start .. start + n - 1, after the `start`
-        tokens its cache already holds (a prompt prefilled in chunks, or the rest of a prompt
-        whose prefix was reused) -> the logits of the last token [1, vocab]. Each query attends
-        over the cache's first start + n positions with SlimAttention (causal, the keys before
-        `start` all visible)."""
-        n = int(tokens.numel())
-        if n < 1 or start < 0 or start + n > cache.max_len:
-            raise ValueError(f"extend: {n} tokens at position {start} do not fit a cache of {cache.max_len} "
-                             f"(need at least one token and start >= 0)")
+    def extend(self, tokens: torch.Tensor, seq_lens: list[int], rows: list[int], starts: list[int],
+               cache: KVCache, record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+        """Continue several sequences at once: tokens [T] packed pieces, piece b of seq_lens[b]
+        tokens for the cache's row rows[b] at positions starts[b] .. starts[b] + seq_lens[b] - 1,
+        after the starts[b] tokens that row already holds (prompts prefilled in chunks, or the
+        rest of a prompt whose prefix was reused) -> the logits of each piece's last token
+        [B, vocab]. Every matrix product runs once over all T tokens; attention runs per
+        piece with SlimAttention, each query over its row's first starts[b] + seq_lens[b]
+        positions (causal, the keys before starts[b] all visible)."""
+        if not (len(seq_lens) == len(rows) == len(starts)) or not seq_lens:
+            raise ValueError(f"extend: seq_lens, rows and starts must be equally long and non-empty, got "
+                             f"{len(seq_lens)}, {len(rows)} and {len(starts)}")
+        batch = cache.lengths.numel()
+        if len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
+            raise ValueError(f"extend: rows must be distinct rows of the cache (0..{batch - 1}), got {rows}")
+        for n, start in zip(seq_lens, starts):
+            if n < 1 or start < 0 or start + n > cache.max_len:
+                raise ValueError(f"extend: {n} tokens at position {start} do not fit a cache of {cache.max_len} "
+                                 f"(need at least one token and start >= 0)")
+        if int(tokens.numel()) != sum(seq_lens):
+            raise ValueError(f"extend: {tokens.numel()} tokens given for pieces of {sum(seq_lens)} in all")
         clock = Clock(record, len(self.layers))
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         act = self.attention_dtype
-        positions = torch.arange(start, start + n)
+        offsets = [0]
+        for n in seq_lens:
+            offsets.append(offsets[-1] + n)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        at = torch.tensor([start], dtype=torch.int64)
+        at = [torch.tensor([s], dtype=torch.int64) for s in starts]
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
             q, k, v = layer.qkv(h, cos, sin)
-            q, k, v = (t.reshape(n, -1, D).transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
-            cache.append(i, k, v, at, rows=slice(row, row + 1))
-            keys, values = cache.dequantized(i, row, start + n)  # [Hkv, start + n, D]
-            keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
-            out = kernels.slim_attention(q.to(act), keys, values)
-            return layer.wo(out[0].transpose(0, 1).reshape(n, H * D).float())
+            q, k, v = q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
+            out = torch.empty(q.shape[0], H, D)
+            for b, row in enumerate(rows):
+                s = slice(offsets[b], offsets[b + 1])
+                qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
+                cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
+                keys, values = cache.dequantized(i, row, starts[b] + seq_lens[b])  # [Hkv, start + n, D]
+                keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
+                out[s] = kernels.slim_attention(qb.to(act), keys, values)[0].transpose(0, 1)
+            return layer.wo(out.view(-1, H * D))
 
         x = self._embed(tokens)
         t_layers = clock.t()
         x = self._layers(x, attend, clock, one_pass=True)
         layers_s = clock.t() - t_layers
-        logits = self._head(x[-1:])
-        return logits, self._record(clock, "prefill", n, t_start, layers_s, 0,
-                                    n * start + n * (n + 1) // 2, 1)
+        logits = self._head(x[torch.tensor([o - 1 for o in offsets[1:]])])
+        pairs = sum(n * s + n * (n + 1) // 2 for n, s in zip(seq_lens, starts))
+        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0, pairs,
+                                    len(seq_lens))
 
     @property
     def attention_dtype(self) -> torch.dtype:

@@ -10,10 +10,11 @@ runs (usable without Jupyter or HTTP).
 
 Every step: waiting requests take free slots (each slot is one row of one KV cache, so the
 memory is fixed when the scheduler is made); the requests still prefilling run their next
-prompt tokens (LlamaModel.extend), oldest first, `chunk` tokens in all per step (a token
-budget, as vLLM's chunked prefill has): a long prompt delays the running batch by one chunk
-at a time, not by its whole prefill, and requests that arrive together are prefilled a few
-per step rather than one per step; then every decoding request advances one token
+prompt tokens, oldest first, `chunk` tokens in all per step (a token budget, as vLLM's
+chunked prefill has), all of them in one forward pass (LlamaModel.extend: one matrix product
+per weight over every request's piece, attention per request): a long prompt delays the
+running batch by one chunk at a time, not by its whole prefill, and requests that arrive
+together are prefilled together; then every decoding request advances one token
 in one batched decode step (LlamaModel.decode, on the fused C++ step where the switches
 allow) over the cache rows up to the highest busy slot. Requests leave at end-of-sequence or
 their token limit and free their slot at once. Each request picks its tokens by its own
@@ -199,11 +200,14 @@ class Scheduler:
         finished: list[Request] = []
         with torch.inference_mode():
             self._admit()
-            budget = self.chunk
+            budget, pieces = self.chunk, []
             for r in sorted((r for r in self.running.values() if r.state == "prefill"), key=lambda r: r.arrival_s):
                 if budget == 0:
                     break
-                budget -= self._prefill_chunk(r, budget, finished)
+                pieces.append((r, r.prompt[r.filled:r.filled + budget]))
+                budget -= len(pieces[-1][1])
+            if pieces:
+                self._prefill(pieces, finished)
             decoding = [r for r in self.running.values() if r.state == "decode"]
             if decoding:
                 self._decode(decoding, finished)
@@ -222,18 +226,21 @@ class Scheduler:
             self.running[r.slot] = r
             r.filled = r.reused = self._reuse_prefix(r)
 
-    def _prefill_chunk(self, r: Request, budget: int, finished: list[Request]) -> int:
-        """r's next prompt tokens, at most `budget` of them: how many ran."""
-        piece = r.prompt[r.filled:r.filled + budget]
-        logits, _ = self.llama.extend(torch.tensor(piece), self.cache, r.slot, r.filled)
-        r.filled += len(piece)
-        self.stats["prefilled_tokens"] += len(piece)
-        if r.filled == len(r.prompt):
-            self.cache.lengths[r.slot] = r.filled
-            self._keep_prefix(r)
-            r.state = "decode"
-            self._emit(r, r.pick(logits[0]), finished)
-        return len(piece)
+    def _prefill(self, pieces: list[tuple[Request, list[int]]], finished: list[Request]) -> None:
+        """Each request's next prompt tokens, all in one forward pass (one matrix product per
+        weight over every piece's tokens); a request whose prompt is done emits its first token."""
+        seq_lens = [len(piece) for _, piece in pieces]
+        tokens = torch.tensor([t for _, piece in pieces for t in piece])
+        logits, _ = self.llama.extend(tokens, seq_lens, [r.slot for r, _ in pieces], [r.filled for r, _ in pieces],
+                                      self.cache)
+        self.stats["prefilled_tokens"] += len(tokens)
+        for b, (r, piece) in enumerate(pieces):
+            r.filled += len(piece)
+            if r.filled == len(r.prompt):
+                self.cache.lengths[r.slot] = r.filled
+                self._keep_prefix(r)
+                r.state = "decode"
+                self._emit(r, r.pick(logits[b]), finished)
 
     def _decode(self, decoding: list[Request], finished: list[Request]) -> None:
         n = max(r.slot for r in decoding) + 1
