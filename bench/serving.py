@@ -11,6 +11,11 @@
                 serves flat out, 10% of the clients hanging up after their first token: every
                 request answered (tokens or 429), every slot freed, resident memory before and
                 after, the server still up
+    prefill     why batching prompts matters for time to first token, in one process (no server):
+                --concurrency prompts of 64 tokens prefilled with one LlamaModel.extend per
+                request (the scheduler before it batched them) against one extend over all
+                of them (what a step does now), interleaved; time and the linear layers'
+                GFLOP/s against the measured fp32 FMA peak
     peers       ours, llama.cpp's server (llama-cpp-python's llama_cpp.server, the peers extra)
                 and vLLM's CPU build (--vllm-python: a side environment, README's recipe) on
                 the same weights (the bundled model's F32 GGUF conversion for llama.cpp, its
@@ -22,7 +27,7 @@
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
 stopped here with its command in the results.
 
-    python bench/serving.py [--only prefix,throughput,reliability] [--repeats 3] [--prefix-tokens 1000]
+    python bench/serving.py [--only prefix,throughput,reliability,prefill,peers] [--repeats 3] [--prefix-tokens 1000]
                             [--suffix-tokens 50] [--concurrency 8] [--vllm-python vllm-env/bin/python]
 """
 
@@ -51,7 +56,7 @@ def spread(xs, digits: int = 1, unit: str = "") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="prefix,throughput,reliability,peers")
+    parser.add_argument("--only", default="prefix,throughput,reliability,prefill,peers")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefix-tokens", type=int, default=1000)
@@ -151,10 +156,58 @@ def main() -> None:
         payload["reliability"] = {"sustainable_rps": sustainable, "row": row, "rss_before": rss_before,
                                   "rss_after": rss_after, "metrics_after": m, "healthy_after": healthy}
 
+    if "prefill" in only:
+        payload["prefill"] = prefill(args)
+
     if "peers" in only:
         payload["peers"] = peers(args)
 
     write_results("serving", payload, args.out)
+
+
+def prefill(args) -> dict:
+    """--concurrency prompts prefilled one extend each against one extend over all (see the
+    docstring): seconds per case, and the ratio round by round."""
+    import torch
+
+    import workbench as wb
+    from workbench.kernels.peaks import measured_peaks
+
+    model = wb.load_model(args.model)
+    llama, k, n = model.llama, args.concurrency, 64
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(i))
+               for i in range(k)]
+    cache = llama.new_cache(k, 2 * n, model.kv_cache)
+
+    def each():
+        for row, p in enumerate(prompts):
+            llama.extend(p, [n], [row], [0], cache)
+
+    def together():
+        llama.extend(torch.cat(prompts), [n] * k, list(range(k)), [0] * k, cache)
+
+    cases = {"one extend per request": each, f"one extend over all {k}": together}
+    secs = {name: [] for name in cases}
+    with torch.inference_mode():
+        for round_, name in interleaved_rounds(cases, max(args.repeats, 5), warmup=1):
+            t0 = time.perf_counter()
+            cases[name]()
+            if round_ >= 0:
+                secs[name].append(time.perf_counter() - t0)
+    flops = 2 * k * n * sum(layer.linear_params for layer in llama.layers)  # the layers' products
+    peak = measured_peaks().fma_gflops
+    names = list(cases)
+    ratios = [a / b for a, b in zip(secs[names[0]], secs[names[1]])]
+    rows = [{"case": name, "ms (min-max)": spread([1e3 * t for t in v]),
+             "layers' products GFLOP/s": f"{flops / statistics.median(v) / 1e9:.0f}",
+             "% of FMA peak": f"{100 * flops / statistics.median(v) / 1e9 / peak:.0f}"} for name, v in secs.items()]
+    rows.append({"case": "per request / over all", "ms (min-max)": spread(ratios, 2, "x"),
+                 "layers' products GFLOP/s": "", "% of FMA peak": ""})
+    print_table(rows, list(rows[0]), title=(
+        f"Prefill of {k} prompts x {n} tokens ({model.weight_dtype} weights, {model.kv_cache} KV), in one process, "
+        f"{len(ratios)} rounds interleaved; time includes attention and the LM head, GFLOP/s counts the layers' "
+        f"products only (fp32 FMA peak {peak:.0f} GFLOP/s)"))
+    return {"seconds": secs, "ratio_each_over_together": ratios, "layer_flops": flops, "fma_peak_gflops": peak}
 
 
 def peers(args) -> dict:

@@ -97,10 +97,18 @@ SLOW_MODULES = {"test_distributed", "test_distributed_lifecycle", "test_distribu
                 "test_peers", "test_profile"}
 
 
+@pytest.hookimpl(trylast=True)  # after pytest has grouped the items by their fixtures' parameters
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    # The tests on the avx2 and scalar builds go last (each build's tests still together):
+    # those builds compile in the background meanwhile (below), so no test waits for them.
+    other_builds = [item for item in items
+                    if getattr(item, "callspec", None) and item.callspec.params.get("kernels", "native") != "native"]
+    if other_builds:
+        moved = set(map(id, other_builds))
+        items[:] = [item for item in items if id(item) not in moved] + other_builds
 
 
 # -- builds needed later, started in the background when collection ends (tests/background.py)
@@ -115,12 +123,15 @@ def _build_variants():
 def pytest_collection_finish(session):
     params = [item.callspec.params for item in session.items if hasattr(item, "callspec")]
     _variants_needed[:] = sorted({p["kernels"] for p in params if p.get("kernels", "native") != "native"})
-    if _variants_needed:
-        background.start(_build_variants)
-    for module in {item.module for item in session.items}:
+    # One job at a time, in the order the tests need them: the modules' preparations (in
+    # the order the modules run), then the builds whose tests run last.
+    modules = list(dict.fromkeys(item.module for item in session.items))
+    for module in modules:
         prepare = getattr(module, "prepare_in_background", None)
         if prepare is not None:
             background.start(prepare)
+    if _variants_needed:
+        background.start(_build_variants)
 
 
 def pytest_sessionfinish(session, exitstatus):
