@@ -100,6 +100,20 @@ def test_extend_names_what_does_not_fit(random_model):
         llama.extend(torch.tensor([5, 6, 7]), [2], [0], [0], cache)
 
 
+def test_a_first_token_is_handed_out_before_the_steps_decode(model):
+    """on_token sees each token the moment it is picked: a prompt's first token before the
+    decode step of the same scheduler step (a server streams it from there), then one per
+    decode step."""
+    s = Scheduler(model, slots=2, max_len=64, kv_cache="fp32")
+    seen = []
+    s.on_token = lambda r: seen.append((r.id, len(r.output), s.stats["decode_steps"]))
+    a = s.submit(list(range(100, 110)), 3, stop_at_eos=False)
+    s.step()
+    assert seen == [(a.id, 1, 0), (a.id, 2, 1)]  # the prefill's token, then the step's decode
+    s.run()
+    assert seen[2:] == [(a.id, 3, 2)] and a.done
+
+
 def test_each_step_prefills_up_to_chunk_tokens_oldest_first(model):
     """chunk is a token budget per step: short prompts that arrive together are prefilled
     together, a long one a chunk at a time, the oldest first, never more than chunk a step."""

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.serving.scheduler import DEFAULT_CHUNK
 from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, add_options, chat_prompt, generate_kwargs, parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--slots", type=int, default=8, help="sequences decoded together at most (KV cache rows)")
     sv.add_argument("--max-len", type=int, default=None, help="tokens per sequence (default min(context, 2048))")
-    sv.add_argument("--chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step")
+    sv.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                    help=f"prompt tokens prefilled per scheduler step, all prompts together (default {DEFAULT_CHUNK})")
     sv.add_argument("--kv-cache", default=None, help="KV cache format (default the model's switch)")
     sv.add_argument("--kv-kernel", default=None, help="how the cache is read (default the format's)")
     sv.add_argument("--prefix-cache-tokens", type=int, default=0, help="prompt-prefix reuse budget in tokens (0: off)")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from workbench.serving.scheduler import DEFAULT_CHUNK
+
 
 def read_metrics(url: str) -> dict[str, float]:
     """A server's /metrics (Prometheus text) as {name: value}."""
@@ -18,7 +20,7 @@ def read_metrics(url: str) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def server_args(model, *, slots: int = 8, chunk: int = 256, prefix_cache_tokens: int = 0, max_queue: int = 256,
+def server_args(model, *, slots: int = 8, chunk: int = DEFAULT_CHUNK, prefix_cache_tokens: int = 0, max_queue: int = 256,
                 max_len: int | None = None) -> list[str]:
     """`workbench serve` options that load `model` again as load_model() loaded it (its
     load_args), with its weights' dtype and KV cache switch, and the scheduler's settings."""

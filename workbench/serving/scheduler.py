@@ -2,7 +2,7 @@
 runs (usable without Jupyter or HTTP).
 
     from workbench.serving import Scheduler
-    s = Scheduler(model, slots=8, max_len=2048, chunk=256, prefix_cache_tokens=8192)
+    s = Scheduler(model, slots=8, max_len=2048, chunk=2048, prefix_cache_tokens=8192)
     r = s.submit(prompt_ids, max_new_tokens=64)
     while s.busy:
         s.step()                  # admit, up to `chunk` prompt tokens, one decode step of the batch
@@ -35,11 +35,19 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from workbench.model.switches import Switches
 from workbench.runtime.sampling import Sampling, sample
+
+
+# Prompt tokens prefilled per step, as vLLM's CPU server has it (max_num_batched_tokens 2048):
+# prompts that arrive together get their first tokens together. A smaller budget keeps the
+# running requests' inter-token latency down while long prompts arrive, at the cost of the
+# time to first token of the prompts that wait for the next step.
+DEFAULT_CHUNK = 2048
 
 
 class QueueFull(RuntimeError):
@@ -114,7 +122,7 @@ class Scheduler:
     prefix_cache_tokens: the prefix cache's budget in tokens (0: no reuse); block: tokens per
     kept block; max_queue: waiting requests at most (submit raises QueueFull beyond)."""
 
-    def __init__(self, model, *, slots: int = 8, max_len: int | None = None, chunk: int = 256,
+    def __init__(self, model, *, slots: int = 8, max_len: int | None = None, chunk: int = DEFAULT_CHUNK,
                  kv_cache: str | None = None, kv_kernel: str | None = None, prefix_cache_tokens: int = 0,
                  block: int = 16, max_queue: int = 256):
         self.model, self.llama = model, model.llama
@@ -145,6 +153,9 @@ class Scheduler:
         self._ids = itertools.count()
         self.stats = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "reused_bytes": 0,
                       "prefilled_tokens": 0, "decode_steps": 0, "decode_paths": set()}
+        # Called with a request the moment it gets a token (a server streams it from there):
+        # a prompt's first token goes out when its prefill ends, not after the step's decode.
+        self.on_token: Callable[[Request], None] | None = None
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True,
@@ -277,6 +288,8 @@ class Scheduler:
             r.state, r.finish_reason, r.finish_s = "done", reason, now
             del self.running[r.slot]
             finished.append(r)
+        if self.on_token is not None:
+            self.on_token(r)
 
     # -- prefix reuse ----------------------------------------------------------------------
     def _block_keys(self, prompt: list[int], blocks: int) -> list[bytes]:

@@ -49,6 +49,7 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
+        scheduler.on_token = self._on_token
         self.inbox: queue.Queue = queue.Queue()
         self.listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.generated_tokens = 0
@@ -105,9 +106,8 @@ class Engine:
                     item = None
             if not s.busy:
                 continue
-            before = {r.id: len(r.output) for r in s.running.values()}
             try:
-                finished = s.step()
+                s.step()  # each token goes out as it is picked (on_token)
             except Exception:  # a bug, or memory: fail the requests in flight, keep serving
                 import traceback
 
@@ -117,10 +117,10 @@ class Engine:
                     r.finish_reason = "error"
                     self._notify(r)
                 continue
-            for r in [*s.running.values(), *finished]:
-                if len(r.output) > before.get(r.id, 0):
-                    self.generated_tokens += len(r.output) - before.get(r.id, 0)
-                    self._notify(r)
+
+    def _on_token(self, r: Request) -> None:
+        self.generated_tokens += 1
+        self._notify(r)
 
     def _notify(self, r: Request) -> None:
         listener = self.listeners.get(r.id)
