@@ -47,8 +47,13 @@ class Engine:
     is called from the event loop; each new token (or the end) is put on the request's
     asyncio queue as (token ids so far, done)."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, gather_s: float = 0.003):
         self.scheduler = scheduler
+        # Waking from idle, requests that arrive within gather_s of each other are admitted to
+        # the same first step: clients that send together (a burst, a benchmark's concurrency)
+        # are prefilled together, where the first alone would start a step and hold the rest
+        # back by that step. A lone request waits gather_s once.
+        self.gather_s = gather_s
         scheduler.on_token = self._on_token
         self.inbox: queue.Queue = queue.Queue()
         self.listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -85,12 +90,14 @@ class Engine:
         0.5 s while idle: the HTTP thread's health)."""
         s = self.scheduler
         while not self._stop.is_set():
+            idle = not s.busy
             try:  # block while idle; otherwise take what arrived and step
-                item = self.inbox.get(timeout=0.5 if not s.busy else 0)
+                item = self.inbox.get(timeout=0.5 if idle else 0)
             except queue.Empty:
                 item = None
-                if not s.busy and not alive():
+                if idle and not alive():
                     return
+            woke = time.perf_counter()
             while item is not None:
                 kind, request = item
                 if kind == "submit":
@@ -100,8 +107,9 @@ class Engine:
                     self.listeners.pop(request.id, None)
                 elif kind == "stop":
                     return
-                try:
-                    item = self.inbox.get_nowait()
+                try:  # from idle: until gather_s passes with nothing new (10 x gather_s at most)
+                    gather = idle and time.perf_counter() < woke + 10 * self.gather_s
+                    item = self.inbox.get(timeout=self.gather_s) if gather else self.inbox.get_nowait()
                 except queue.Empty:
                     item = None
             if not s.busy:
