@@ -114,6 +114,45 @@ def test_a_first_token_is_handed_out_before_the_steps_decode(model):
     assert seen[2:] == [(a.id, 3, 2)] and a.done
 
 
+def test_a_server_prefills_a_burst_of_requests_in_its_first_step(model):
+    """The server's engine, woken from idle, admits what arrives within gather_s of the last
+    arrival to the same first step: three requests sent 20 ms apart all get their first token
+    from one prefill, none waits behind another's step."""
+    import asyncio
+    import threading
+
+    from workbench.serving.server import Engine
+
+    s = Scheduler(model, slots=4, max_len=64, kv_cache="fp32")
+    engine = Engine(s, gather_s=0.2)
+    firsts, stream = [], engine.scheduler.on_token
+
+    def on_token(r):
+        if len(r.output) == 1:
+            firsts.append(s.stats["decode_steps"])
+        stream(r)
+
+    s.on_token = on_token
+    worker = threading.Thread(target=engine.run)
+    worker.start()
+
+    async def burst():
+        queues = []
+        for i in range(3):
+            queues.append(engine.submit(list(range(100 + i, 110 + i)), 2, stop_at_eos=False)[1])
+            await asyncio.sleep(0.02)
+        for q in queues:
+            while not (await q.get())[1]:
+                pass
+
+    try:
+        asyncio.run(burst())
+    finally:
+        engine.stop()
+        worker.join()
+    assert firsts == [0, 0, 0]  # every first token before the first decode step
+
+
 def test_each_step_prefills_up_to_chunk_tokens_oldest_first(model):
     """chunk is a token budget per step: short prompts that arrive together are prefilled
     together, a long one a chunk at a time, the oldest first, never more than chunk a step."""
