@@ -24,6 +24,7 @@ spent, the bytes read and the floating-point operations done (`StepRecord`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from typing import Callable
@@ -247,6 +248,18 @@ class LlamaModel:
                           flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
                           head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s, path=path)
 
+    def _packed(self, seq_lens: list[int], starts: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Packed pieces (piece b: seq_lens[b] tokens from position starts[b]) -> each piece's
+        offset in the packing (and the end), and the RoPE cos / sin rows of every token."""
+        offsets = list(itertools.accumulate(seq_lens, initial=0))
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])
+        return offsets, self.rope_cos[positions], self.rope_sin[positions]
+
+    @staticmethod
+    def _last_rows(offsets: list[int]) -> torch.Tensor:
+        """The packing's row of each piece's last token."""
+        return torch.tensor([o - 1 for o in offsets[1:]])
+
     def prefill(self, tokens: torch.Tensor, seq_lens: list[int], cache: KVCache, switches: Switches,
                 record: bool = False, all_logits: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         """tokens [T] packed prompts (sequence b has seq_lens[b] tokens, starting at position 0)
@@ -257,11 +270,7 @@ class LlamaModel:
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         backend = attention_backend(switches.attention)
         act = self.attention_dtype
-        offsets = [0]
-        for n in seq_lens:
-            offsets.append(offsets[-1] + n)
-        positions = torch.cat([torch.arange(n) for n in seq_lens])
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        offsets, cos, sin = self._packed(seq_lens, [0] * len(seq_lens))
         start = torch.zeros(1, dtype=torch.int64)
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -279,8 +288,7 @@ class LlamaModel:
         t_layers = clock.t()
         x = self._layers(x, attend, clock, one_pass=True)
         layers_s = clock.t() - t_layers
-        last = torch.tensor([o - 1 for o in offsets[1:]])
-        logits = self._head(x if all_logits else x[last])
+        logits = self._head(x if all_logits else x[self._last_rows(offsets)])
         cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
                                     sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
@@ -310,11 +318,7 @@ class LlamaModel:
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         act = self.attention_dtype
-        offsets = [0]
-        for n in seq_lens:
-            offsets.append(offsets[-1] + n)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        offsets, cos, sin = self._packed(seq_lens, starts)
         at = [torch.tensor([s], dtype=torch.int64) for s in starts]
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -334,7 +338,7 @@ class LlamaModel:
         t_layers = clock.t()
         x = self._layers(x, attend, clock, one_pass=True)
         layers_s = clock.t() - t_layers
-        logits = self._head(x[torch.tensor([o - 1 for o in offsets[1:]])])
+        logits = self._head(x[self._last_rows(offsets)])
         pairs = sum(n * s + n * (n + 1) // 2 for n, s in zip(seq_lens, starts))
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0, pairs,
                                     len(seq_lens))
