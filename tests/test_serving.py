@@ -78,7 +78,11 @@ def test_one_extend_over_several_rows_equals_each_row_alone(random_model, pieces
     logits, _ = llama.extend(tokens, [n for _, n in pieces], rows, [start for start, _ in pieces], together)
     for b, (row, seq, (start, n)) in enumerate(zip(rows, seqs, pieces)):
         ref, _ = llama.extend(seq[start:], [n], [row], [start], alone_)
-        torch.testing.assert_close(logits[b], ref[0], atol=1e-4 * ref.abs().max().item(), rtol=0)
+        # Not bit-equal: at different row counts the products take different kernels (matrix-
+        # vector below the crossover, GEMM above) with other fp32 summation orders, and an int8
+        # cache quantizes keys that differ in their last bits (measured up to 1.4e-4 of the
+        # largest logit over 2 layers); a wrong row, start or position is off by order 1.
+        torch.testing.assert_close(logits[b], ref[0], atol=1e-3 * ref.abs().max().item(), rtol=0)
         for layer in range(len(llama.layers)):
             for a, r in ((together.k, alone_.k), (together.v, alone_.v)):
                 torch.testing.assert_close(a[layer][row, :, :start + n].float(), r[layer][row, :, :start + n].float(),
