@@ -503,8 +503,10 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
   if (!tiles && w.bf16 && M <= kDotMaxTokens) return gemm_dot_bf16(x, w.bf16, y, M, N, K);
   const int64_t k_tiles = (K + kTileK - 1) / kTileK;
   const int64_t kp = k_tiles * kTileK;  // K padded to whole tiles
-  const int64_t tokens_per_block = std::min<int64_t>(kTokens, (M + 31) / 32 * 32);
-  const int64_t m_blocks = (M + tokens_per_block - 1) / tokens_per_block;
+  // As few blocks as hold M at kTokens each, all the same size in whole 32-token blocks (so
+  // that the threads' shares of whole tasks are equal; see linear.cpp's gemm).
+  const int64_t m_blocks = (M + kTokens - 1) / kTokens;
+  const int64_t tokens_per_block = ((M + m_blocks - 1) / m_blocks + 31) / 32 * 32;
   const int64_t token_tiles = tokens_per_block / 16;
   const int64_t block_elems = k_tiles * token_tiles * 512;  // bf16 values of one packed block
   const int64_t n_blocks = (N + kRows - 1) / kRows;

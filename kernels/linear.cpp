@@ -240,7 +240,7 @@ constexpr int kWideMR = kGemmMR;      // rows of W per tile when the tile is 2 v
 constexpr int kNarrowMR = 2 * kGemmMR;  // ... and when it is one vector wide
 constexpr int64_t kTaskRows = 2 * kNarrowMR;  // rows of W per task: whole tiles of either shape
 constexpr int64_t kKC = 128;                  // most K elements per packed slice of W
-constexpr int64_t kTokensPerBlock = 256;      // MC: tokens per block of x^T (a multiple of 2 W)
+constexpr int64_t kTokensPerBlock = 256;      // MC: most tokens per block of x^T (a multiple of 2 W)
 constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
@@ -326,9 +326,11 @@ void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
 template <typename T>
 void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
   const int64_t groups = (K + kGroup - 1) / kGroup;
-  // Tokens per block, rounded up to whole vectors: a batch of 16 decodes as one block of 16.
-  const int64_t mc = std::min(kTokensPerBlock, ((M + W - 1) / W) * W);
-  const int64_t m_blocks = (M + mc - 1) / mc;
+  // As few token blocks as hold M at kTokensPerBlock each, all the same size in whole
+  // vectors (a batch of 16 decodes as one block of 16). Threads take whole tasks: 270
+  // tokens cut 256 + 14 would leave one of two threads idle for most of the call.
+  const int64_t m_blocks = (M + kTokensPerBlock - 1) / kTokensPerBlock;
+  const int64_t mc = ((M + m_blocks - 1) / m_blocks + W - 1) / W * W;
   const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
   const int64_t slices = (K + kKC - 1) / kKC, slice = (K + slices - 1) / slices;  // equal slices <= kKC
   // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
