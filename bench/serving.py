@@ -21,7 +21,8 @@
                 the same weights (the bundled model's F32 GGUF conversion for llama.cpp, its
                 Hugging Face directory in fp32 for vLLM; ours fp32 weights and an fp16 KV
                 cache, as llama.cpp's default f16 KV) under the same load: one request at a
-                time and --concurrency at once, fresh prompts every round, the servers' rounds
+                time and --concurrency at once, prompts new to every server for every load and
+                round (the warm-up's too: vLLM keeps a prefix cache), the servers' rounds
                 interleaved; each peer skipped with the reason where absent
 
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
@@ -107,7 +108,9 @@ def main() -> None:
             run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=64)
             tps = {k: [] for k in cases}
             for round_, name in interleaved_rounds(cases, args.repeats, warmup=1):
-                row = serve_bench(url, **run, concurrency=cases[name], seed=round_ + 200)[0]
+                # new prompts for every load of every round, the warm-up's included
+            seed = 200 + len(cases) * (round_ + 1) + list(cases).index(name)
+            row = serve_bench(url, **run, concurrency=cases[name], seed=seed)[0]
                 if round_ >= 0:
                     tps[name].append(row["output_tokens_per_s"])
         finally:
@@ -242,7 +245,11 @@ def peers(args) -> dict:
             server.start(timeout_s=600)
         cases = [(s, load) for s in servers for load in loads]
         for round_, (name, load) in interleaved_rounds(cases, args.repeats, warmup=1):
-            row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=400 + max(round_, 0))[0]
+            # Prompts new to every server: each (round, load) has its own, the warm-up's
+            # included, so a server's prefix cache (vLLM's is on) never holds a prompt it is
+            # timed on; within a round every server gets the same ones.
+            seed = 400 + len(loads) * (round_ + 1) + list(loads).index(load)
+            row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=seed)[0]
             if round_ >= 0:
                 found[(name, load)].append(row)
     finally:
@@ -264,7 +271,7 @@ def peers(args) -> dict:
                           "TPOT ms p50": ""})
     print_table(table, list(table[0]), title=(
         f"Against the peers' servers: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
-        f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, fresh prompts every round"))
+        f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, new prompts for every load of every round"))
     return {"servers": {k: v.shell_command for k, v in servers.items()}, "skipped": skipped,
             "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
 

@@ -157,6 +157,25 @@ def test_a_server_prefills_a_burst_of_requests_in_its_first_step(model):
     assert firsts == [0, 0, 0]  # every first token before the first decode step
 
 
+def test_a_burst_goes_on_while_requests_keep_its_spacing():
+    """BurstGather (the engine's rule, on given times): a burst goes on while each request
+    follows the last within twice the widest spacing seen (gap_s at least), at most
+    most x gap_s; what it learnt from past bursts widens the wait for the next burst's
+    second request, where a fixed gap most often cut one; a lone request waits gap_s."""
+    from workbench.serving.server import BurstGather
+
+    g = BurstGather(gap_s=0.003, most=10)
+    assert g.deadline([5.0]) == pytest.approx(5.003)  # alone, nothing learnt: gap_s
+    # 2.2 ms then 2.7 ms apart: the next may come up to 5.4 ms after the last
+    assert g.deadline([5.0, 5.0022, 5.0049]) == pytest.approx(5.0049 + 0.0054)
+    assert g.deadline([5.0, 5.001, 5.002]) == pytest.approx(5.005)  # tighter than gap_s: gap_s
+    assert g.deadline([5.0, 5.012, 5.024]) == pytest.approx(5.030)  # never past most x gap_s
+    g.ended([5.0])  # a lone request teaches nothing
+    assert g.deadline([7.0]) == pytest.approx(7.003)
+    for widest in (0.004, 0.005, 0.006):
+        g.ended([1.0, 1.0 + widest, 1.0 + widest + 0.001])
+    assert g.deadline([9.0]) == pytest.approx(9.010)  # twice the median widest, 5 ms
+    assert g.deadline([9.0, 9.0001]) == pytest.approx(9.0101)
 def test_each_step_prefills_up_to_chunk_tokens_oldest_first(model):
     """chunk is a token budget per step: short prompts that arrive together are prefilled
     together, a long one a chunk at a time, the oldest first, never more than chunk a step."""

@@ -25,8 +25,10 @@ default temperature is 0 here, where OpenAI's is 1, so an unspecified request is
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import queue
+import statistics
 import threading
 import time
 import uuid
@@ -42,6 +44,34 @@ class BadRequest(ValueError):
     """What is wrong with a request body, for a 400."""
 
 
+class BurstGather:
+    """When a server that woke from idle stops waiting for more of a burst. A burst goes on
+    while each request follows the last within twice the spacing it allows (gap_s at least),
+    and never beyond most x gap_s after the first; a lone request waits gap_s once.
+
+    The spacing allowed is the widest seen in this burst or, learnt, the median of the
+    widest spacings of the last `history` bursts of two or more: a burst's spacing is the
+    HTTP stack's cost per request on both sides (parse, tokenize; the client's own turn),
+    which depends on the machine and its load. A fixed gap cuts bursts wherever one spacing
+    runs over it, most often between the first request and the second."""
+
+    def __init__(self, gap_s: float, most: int = 10, history: int = 8):
+        self.gap_s, self.most = gap_s, most
+        self.widest: collections.deque[float] = collections.deque(maxlen=history)
+
+    def deadline(self, arrivals: list[float]) -> float:
+        """arrivals: the times this burst's requests were taken (the first woke the server)."""
+        spacing = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
+        learnt = statistics.median(self.widest) if self.widest else 0.0
+        return min(arrivals[0] + self.most * self.gap_s,
+                   arrivals[-1] + max(self.gap_s, 2 * spacing, 2 * learnt))
+
+    def ended(self, arrivals: list[float]) -> None:
+        """Learn from a burst that has ended (a lone request teaches nothing)."""
+        if len(arrivals) > 1:
+            self.widest.append(max(b - a for a, b in zip(arrivals, arrivals[1:])))
+
+
 class Engine:
     """The scheduler's loop, run() on the thread that does the compute (see above). submit()
     is called from the event loop; each new token (or the end) is put on the request's
@@ -49,11 +79,12 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, gather_s: float = 0.003):
         self.scheduler = scheduler
-        # Waking from idle, requests that arrive within gather_s of each other are admitted to
-        # the same first step: clients that send together (a burst, a benchmark's concurrency)
-        # are prefilled together, where the first alone would start a step and hold the rest
-        # back by that step. A lone request waits gather_s once.
+        # Waking from idle, a burst of requests is admitted to the same first step (see
+        # BurstGather): clients that send together (a benchmark's concurrency, the next
+        # wave of a closed loop) are prefilled together, where the first alone would start a
+        # step and hold the rest back by that step. A lone request waits gather_s once.
         self.gather_s = gather_s
+        self.bursts = BurstGather(gather_s)
         scheduler.on_token = self._on_token
         self.inbox: queue.Queue = queue.Queue()
         self.listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -97,7 +128,7 @@ class Engine:
                 item = None
                 if idle and not alive():
                     return
-            woke = time.perf_counter()
+            arrivals = [time.perf_counter()]
             while item is not None:
                 kind, request = item
                 if kind == "submit":
@@ -107,11 +138,14 @@ class Engine:
                     self.listeners.pop(request.id, None)
                 elif kind == "stop":
                     return
-                try:  # from idle: until gather_s passes with nothing new (10 x gather_s at most)
-                    gather = idle and time.perf_counter() < woke + 10 * self.gather_s
-                    item = self.inbox.get(timeout=self.gather_s) if gather else self.inbox.get_nowait()
+                try:  # from idle: until the burst's deadline; otherwise only what is already there
+                    wait = self.bursts.deadline(arrivals) - time.perf_counter() if idle else 0.0
+                    item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
+                    arrivals.append(time.perf_counter())
                 except queue.Empty:
                     item = None
+            if idle:
+                self.bursts.ended(arrivals)
             if not s.busy:
                 continue
             try:
