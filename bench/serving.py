@@ -109,8 +109,8 @@ def main() -> None:
             tps = {k: [] for k in cases}
             for round_, name in interleaved_rounds(cases, args.repeats, warmup=1):
                 # new prompts for every load of every round, the warm-up's included
-            seed = 200 + len(cases) * (round_ + 1) + list(cases).index(name)
-            row = serve_bench(url, **run, concurrency=cases[name], seed=seed)[0]
+                seed = 200 + len(cases) * (round_ + 1) + list(cases).index(name)
+                row = serve_bench(url, **run, concurrency=cases[name], seed=seed)[0]
                 if round_ >= 0:
                     tps[name].append(row["output_tokens_per_s"])
         finally:
