@@ -17,8 +17,9 @@
 //   vector operand is x^T, so W never needs transposing, only widening:
 //   - x is transposed once per call into blocks xt [K][MC] of MC tokens (zero padded);
 //   - a task owns NB rows of W and one block of tokens; for each KC-long slice of K it
-//     widens its NB x KC slice of W into an fp32 buffer (L1-sized, rows kKC apart, so the
-//     micro-kernel's broadcasts use constant offsets);
+//     widens its NB x KC slice of W into an fp32 buffer (L1-sized, rows kKC apart), or,
+//     for fp32 W and a task of NB whole rows, reads the slice where it is (rows K apart):
+//     copying it cost a fifth of a 90-token product at the bundled model's shapes;
 //   - the micro-kernel keeps an MR x (NV W) tile of y^T in registers: per step of K one
 //     or two vector loads of x^T and MR broadcasts of W feed MR x NV FMAs. NV = 2 with
 //     MR = kGemmMR for token blocks wider than one vector, NV = 1 with twice the rows for
@@ -246,7 +247,7 @@ constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
 // of a packed W slice (rows kKC apart) and kc rows of x^T (ldb apart); c is [MR][ldc].
 template <int MR, int NV>
-inline void gemm_tile(int64_t kc, const float* a, const float* b, int64_t ldb, float* c, int64_t ldc,
+inline void gemm_tile(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                       bool accumulate) {
   // Every loop over r and v is unrolled (GCC otherwise keeps a 24-row tile in memory).
   VecF acc[MR][NV];
@@ -260,7 +261,7 @@ inline void gemm_tile(int64_t kc, const float* a, const float* b, int64_t ldb, f
     for (int v = 0; v < NV; ++v) bv[v] = VecF::load(b + p * ldb + v * W);
 #pragma GCC unroll 32
     for (int r = 0; r < MR; ++r) {
-      const VecF av = VecF::set1(a[r * kKC + p]);
+      const VecF av = VecF::set1(a[r * lda + p]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(av, bv[v], acc[r][v]);
     }
@@ -359,7 +360,17 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
       const float* xblock = xt + mb * K * mc;
       for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = std::min(slice, K - k0);
-        pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
+        // fp32 weights of a whole task are read in place (rows K apart); others are widened
+        // (and scaled) into the packed slice, rows kKC apart.
+        const float* a = wp.data();
+        int64_t lda = kKC;
+        if constexpr (std::is_same_v<T, float>) {
+          if (rows == kTaskRows) {
+            a = w + n0 * K + k0;
+            lda = K;
+          }
+        }
+        if (lda == kKC) pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
         // Fetch the next slice of W (this task's, or the next task's first) while the
         // micro-kernels run: the packing loop otherwise waits on memory latency.
         if (k0 + slice < K) {
@@ -372,10 +383,10 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
         for (int64_t j = 0; j < width; j += 2 * W) {
           if (width - j >= 2 * W) {
             for (int64_t r = 0; r < kTaskRows; r += kWideMR)
-              gemm_tile<kWideMR, 2>(kc, wp.data() + r * kKC, b + j, mc, ct.data() + r * mc + j, mc, k0 > 0);
+              gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b + j, mc, ct.data() + r * mc + j, mc, k0 > 0);
           } else {
             for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
-              gemm_tile<kNarrowMR, 1>(kc, wp.data() + r * kKC, b + j, mc, ct.data() + r * mc + j, mc, k0 > 0);
+              gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b + j, mc, ct.data() + r * mc + j, mc, k0 > 0);
           }
         }
       }
