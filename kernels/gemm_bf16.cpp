@@ -184,32 +184,6 @@ WBK_AMX_TARGET void pack_x_block(const float* x, int64_t M, int64_t K, int64_t m
   }
 }
 
-// y[m0 + m][n0 + r] = ct[r][m] for r < rows, m < tokens: 16 x 16 blocks transposed in
-// registers, each stored as 16 consecutive outputs of one token. With `stream`, whole aligned
-// 64-byte pieces of y are written with non-temporal stores (the caller fences once at the end).
-WBK_AMX_TARGET void store_transposed(const float* ct, int64_t ldc, int64_t rows, int64_t tokens, float* y,
-                                     int64_t ldy, bool stream) {
-  for (int64_t m = 0; m < tokens; m += 16) {
-    const int64_t mt = std::min<int64_t>(16, tokens - m);
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-      const int64_t rt = std::min<int64_t>(16, rows - r0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << rt) - 1);
-      __m512i v[16];
-      for (int i = 0; i < 16; ++i)  // rows past `rows` hold what ct holds there: never stored
-        v[i] = _mm512_loadu_si512(ct + (r0 + i) * ldc + m);
-      transpose16(v);
-      for (int64_t i = 0; i < mt; ++i) {
-        float* dst = y + (m + i) * ldy + r0;
-        if (stream && rt == 16 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
-          _mm512_stream_ps(dst, reinterpret_cast<__m512>(v[i]));
-        } else {
-          _mm512_mask_storeu_ps(dst, mask, reinterpret_cast<__m512>(v[i]));
-        }
-      }
-    }
-  }
-}
-
 // The weights a call multiplies by: bf16 rows read in place, or int8 rows (weight-only int8)
 // that the tasks convert to bf16 one slice of K at a time into a buffer of their own: q as it
 // is with per-row scales (exact in bf16: |q| <= 127; the scale is applied to the finished

@@ -37,6 +37,7 @@
 #include "parallel.h"
 #include "prefetch.h"
 #include "simd.h"
+#include "transpose.h"
 
 namespace wbk {
 namespace {
@@ -313,6 +314,19 @@ void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
       const int64_t blk = t / kchunks, k0 = (t % kchunks) * 64, k1 = std::min(K, k0 + 64);
       float* dst = xt + blk * K * mc;
       const int64_t m0 = blk * mc, valid = std::min(mc, M - m0);
+#if defined(WBK_ISA_AVX512)  // 16 tokens x 16 k at a time, transposed in registers (mc: whole vectors)
+      for (int64_t j0 = 0; j0 < mc; j0 += 16) {
+        for (int64_t k = k0; k < k1; k += 16) {
+          const int64_t kt = std::min<int64_t>(16, k1 - k);
+          const __mmask16 mask = static_cast<__mmask16>((1u << kt) - 1);
+          __m512i r[16];
+          for (int64_t i = 0; i < 16; ++i)
+            r[i] = j0 + i < valid ? _mm512_maskz_loadu_epi32(mask, x + (m0 + j0 + i) * K + k) : _mm512_setzero_si512();
+          transpose16(r);
+          for (int64_t p = 0; p < kt; ++p) _mm512_storeu_si512(dst + (k + p) * mc + j0, r[p]);
+        }
+      }
+#else
       for (int64_t j0 = 0; j0 < mc; j0 += 16) {
         const int64_t j1 = std::min(mc, j0 + 16);
         for (int64_t k = k0; k < k1; ++k) {
@@ -320,6 +334,7 @@ void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
           for (int64_t j = j0; j < j1; ++j) out[j] = j < valid ? x[(m0 + j) * K + k] : 0.0f;
         }
       }
+#endif
     }
   });
 }
@@ -390,10 +405,15 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
           }
         }
       }
+#if defined(WBK_ISA_AVX512)
+      static_assert(kTaskRows % 16 == 0, "store_transposed reads whole 16-row blocks of ct");
+      store_transposed(ct.data(), mc, rows, tokens, y + m0 * N + n0, N, false);  // in registers
+#else
       for (int64_t m = 0; m < tokens; ++m) {
         float* out = y + (m0 + m) * N + n0;
         for (int64_t r = 0; r < rows; ++r) out[r] = ct[r * mc + m];
       }
+#endif
     }
   });
 }

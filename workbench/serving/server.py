@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import queue
 import statistics
@@ -386,6 +387,10 @@ def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, 
     import uvicorn
 
     engine = Engine(Scheduler(model, **scheduler_options))
+    # Everything alive now (the model, its tokenizer's tables, the imported modules) lives
+    # as long as the server: out of the collector's reach, a full collection no longer walks
+    # it (gc_collect_main took 3% of a prefill's time in a profile of the scheduler's steps).
+    gc.freeze()
     http = uvicorn.Server(uvicorn.Config(build_app(model, engine, model_name), host=host, port=port,
                                          log_level="warning"))
     # uvicorn installs no signal handlers off the main thread: these end the engine's loop,
