@@ -240,6 +240,7 @@ def peers(args) -> dict:
     loads = {"one at a time": 1, f"concurrency {args.concurrency}": args.concurrency}
     run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=32)
     found = {(s, load): [] for s in servers for load in loads}
+    seeds: set[int] = set()
     try:
         for server in servers.values():  # one at a time: the others are idle while each one loads
             server.start(timeout_s=600)
@@ -249,6 +250,7 @@ def peers(args) -> dict:
             # included, so a server's prefix cache (vLLM's is on) never holds a prompt it is
             # timed on; within a round every server gets the same ones.
             seed = 400 + len(loads) * (round_ + 1) + list(loads).index(load)
+            seeds.add(seed)
             row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=seed)[0]
             if round_ >= 0:
                 found[(name, load)].append(row)
@@ -256,10 +258,12 @@ def peers(args) -> dict:
         for server in servers.values():
             server.stop()
 
+    roof, mean_tokens = prefill_roof_ms(args, loads, run, seeds)
     table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
               "output tokens/s": spread([r["output_tokens_per_s"] for r in rows]),
               "TTFT ms p50": spread([1e3 * r["ttft_s"]["p50"] for r in rows]),
               "TTFT ms p99": spread([1e3 * r["ttft_s"]["p99"] for r in rows]),
+              "TTFT p50 / roof": f"{statistics.median(1e3 * r['ttft_s']['p50'] for r in rows) / roof[load]:.2f}x",
               "TPOT ms p50": spread([1e3 * r["tpot_s"]["p50"] for r in rows])} for (name, load), rows in found.items()]
     ours, *others = list(servers)
     for peer in others:
@@ -268,12 +272,118 @@ def peers(args) -> dict:
                       for a, b in zip(found[(ours, load)], found[(peer, load)])]
             table.append({"server": f"ours / {peer.split(' (')[0]}", "load": load, "done": "",
                           "output tokens/s": spread(ratios, 2, "x"), "TTFT ms p50": "", "TTFT ms p99": "",
-                          "TPOT ms p50": ""})
+                          "TTFT p50 / roof": "", "TPOT ms p50": ""})
     print_table(table, list(table[0]), title=(
         f"Against the peers' servers: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
-        f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, new prompts for every load of every round"))
+        f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, new prompts for every load of every round; "
+        f"roof: the cost model's prefill of one wave (one prompt, or --concurrency at once) at this host's measured peaks, "
+        + ", ".join(f"{load} {ms:.1f} ms" for load, ms in roof.items())))
+    gemm = None
+    if any(name.startswith("vLLM") for name in servers):
+        gemm = gemm_against_vllm(args, {load: b * mean_tokens for load, b in loads.items()}, threads)
     return {"servers": {k: v.shell_command for k, v in servers.items()}, "skipped": skipped,
+            "prefill_roof_ms": roof, "mean_prompt_tokens": mean_tokens, "gemm_against_vllm": gemm,
             "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
+
+
+# Run by the side environment's python: vLLM's fp32 product on CPU (vllm/model_executor/
+# layers/utils.py dispatch_cpu_unquantized_gemm: oneDNN with the weights prepacked once), timed
+# on the shapes given; prints seconds per shape (median of reps) as JSON.
+VLLM_GEMM = """
+import json, statistics, sys, time
+import torch
+from vllm import _custom_ops as ops
+shapes, threads, reps = json.loads(sys.argv[1])
+torch.set_num_threads(threads)
+out = []
+for m, n, k in shapes:
+    x, handler = torch.randn(m, k), ops.create_onednn_mm(torch.randn(n, k).t(), 32)
+    ops.onednn_mm(handler, x, None)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); ops.onednn_mm(handler, x, None); times.append(time.perf_counter() - t0)
+    out.append(statistics.median(times))
+print(json.dumps(out))
+"""
+
+
+def gemm_against_vllm(args, waves: dict[str, int], threads: int) -> dict:
+    """A layer's four products (fp32, the bundled model's shapes) at each load's prefill rows:
+    ours (kernels.linear) against vLLM's (oneDNN, weights prepacked) in its side environment,
+    3 rounds alternating the two; GFLOP/s of the four together and their ratio per round."""
+    import json
+    import subprocess
+
+    import torch
+
+    from workbench import kernels
+    from workbench.model.config import preset
+
+    cfg = preset(args.model)
+    d, f, q, kv = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    nk = [(q + 2 * kv, d), (d, q), (2 * f, d), (d, f)]  # qkv, o, gate | up, down
+    shapes = [(m, n, k) for m in waves.values() for n, k in nk]
+    flops = {load: sum(2 * m * n * k for n, k in nk) for load, m in waves.items()}
+    ours_w = {(n, k): torch.randn(n, k) for n, k in nk}
+
+    def ours() -> list[float]:
+        out = []
+        for m, n, k in shapes:
+            x, y = torch.randn(m, k), torch.empty(m, n)
+            kernels.linear(x, ours_w[(n, k)], out=y)
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                kernels.linear(x, ours_w[(n, k)], out=y)
+                times.append(time.perf_counter() - t0)
+            out.append(statistics.median(times))
+        return out
+
+    def vllm() -> list[float]:
+        done = subprocess.run([args.vllm_python, "-c", VLLM_GEMM, json.dumps([shapes, threads, 20])],
+                              capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cases = {"ours": ours, "vLLM (oneDNN)": vllm}
+    rates = {(name, load): [] for name in cases for load in waves}
+    for round_, name in interleaved_rounds(cases, 3, warmup=0):
+        secs = cases[name]()
+        for i, load in enumerate(waves):
+            rates[(name, load)].append(flops[load] / sum(secs[4 * i:4 * i + 4]) / 1e9)
+    from workbench.kernels.peaks import measured_peaks
+
+    peak = measured_peaks().fma_gflops
+    rows = []
+    for load, m in waves.items():
+        ratios = [a / b for a, b in zip(rates[("ours", load)], rates[("vLLM (oneDNN)", load)])]
+        rows.append({"load": load, "rows": m,
+                     **{f"{name} GFLOP/s (% of FMA peak)": f"{spread(rates[(name, load)], 0)} "
+                                                          f"({100 * statistics.median(rates[(name, load)]) / peak:.0f}%)"
+                        for name in cases},
+                     "ours / vLLM": spread(ratios, 2, "x")})
+    print_table(rows, list(rows[0]), title=(
+        f"Why the times to first token differ: one layer's four fp32 products (qkv, o, gate|up, down) at each load's "
+        f"prefill rows, ours against vLLM's oneDNN with prepacked weights, {threads} threads, 3 rounds alternating "
+        f"(FMA peak {peak:.0f} GFLOP/s)"))
+    return {"gflops": {f"{name} | {load}": v for (name, load), v in rates.items()}, "shapes": shapes}
+
+
+def prefill_roof_ms(args, loads: dict, run: dict, seeds: set[int]) -> dict:
+    """Per load, the cost model's time for the prefill that yields a wave's first tokens: one
+    prompt (one at a time) or --concurrency prompts in one step, each of the mean prompt
+    length (our tokenizer, over every prompt sent) at this host's measured peaks (fp32
+    weights: the FMA roof). The floor under a server's time to first token with that wave's
+    arrival; a server's TTFT over it says how close to the machine its prefill runs."""
+    import workbench as wb
+    from workbench.analysis.costmodel import predict
+    from workbench.analysis.serve_bench import synthetic_prompts
+
+    tokenizer = wb.load_model(args.model).tokenizer
+    lengths = [len(tokenizer.encode(p)) for seed in sorted(seeds)
+               for p in synthetic_prompts(run["num_requests"], run["prompt_tokens"], 0, 0.0, seed)]
+    mean = round(statistics.mean(lengths))
+    return {load: predict(args.model, batch=b, prompt_len=mean, kv_cache="fp16", weight_dtype="fp32").step_ms("prefill")
+            for load, b in loads.items()}, mean
 
 
 def rss_bytes(pid: int) -> int:

@@ -15,7 +15,7 @@
 // linear_gemm, for more rows (batched decode, prefill): compute-bound. It computes
 //   y^T = W x^T with a register-blocked micro-kernel whose broadcast operand is W and whose
 //   vector operand is x^T, so W never needs transposing, only widening:
-//   - x is transposed once per call into blocks xt [K][MC] of MC tokens (zero padded);
+//   - x is transposed once per call into blocks xt [K][MC] of up to MC tokens (zero padded);
 //   - a task owns NB rows of W and one block of tokens; for each KC-long slice of K it
 //     widens its NB x KC slice of W into an fp32 buffer (L1-sized, rows kKC apart), or,
 //     for fp32 W and a task of NB whole rows, reads the slice where it is (rows K apart):
@@ -303,17 +303,34 @@ inline void prefetch_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int6
   }
 }
 
-// xt[blk][k][j] = x[blk mc + j][k] for blocks of mc tokens, zero past M; cache-blocked
-// (16 tokens x 64 k at a time), in parallel when there is enough of it.
-void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
-  const int64_t blocks = (M + mc - 1) / mc;
+// M tokens as blocks of whole vectors, as few as hold them at kTokensPerBlock each and as
+// equal as whole vectors allow (the first ones one vector wider): threads take whole tasks,
+// so 270 tokens cut 256 + 14 would leave one of two threads idle for most of the call, and
+// 680 tokens in equal blocks of 240 would pad 40 where 240 + 224 + 224 pads 8.
+struct TokenBlocks {
+  int64_t count, vecs, extra;  // blocks; vectors in each; the first `extra` blocks hold one more
+  explicit TokenBlocks(int64_t M) {
+    const int64_t total = (M + W - 1) / W;
+    count = (total * W + kTokensPerBlock - 1) / kTokensPerBlock;
+    vecs = total / count;
+    extra = total % count;
+  }
+  int64_t start(int64_t b) const { return W * (b * vecs + std::min(b, extra)); }  // first token
+  int64_t width(int64_t b) const { return W * (vecs + (b < extra)); }             // tokens, padded
+  int64_t padded() const { return start(count); }
+};
+
+// xt holds block b of x^T at xt + start(b) K: [K][width(b)], xt[k][j] = x[start(b) + j][k],
+// zero past M; cache-blocked (16 tokens x 64 k at a time), in parallel when there is enough.
+void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, float* xt) {
+  const int64_t blocks = tb.count;
   const int64_t kchunks = (K + 63) / 64;
   const int64_t grain = M * K >= (int64_t{1} << 16) ? 1 : blocks * kchunks;
   at::parallel_for(0, blocks * kchunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t blk = t / kchunks, k0 = (t % kchunks) * 64, k1 = std::min(K, k0 + 64);
-      float* dst = xt + blk * K * mc;
-      const int64_t m0 = blk * mc, valid = std::min(mc, M - m0);
+      const int64_t m0 = tb.start(blk), mc = tb.width(blk), valid = std::min(mc, M - m0);
+      float* dst = xt + m0 * K;
 #if defined(WBK_ISA_AVX512)  // 16 tokens x 16 k at a time, transposed in registers (mc: whole vectors)
       for (int64_t j0 = 0; j0 < mc; j0 += 16) {
         for (int64_t k = k0; k < k1; k += 16) {
@@ -342,16 +359,13 @@ void transpose_x(const float* x, int64_t M, int64_t K, int64_t mc, float* xt) {
 template <typename T>
 void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
   const int64_t groups = (K + kGroup - 1) / kGroup;
-  // As few token blocks as hold M at kTokensPerBlock each, all the same size in whole
-  // vectors (a batch of 16 decodes as one block of 16). Threads take whole tasks: 270
-  // tokens cut 256 + 14 would leave one of two threads idle for most of the call.
-  const int64_t m_blocks = (M + kTokensPerBlock - 1) / kTokensPerBlock;
-  const int64_t mc = ((M + m_blocks - 1) / m_blocks + W - 1) / W * W;
+  const TokenBlocks tb(M);  // a batch of 16 decodes as one block of 16
+  const int64_t m_blocks = tb.count;
   const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
   const int64_t slices = (K + kKC - 1) / kKC, slice = (K + slices - 1) / slices;  // equal slices <= kKC
   // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
   // prefill's is allocated for this call only, not held for the thread's lifetime.
-  const int64_t xt_size = m_blocks * K * mc;
+  const int64_t xt_size = tb.padded() * K;
   std::unique_ptr<float[]> xt_owned;
   float* xt;
   if (xt_size <= kXtScratchFloats) {
@@ -360,19 +374,19 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
     xt_owned.reset(new float[static_cast<size_t>(xt_size)]);
     xt = xt_owned.get();
   }
-  transpose_x(x, M, K, mc, xt);  // writes every element
+  transpose_x(x, M, K, tb, xt);  // writes every element
 
   // Tasks (token block outer, so a thread's consecutive tasks reuse one block of x^T) are
   // cut into one contiguous range per thread: they cost the same, and a thread then knows
   // which rows of W it reads next and can prefetch them.
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
-    Scratch wp(0, kTaskRows * kKC), ct(1, kTaskRows * mc);
+    Scratch wp(0, kTaskRows * kKC), ct(1, kTaskRows * tb.width(0));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t nb = t % n_blocks, mb = t / n_blocks;
       const int64_t n0 = nb * kTaskRows, rows = std::min(kTaskRows, N - n0);
-      const int64_t m0 = mb * mc, tokens = std::min(mc, M - m0);
+      const int64_t m0 = tb.start(mb), mc = tb.width(mb), tokens = std::min(mc, M - m0);
       const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
-      const float* xblock = xt + mb * K * mc;
+      const float* xblock = xt + m0 * K;
       for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = std::min(slice, K - k0);
         // fp32 weights of a whole task are read in place (rows K apart); others are widened

@@ -123,7 +123,7 @@ def test_linear_bad_input(kernels):
 
 
 def test_linear_long_prefill(kernels):
-    """Enough rows that the GEMM's transposed x (here 9 blocks x 2048 x 240 floats) is
+    """Enough rows that the GEMM's transposed x (here 2,112 padded tokens x 2,048 floats) is
     allocated for the call rather than kept in the thread's scratch."""
     x = torch.randn(2100, 2048)
     w = torch.randn(50, 2048).bfloat16()
