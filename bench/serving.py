@@ -213,6 +213,13 @@ def prefill(args) -> dict:
     return {"seconds": secs, "ratio_each_over_together": ratios, "layer_flops": flops, "fma_peak_gflops": peak}
 
 
+# Each peers case starts this long after the last one ended. Right after vLLM's concurrency
+# round, our first one-at-a-time requests took 110-220 ms against 70-90 for the rest, with
+# vLLM itself idle (2 ticks of CPU in the round): the machine settling after its load (its
+# freed memory goes back to the VM's host). After 2 s of quiet no request was over 92 ms.
+QUIET_S = 2.0
+
+
 def peers(args) -> dict:
     """Ours against the peer servers under the same loads, interleaved (see the docstring)."""
     import torch
@@ -251,6 +258,7 @@ def peers(args) -> dict:
             # timed on; within a round every server gets the same ones.
             seed = 400 + len(loads) * (round_ + 1) + list(loads).index(load)
             seeds.add(seed)
+            time.sleep(QUIET_S)
             row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=seed)[0]
             if round_ >= 0:
                 found[(name, load)].append(row)
