@@ -23,7 +23,7 @@
                 cache, as llama.cpp's default f16 KV) under the same load: one request at a
                 time and --concurrency at once, prompts new to every server for every load and
                 round (the warm-up's too: vLLM keeps a prefix cache), the servers' rounds
-                interleaved; each peer skipped with the reason where absent
+                interleaved, each case after 2 s of quiet; each peer skipped with the reason where absent
 
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
 stopped here with its command in the results.
