@@ -83,10 +83,13 @@ def test_one_extend_over_several_rows_equals_each_row_alone(random_model, pieces
         # cache quantizes keys that differ in their last bits (measured up to 1.4e-4 of the
         # largest logit over 2 layers); a wrong row, start or position is off by order 1.
         torch.testing.assert_close(logits[b], ref[0], atol=1e-3 * ref.abs().max().item(), rtol=0)
+        # The cache's own values: an int8 code may land one step over (hypothesis found a key
+        # at a half-step boundary, 1 of 2304 codes); the float formats within rounding.
+        atol, rtol = (1.0, 0.0) if kv == "int8" else (1e-4, 1e-3)
         for layer in range(len(llama.layers)):
             for a, r in ((together.k, alone_.k), (together.v, alone_.v)):
                 torch.testing.assert_close(a[layer][row, :, :start + n].float(), r[layer][row, :, :start + n].float(),
-                                           atol=1e-4, rtol=1e-3)
+                                           atol=atol, rtol=rtol)
 
 
 def test_extend_names_what_does_not_fit(random_model):
