@@ -50,6 +50,14 @@ from workbench.hw.rounds import interleaved_rounds  # noqa: E402
 from workbench.serving.process import ServerProcess, read_metrics  # noqa: E402
 
 
+def fresh_seed(base: int, round_: int, loads, load) -> int:
+    """The prompts' seed of one load in one round (the warm-up's, -1, included): each pair
+    its own, so a server with a prefix cache (vLLM's is on) is never timed on a prompt it
+    has seen in another load or round."""
+    loads = list(loads)
+    return base + len(loads) * (round_ + 1) + loads.index(load)
+
+
 def spread(xs, digits: int = 1, unit: str = "") -> str:
     """Median (min-max) of one case's rounds, as every table here prints it."""
     return f"{statistics.median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
@@ -108,9 +116,7 @@ def main() -> None:
             run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=64)
             tps = {k: [] for k in cases}
             for round_, name in interleaved_rounds(cases, args.repeats, warmup=1):
-                # new prompts for every load of every round, the warm-up's included
-                seed = 200 + len(cases) * (round_ + 1) + list(cases).index(name)
-                row = serve_bench(url, **run, concurrency=cases[name], seed=seed)[0]
+                row = serve_bench(url, **run, concurrency=cases[name], seed=fresh_seed(200, round_, cases, name))[0]
                 if round_ >= 0:
                     tps[name].append(row["output_tokens_per_s"])
         finally:
@@ -253,10 +259,8 @@ def peers(args) -> dict:
             server.start(timeout_s=600)
         cases = [(s, load) for s in servers for load in loads]
         for round_, (name, load) in interleaved_rounds(cases, args.repeats, warmup=1):
-            # Prompts new to every server: each (round, load) has its own, the warm-up's
-            # included, so a server's prefix cache (vLLM's is on) never holds a prompt it is
-            # timed on; within a round every server gets the same ones.
-            seed = 400 + len(loads) * (round_ + 1) + list(loads).index(load)
+            # within a round every server gets the same prompts
+            seed = fresh_seed(400, round_, loads, load)
             seeds.add(seed)
             time.sleep(QUIET_S)
             row = serve_bench(servers[name].url, **run, concurrency=loads[load], seed=seed)[0]
@@ -382,11 +386,11 @@ def prefill_roof_ms(args, loads: dict, run: dict, seeds: set[int]) -> dict:
     length (our tokenizer, over every prompt sent) at this host's measured peaks (fp32
     weights: the FMA roof). The floor under a server's time to first token with that wave's
     arrival; a server's TTFT over it says how close to the machine its prefill runs."""
-    import workbench as wb
     from workbench.analysis.costmodel import predict
     from workbench.analysis.serve_bench import synthetic_prompts
+    from workbench.model.loaders import gguf_tokenizer
 
-    tokenizer = wb.load_model(args.model).tokenizer
+    tokenizer = gguf_tokenizer()  # the bundled model's, without its weights (as the peers serve it)
     lengths = [len(tokenizer.encode(p)) for seed in sorted(seeds)
                for p in synthetic_prompts(run["num_requests"], run["prompt_tokens"], 0, 0.0, seed)]
     mean = round(statistics.mean(lengths))

@@ -478,7 +478,8 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
   const int64_t k_tiles = (K + kTileK - 1) / kTileK;
   const int64_t kp = k_tiles * kTileK;  // K padded to whole tiles
   // As few blocks as hold M at kTokens each, all the same size in whole 32-token blocks (so
-  // that the threads' shares of whole tasks are equal; see linear.cpp's gemm).
+  // that the threads' shares of whole tasks are equal; see TokenBlocks in linear.cpp, whose
+  // blocks may differ by one vector where these share one packed-x layout).
   const int64_t m_blocks = (M + kTokens - 1) / kTokens;
   const int64_t tokens_per_block = ((M + m_blocks - 1) / m_blocks + 31) / 32 * 32;
   const int64_t token_tiles = tokens_per_block / 16;

@@ -387,6 +387,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
       const int64_t m0 = tb.start(mb), mc = tb.width(mb), tokens = std::min(mc, M - m0);
       const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
       const float* xblock = xt + m0 * K;
+      const bool in_place = std::is_same_v<T, float> && rows == kTaskRows;
       for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = std::min(slice, K - k0);
         // fp32 weights of a whole task are read in place (rows K apart); others are widened
@@ -394,12 +395,12 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
         const float* a = wp.data();
         int64_t lda = kKC;
         if constexpr (std::is_same_v<T, float>) {
-          if (rows == kTaskRows) {
+          if (in_place) {
             a = w + n0 * K + k0;
             lda = K;
           }
         }
-        if (lda == kKC) pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
+        if (!in_place) pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
         // Fetch the next slice of W (this task's, or the next task's first) while the
         // micro-kernels run: the packing loop otherwise waits on memory latency.
         if (k0 + slice < K) {
