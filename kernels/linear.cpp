@@ -19,7 +19,10 @@
 //   - a task owns NB rows of W and one block of tokens; for each KC-long slice of K it
 //     widens its NB x KC slice of W into an fp32 buffer (L1-sized, rows kKC apart), or,
 //     for fp32 W and a task of NB whole rows, reads the slice where it is (rows K apart):
-//     copying it cost a fifth of a 90-token product at the bundled model's shapes;
+//     copying it cost a fifth of a 90-token product at the bundled model's shapes. Not
+//     when the rows are a whole number of L1 ways apart (K = 1024, 2048, 4096, 14336 ...):
+//     then every row's slice falls into the same few L1 sets, the micro-kernel's broadcasts
+//     miss L1 on every new line, and copying the slice measured faster (in_place_fits);
 //   - the micro-kernel keeps an MR x (NV W) tile of y^T in registers: per step of K one
 //     or two vector loads of x^T and MR broadcasts of W feed MR x NV FMAs. NV = 2 with
 //     MR = kGemmMR for token blocks wider than one vector, NV = 1 with twice the rows for
@@ -31,6 +34,7 @@
 #include <memory>
 #include <type_traits>
 
+#include <unistd.h>
 
 #include "gemm.h"
 #include "kernels.h"
@@ -356,6 +360,20 @@ void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, fl
   });
 }
 
+// The bytes of one L1d way: addresses this far apart map to the same set. From the OS where
+// it says (size / associativity), else 4 KB (every x86 core with AVX-512 or AVX2 so far).
+int64_t l1_way_bytes() {
+  static const int64_t bytes = [] {
+    const long size = sysconf(_SC_LEVEL1_DCACHE_SIZE), ways = sysconf(_SC_LEVEL1_DCACHE_ASSOC);
+    return size > 0 && ways > 0 && size % ways == 0 ? static_cast<int64_t>(size / ways) : int64_t{4096};
+  }();
+  return bytes;
+}
+
+// May a task read its rows of fp32 W where they are? Not when the row pitch is a whole number
+// of L1 ways: all of the task's rows then share the same few sets of L1.
+bool in_place_fits(int64_t K) { return (K * static_cast<int64_t>(sizeof(float))) % l1_way_bytes() != 0; }
+
 template <typename T>
 void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
   const int64_t groups = (K + kGroup - 1) / kGroup;
@@ -375,6 +393,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
     xt = xt_owned.get();
   }
   transpose_x(x, M, K, tb, xt);  // writes every element
+  const bool rows_fit = in_place_fits(K);
 
   // Tasks (token block outer, so a thread's consecutive tasks reuse one block of x^T) are
   // cut into one contiguous range per thread: they cost the same, and a thread then knows
@@ -387,7 +406,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
       const int64_t m0 = tb.start(mb), mc = tb.width(mb), tokens = std::min(mc, M - m0);
       const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
       const float* xblock = xt + m0 * K;
-      const bool in_place = std::is_same_v<T, float> && rows == kTaskRows;
+      const bool in_place = std::is_same_v<T, float> && rows == kTaskRows && rows_fit;
       for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = std::min(slice, K - k0);
         // fp32 weights of a whole task are read in place (rows K apart); others are widened

@@ -2,7 +2,9 @@
 on every ISA build, on both of its paths: the matrix-vector kernel (few rows, decode)
 and the packed GEMM (more rows: batched decode, prefill), whose shapes here cover a
 partial block of W rows (N not a multiple of the 48-row task), several K slices of unequal
-length, one- and two-vector token tiles, and several 256-token blocks (M > 256).
+length, one- and two-vector token tiles, and several 256-token blocks (M > 256). fp32 rows
+of W are read where they are, except at K = 1024, whose rows are a whole number of L1 ways
+apart: there the GEMM copies each slice first (both paths are drawn).
 
 Tolerance: the weights are exactly representable in both dtypes (bf16 weights are
 compared against their own fp32 value), so only fp32 accumulation over K terms differs:
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 @given(
     M=st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 530])),
     N=st.integers(1, 130),
-    K=st.sampled_from([1, 7, 64, 129, 576, 1000]),
+    K=st.sampled_from([1, 7, 64, 129, 576, 1000, 1024]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
     seed=st.integers(0, 1000),
