@@ -42,8 +42,9 @@ WBK_AVX512_TARGET inline void transpose16(__m512i r[16]) {
 // y[m0 + m][n0 + r] = ct[r][m] for r < rows, m < tokens: 16 x 16 blocks transposed in
 // registers, each stored as 16 consecutive outputs of one token. With `stream`, whole aligned
 // 64-byte pieces of y are written with non-temporal stores (the caller fences once at the end).
+// With `add`, y[m0 + m][n0 + r] += ct[r][m] instead (never streamed).
 WBK_AVX512_TARGET inline void store_transposed(const float* ct, int64_t ldc, int64_t rows, int64_t tokens, float* y,
-                                                int64_t ldy, bool stream) {
+                                                int64_t ldy, bool stream, bool add = false) {
   for (int64_t m = 0; m < tokens; m += 16) {
     const int64_t mt = std::min<int64_t>(16, tokens - m);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
@@ -55,7 +56,10 @@ WBK_AVX512_TARGET inline void store_transposed(const float* ct, int64_t ldc, int
       transpose16(v);
       for (int64_t i = 0; i < mt; ++i) {
         float* dst = y + (m + i) * ldy + r0;
-        if (stream && rt == 16 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+        if (add) {
+          const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), reinterpret_cast<__m512>(v[i]));
+          _mm512_mask_storeu_ps(dst, mask, sum);
+        } else if (stream && rt == 16 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
           _mm512_stream_ps(dst, reinterpret_cast<__m512>(v[i]));
         } else {
           _mm512_mask_storeu_ps(dst, mask, reinterpret_cast<__m512>(v[i]));

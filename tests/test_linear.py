@@ -124,6 +124,36 @@ def test_linear_bad_input(kernels):
         kernels.linear(torch.randn(2, 8).double(), torch.randn(3, 8))
 
 
+@pytest.mark.parametrize("N", [50, 96])  # a partial 48-row task; whole tasks (fp32 rows read in place)
+def test_gemm_over_several_panels_of_k(kernels, N):
+    """K long enough that a block of x^T over all of it exceeds any L2 up to 2 MB: the FMA GEMM
+    then runs K in panels, the first writing y and the later ones adding to it. fp32, bf16
+    and int8 weights (per row and per 32) on the FMA engine, against float64."""
+    from workbench.kernels import quantize_weight_int8
+
+    gen = torch.Generator().manual_seed(7)
+    M, K = 300, 4100
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen)
+    q_row, s_row = quantize_weight_int8(w)
+    q_g, s_g = quantize_weight_int8(w, 32)
+    cases = {  # name: (weights, scale, the weights the kernel multiplies by)
+        "fp32": (w, None, w.double()),
+        "bf16": (w.bfloat16(), None, w.bfloat16().double()),
+        "int8": (q_row, s_row, q_row.double() * s_row.double()[:, None]),
+        "int8-g32": (q_g, s_g, (q_g.float() * s_g.repeat_interleave(32, dim=1)[:, :K]).double()),
+    }
+    try:
+        kernels.set_gemm_engine("fma")
+        for name, (weights, s, dense) in cases.items():
+            y = kernels.linear(x, weights, **({"scale": s} if s is not None else {}))
+            ref = x.double() @ dense.t()
+            scale = K**0.5 * x.abs().max().item() * dense.abs().max().item()
+            torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{name}: {m}")
+    finally:
+        kernels.set_gemm_engine("auto")
+
+
 def test_linear_long_prefill(kernels):
     """Enough rows that the GEMM's transposed x (here 2,112 padded tokens x 2,048 floats) is
     allocated for the call rather than kept in the thread's scratch."""
