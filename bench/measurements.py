@@ -115,13 +115,17 @@ def render(runs: list[tuple[str, dict]]) -> str:
 
 
 def add(paths: list[Path]) -> None:
-    """Copy results into docs/results/, named by day, host and benchmark."""
+    """Copy results into docs/results/, named by day, host and benchmark. The host is its CPU
+    model, ISA and L1d size: a cloud VM may call two CPU generations by one model name (AMD EPYC
+    for Zen 4 and Zen 5), and the L1d tells them apart."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     for path in paths:
         env = read_result(path)["environment"]
         host = re.sub(r"[^a-z0-9]+", "-", env["machine"]["cpu_model"].lower()).strip("-")
         isa = env["kernels"].get("isa", "unknown")
-        target = RESULTS / f"{env['time'][:10]}-{host}-{isa}-{path.stem}.json"
+        l1d = next((c["size_bytes"] for c in env["machine"].get("caches", []) if c["level"] == 1 and c["kind"] == "Data"),
+                   0)
+        target = RESULTS / f"{env['time'][:10]}-{host}-{isa}-l1d-{l1d >> 10}k-{path.stem}.json"
         shutil.copyfile(path, target)
         print(f"added {target.relative_to(ROOT)}")
 
