@@ -37,6 +37,7 @@
 #include <mutex>
 #include <string>
 
+#include "cache.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
@@ -298,11 +299,7 @@ static_assert(kRows % kDpRows == 0, "a task's rows are whole blocks");
 // L1d, the rest is for the rows of w streaming through (smaller and larger slices measured
 // slower).
 int64_t dp_pairs_per_slice() {
-  static const int64_t pairs = [] {
-    long l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    if (l1d <= 0) l1d = 32 * 1024;  // not reported: the smallest L1d of a CPU with AVX512-BF16
-    return std::max<int64_t>(64, l1d * 2 / 3 / (32 * 4) / 16 * 16);
-  }();
+  static const int64_t pairs = std::max<int64_t>(64, l1d_bytes() * 2 / 3 / (32 * 4) / 16 * 16);
   return pairs;
 }
 

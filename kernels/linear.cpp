@@ -36,8 +36,7 @@
 #include <memory>
 #include <type_traits>
 
-#include <unistd.h>
-
+#include "cache.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -362,16 +361,6 @@ void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, fl
   });
 }
 
-// The bytes of one L1d way: addresses this far apart map to the same set. From the OS where
-// it says (size / associativity), else 4 KB (every x86 core with AVX-512 or AVX2 so far).
-int64_t l1_way_bytes() {
-  static const int64_t bytes = [] {
-    const long size = sysconf(_SC_LEVEL1_DCACHE_SIZE), ways = sysconf(_SC_LEVEL1_DCACHE_ASSOC);
-    return size > 0 && ways > 0 && size % ways == 0 ? static_cast<int64_t>(size / ways) : int64_t{4096};
-  }();
-  return bytes;
-}
-
 // May a task read its rows of fp32 W where they are? Not when the row pitch is a whole number
 // of L1 ways: all of the task's rows then share the same few sets of L1.
 bool in_place_fits(int64_t K) { return (K * static_cast<int64_t>(sizeof(float))) % l1_way_bytes() != 0; }
@@ -382,11 +371,7 @@ bool in_place_fits(int64_t K) { return (K * static_cast<int64_t>(sizeof(float)))
 // the L2 measured slower at the bundled model's shapes). Each panel is one parallel pass over
 // all tasks; the first writes y, the later ones add to it.
 int64_t panel_length(int64_t K, int64_t slice, int64_t tokens) {
-  static const int64_t l2 = [] {
-    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;
-  }();
-  const int64_t fit = l2 / (tokens * static_cast<int64_t>(sizeof(float)));  // K values of x^T that fit
+  const int64_t fit = l2_bytes() / (tokens * static_cast<int64_t>(sizeof(float)));  // K values of x^T that fit
   return std::min(K, std::max<int64_t>(1, fit / slice) * slice);
 }
 

@@ -55,3 +55,11 @@ def rope_reference(x, cos, sin, heads: int, head_dim: int) -> torch.Tensor:
     rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
     out[:, :n] = (h * cos.double()[:, None] + rotated * sin.double()[:, None]).reshape(x.shape[0], n)
     return out
+
+
+def int8_weights_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights weight-only int8 stands for: q [N, K] times its scale, one per row
+    (scale [N]) or one per 32 weights of a row (scale [N, ceil(K / 32)])."""
+    if scale.dim() == 1:
+        return q.float() * scale[:, None]
+    return q.float() * scale.repeat_interleave(32, dim=1)[:, : q.shape[1]]

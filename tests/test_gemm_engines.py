@@ -19,6 +19,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from reference import int8_weights_reference
+
 
 def runnable(kernels) -> list[str]:
     return [name for name, (ok, _) in kernels.gemm_engines().items() if ok]
@@ -56,7 +58,7 @@ def check_engines(kernels, engines, M, N, K, seed):
     w32 = torch.randn(N, K, generator=gen)
     q, row_scale = quantize_weight_int8(w32)
     qg, group_scale = quantize_weight_int8(w32, 32)
-    grouped = qg.float() * group_scale.repeat_interleave(32, dim=1)[:, :K]
+    grouped = int8_weights_reference(qg, group_scale)
     for engine in engines:
         kernels.set_gemm_engine(engine)
         assert kernels.gemm_engine() == engine

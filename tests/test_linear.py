@@ -20,6 +20,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from reference import int8_weights_reference
+
 
 @given(
     M=st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 530])),
@@ -67,7 +69,7 @@ def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, 
     if group is None:
         deq = q.double() * s.double()[:, None]
     else:
-        deq = q.float() * s.repeat_interleave(32, dim=1)[:, :K]
+        deq = int8_weights_reference(q, s)
         deq = (deq.bfloat16() if on_engine else deq).double()
     ref = (x.bfloat16() if on_engine else x).double() @ deq.t()
     scale = K**0.5 * x.abs().max().item() * deq.abs().max().item()
@@ -140,8 +142,8 @@ def test_gemm_over_several_panels_of_k(kernels, N):
     cases = {  # name: (weights, scale, the weights the kernel multiplies by)
         "fp32": (w, None, w.double()),
         "bf16": (w.bfloat16(), None, w.bfloat16().double()),
-        "int8": (q_row, s_row, q_row.double() * s_row.double()[:, None]),
-        "int8-g32": (q_g, s_g, (q_g.float() * s_g.repeat_interleave(32, dim=1)[:, :K]).double()),
+        "int8": (q_row, s_row, int8_weights_reference(q_row, s_row).double()),
+        "int8-g32": (q_g, s_g, int8_weights_reference(q_g, s_g).double()),
     }
     try:
         kernels.set_gemm_engine("fma")
