@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension as cpp
@@ -70,6 +71,26 @@ def test_missing_compiler_is_a_clear_error(tmp_path):
     assert r.returncode != 0
     assert "KernelBuildError: no C++ compiler found" in r.stderr
     assert "no-such-compiler" in r.stderr
+
+
+def test_processes_with_and_without_the_environment_on_path_share_one_build():
+    """A notebook's shell has the environment activated; an engine started over ssh, or CI's
+    `.venv/bin/python -m pytest`, has not. Each finds a different `ninja` on PATH if the system
+    has one, and two ninja versions discard each other's build log: every load rebuilt every
+    source. Loads from both kinds of process must leave the objects as they are."""
+    from workbench.kernels._build import _build_dir
+
+    code = "from workbench.kernels import native; native.ext"
+    activated = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]))
+    bare = dict(os.environ, PATH="/usr/bin:/bin")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=activated)
+    assert first.returncode == 0, first.stderr[-2000:]
+    objects = sorted(_build_dir("native").glob("*.o"))
+    assert objects
+    built = {o.name: o.stat().st_mtime_ns for o in objects}
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=bare)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert {o.name: o.stat().st_mtime_ns for o in objects} == built
 
 
 def test_the_streaming_kernels_really_prefetch(tmp_path):

@@ -65,6 +65,22 @@ def test_a_killed_engine_is_a_clear_error_and_nothing_is_left(single):
     Cluster(2, backend="gloo").start().stop()  # and a new cluster can start
 
 
+def test_the_controller_options_we_pass_exist():
+    """ipyparallel's controller only logs a warning for an option it does not know, and the
+    setting is lost (a misspelt heartbeat limit once left engines declared dead after 5 s of
+    silence instead of 10): every --Class.option we pass names a configurable trait."""
+    from ipyparallel.controller.heartmonitor import HeartMonitor
+
+    from workbench.distributed.cluster import CONTROLLER_ARGS
+
+    classes = {"HeartMonitor": HeartMonitor}
+    for arg in CONTROLLER_ARGS:
+        name, _, value = arg.removeprefix("--").partition("=")
+        cls, _, trait = name.partition(".")
+        assert trait in classes[cls].class_traits(config=True), f"{arg}: {cls} has no option {trait!r}"
+        assert value
+
+
 def test_bad_cluster_arguments_are_clear():
     with pytest.raises(ValueError, match="positive integer"):
         Cluster(0)

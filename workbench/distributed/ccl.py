@@ -59,15 +59,16 @@ def extension():
         from torch.utils.cpp_extension import load
 
         from workbench.cache import cache_dir, cpu_key
-        from workbench.kernels._build import SOURCE_DIR
+        from workbench.kernels._build import SOURCE_DIR, our_ninja
 
         prefix = ccl_prefix()
         build = cache_dir() / "kernels" / f"ccl-{cpu_key()}"
         build.mkdir(parents=True, exist_ok=True)
-        _ext = load(name="workbench_ccl", sources=[str(SOURCE_DIR / "ccl_comm.cpp")],
-                    extra_include_paths=[str(prefix / "include")], extra_cflags=["-O2"],
-                    extra_ldflags=[f"-L{prefix / 'lib'}", "-l:libccl.so.1", f"-Wl,-rpath,{prefix / 'lib'}"],
-                    build_directory=str(build))
+        with our_ninja():  # the same ninja in every process, as for the kernels
+            _ext = load(name="workbench_ccl", sources=[str(SOURCE_DIR / "ccl_comm.cpp")],
+                        extra_include_paths=[str(prefix / "include")], extra_cflags=["-O2"],
+                        extra_ldflags=[f"-L{prefix / 'lib'}", "-l:libccl.so.1", f"-Wl,-rpath,{prefix / 'lib'}"],
+                        build_directory=str(build))
     return _ext
 
 

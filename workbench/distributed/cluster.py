@@ -40,6 +40,11 @@ from workbench.model.timing import Timings
 
 LAUNCHERS = ("local", "mpi", "ssh", "slurm")
 HEARTBEAT_MS = 500  # the controller's heartbeat period (see Cluster.start)
+# The hub accepts a registered engine only at its next heartbeat, two beats after it connects:
+# at ipyparallel's default 3 s period every start waited about 6 s for that. A 0.5 s beat with
+# 20 misses allowed still takes 10 s of silence to call an engine dead. (A misspelt option is
+# only a warning in the controller's log: tests/test_distributed_lifecycle.py checks the names.)
+CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", "--HeartMonitor.max_heartmonitor_misses=20")
 _running: Cluster | None = None
 
 
@@ -167,12 +172,8 @@ class Cluster:
                     ssh.remote_python = sys.executable
             if env:
                 config.BaseLauncher.environment = {**config.BaseLauncher.get("environment", {}), **env}
-            # The hub accepts a registered engine only at its next heartbeat, two beats after it
-            # connects: at ipyparallel's default 3 s period every start waited about 6 s for that.
-            # A 0.5 s beat with 20 misses allowed still takes 10 s of silence to call an engine dead.
             self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40,
-                                           config=config, controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
-                                                                           "--HeartMonitor.max_heartbeat_misses=20"])
+                                           config=config, controller_args=list(CONTROLLER_ARGS))
             self.client = self.ipp_cluster.start_and_connect_sync(activate=False)
             self.client.wait_for_engines(self.n, timeout=120)
             try:  # %px / %%px on these engines, for power users in IPython

@@ -111,6 +111,29 @@ def _build_dir(variant: str, sources_key: str | None = None) -> Path:
     return cache_dir() / "kernels" / f"{variant}-{cpu_key()}-{sources_key or _sources_key(variant)}"
 
 
+@contextlib.contextmanager
+def our_ninja():
+    """PATH with the `ninja` installed beside this Python (the `ninja` package, a dependency)
+    first, while torch builds. Another ninja on PATH (a distribution's, found by a process
+    started without the environment activated, such as an engine started over ssh) keeps its
+    build log in another format version: each reads the other's log as invalid and recompiles
+    every source, so two such processes sharing one build folder rebuilt it in turn (over a
+    minute each on two cores)."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        yield  # not installed: whichever ninja PATH finds (_check_toolchain says if none)
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([bin_dir, before]) if before else bin_dir
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def _check_toolchain() -> None:
     if shutil.which(compiler()) is None:
         raise KernelBuildError(
@@ -155,14 +178,14 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
     with _lock:
         if variant in _modules:
             return _modules[variant]
-        _check_toolchain()
         from torch.utils.cpp_extension import load
 
         sources_key = _sources_key(variant)  # reads every source once: the build folder and the crossover's cache
         build_dir = _build_dir(variant, sources_key)
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            with _build_claim(build_dir):
+            with our_ninja(), _build_claim(build_dir):
+                _check_toolchain()
                 module = load(
                     name=f"workbench_kernels_{variant}",
                     sources=[str(SOURCE_DIR / s) for s in SOURCES],
@@ -171,6 +194,8 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
                     build_directory=str(build_dir),
                     verbose=verbose,
                 )
+        except KernelBuildError:
+            raise  # the toolchain's own error says what is missing
         except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
             raise KernelBuildError(
                 f"building the {variant!r} kernels in {build_dir} failed: {e}. "
