@@ -443,6 +443,21 @@ void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std) {
   }
 }
 
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const char* fn = "rms_norm";
+  check_tensor(x, fn, "x", 2, "[T, n]");
+  check_tensor(weight, fn, "weight", 1, "[n]");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kFloat, fn, ": weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.size(0) == x.size(1), fn, ": weight has ", weight.size(0), " values for rows of ", x.size(1));
+  TORCH_CHECK_VALUE(eps > 0 && std::isfinite(eps), fn, ": eps must be a finite number > 0, got ", eps);
+  Tensor out = at::empty_like(x);
+  if (out.numel() > 0)
+    wbk::rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                       static_cast<float>(eps));
+  return out;
+}
+
 Tensor silu_mul(const Tensor& gate_up) {
   const char* fn = "silu_mul";
   check_tensor(gate_up, fn, "gate_up", 2, "[T, 2F]");
@@ -805,6 +820,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fill_normal_", &fill_normal_, py::arg("out"), py::arg("seed"), py::arg("stream"), py::arg("std"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_cache_append", &kv_cache_append, py::arg("cache"), py::arg("values"), py::arg("positions"),

@@ -174,6 +174,12 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
   return wake_s;
 }
 
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t n, float eps) {
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(x + t * n, w, y + t * n, n, eps);
+  });
+}
+
 void silu_mul_rows(const float* gate_up, float* out, int64_t T, int64_t F) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) silu_mul_row(gate_up + t * 2 * F, gate_up + t * 2 * F + F, out + t * F, F);

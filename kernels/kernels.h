@@ -166,6 +166,10 @@ double amx_int8_loop(int64_t iterations_per_thread);
 // The same for vdpbf16ps on 16 independent accumulators (0 where AVX512-BF16 may not run).
 double avx512_bf16_loop(int64_t iterations_per_thread);
 
+// y [T, n] = each row of x [T, n] / sqrt(mean(row^2) + eps) * w [n] (decode_step.cpp's row
+// function, rows in parallel): a prefill's norms in one pass each.
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t n, float eps);
+
 // out [T, F] = SiLU(gate) * up for each row [gate | up] of gate_up [T, 2F] (decode_step.cpp's
 // row function, rows in parallel): the MLP's activation of a prefill in one pass.
 void silu_mul_rows(const float* gate_up, float* out, int64_t T, int64_t F);

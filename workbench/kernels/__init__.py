@@ -266,6 +266,15 @@ class KernelSet:
         self.ext.rope_(x, cos, sin, _positive_int("heads", heads, 0), _positive_int("head_dim", head_dim))
         return x
 
+    def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
+        """RMSNorm of each row in one pass: x [T, n] fp32, weight [n] fp32 ->
+        x / sqrt(mean(x^2) + eps) * weight [T, n], rows in parallel (the fused decode step's
+        row function)."""
+        _check_tensor_args(x=x, weight=weight)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        return self.ext.rms_norm(x, weight, float(eps))
+
     def silu_mul(self, gate_up) -> torch.Tensor:
         """The MLP's activation in one pass: gate_up [T, 2F] fp32 (each row [gate | up], as the
         fused gate/up product writes it) -> SiLU(gate) * up [T, F]."""
@@ -430,5 +439,6 @@ gemm_engines = native.gemm_engines
 matvec_max_rows = native.matvec_max_rows
 rope_ = native.rope_
 silu_mul = native.silu_mul
+rms_norm = native.rms_norm
 random_normal = native.random_normal
 decode_stack = native.decode_stack
