@@ -129,12 +129,12 @@ class GlooComm(Communicator):
         except RuntimeError as e:
             raise CommError(f"gloo collective on rank {self.rank} failed: {e}") from None
 
-    # gloo's own all-reduce and all-gather run a ring of chunks with notifications: a few KB
-    # (one decode step's activations) took 0.5-1.5 ms between two processes on one host, where
-    # one pair of point-to-point messages took about 0.1 ms. Payloads up to DIRECT_BYTES per
-    # peer therefore go straight to every peer (one round of messages, the same bytes as the
-    # ring when there are two ranks), and every rank sums the parts in rank order, so all
-    # ranks hold the same bits. Larger ones use gloo's collectives.
+    # gloo's own all-reduce and all-gather run a ring of chunks with notifications: several
+    # round trips even for a decode step's few KB, where one exchange of point-to-point
+    # messages is one (an order of magnitude apart between two processes on one host).
+    # Payloads up to DIRECT_BYTES per peer therefore go straight to every peer (one round of
+    # messages, the same bytes as the ring when there are two ranks), and every rank sums the
+    # parts in rank order, so all ranks hold the same bits. Larger ones use gloo's collectives.
     DIRECT_BYTES = 1 << 20
 
     def _direct(self, x) -> bool:

@@ -117,8 +117,8 @@ def our_ninja():
     first, while torch builds. Another ninja on PATH (a distribution's, found by a process
     started without the environment activated, such as an engine started over ssh) keeps its
     build log in another format version: each reads the other's log as invalid and recompiles
-    every source, so two such processes sharing one build folder rebuilt it in turn (over a
-    minute each on two cores)."""
+    every source, so two such processes sharing one build folder rebuilt it in turn (a full
+    compile at every start of one or the other)."""
     try:
         import ninja
 
