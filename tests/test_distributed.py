@@ -93,9 +93,13 @@ def test_the_ffn_split_balances_each_ranks_weight_bytes(kv_heads, group, head_di
 
 def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
     cluster, model = tp2
+    # 64 tokens on the backends the fused step is measured on (shm, ccl). gloo's ranks sleep
+    # between messages and each collective waits for their wake-ups, the longest part of this
+    # module on a VM; 16 tokens x 3 prompts still put thousands of its collectives through.
+    new_tokens = 16 if cluster.backend == "gloo" else 64
     for prompt in PROMPTS:
-        ours = model.generate(prompt, max_new_tokens=64, stop_at_eos=False)
-        ref = single.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        ours = model.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
+        ref = single.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
         assert ours.token_ids == ref.token_ids, prompt
         ids = single.tokenizer.encode(prompt)
         a, b = model.logits(ids), single.logits(ids)
