@@ -180,27 +180,26 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
             return _modules[variant]
         from torch.utils.cpp_extension import load
 
-        sources_key = _sources_key(variant)  # reads every source once: the build folder and the crossover's cache
-        build_dir = _build_dir(variant, sources_key)
-        build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            with our_ninja(), _build_claim(build_dir):
-                _check_toolchain()
-                module = load(
-                    name=f"workbench_kernels_{variant}",
-                    sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                    extra_cflags=[*BASE_FLAGS, *VARIANT_FLAGS[variant]],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir),
-                    verbose=verbose,
-                )
-        except KernelBuildError:
-            raise  # the toolchain's own error says what is missing
-        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
-            raise KernelBuildError(
-                f"building the {variant!r} kernels in {build_dir} failed: {e}. "
-                f"Run `python -m workbench.kernels --info --verbose` to see the compiler output."
-            ) from e
+        with our_ninja():
+            _check_toolchain()
+            sources_key = _sources_key(variant)  # reads every source once: the build folder and the crossover's cache
+            build_dir = _build_dir(variant, sources_key)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                with _build_claim(build_dir):
+                    module = load(
+                        name=f"workbench_kernels_{variant}",
+                        sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                        extra_cflags=[*BASE_FLAGS, *VARIANT_FLAGS[variant]],
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir),
+                        verbose=verbose,
+                    )
+            except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+                raise KernelBuildError(
+                    f"building the {variant!r} kernels in {build_dir} failed: {e}. "
+                    f"Run `python -m workbench.kernels --info --verbose` to see the compiler output."
+                ) from e
         from workbench.kernels import crossover, prefetch
 
         prefetch.apply(module, measure_if_missing=variant == "native")  # measured for this host, once
