@@ -67,6 +67,17 @@ print("STILL ALIVE", 1 + 1)
     assert "STILL ALIVE 2" in r.stdout  # the session goes on
 
 
+def test_a_profile_py_spy_could_not_write_is_a_clear_error(tmp_path):
+    """py-spy attaches and samples, then cannot write its file (here the output path is a
+    directory): the error says so and what py-spy said, not a FileNotFoundError from reading it."""
+    from workbench.analysis.profile import ProfilerUnavailable, profile
+
+    out = tmp_path / "taken.json"
+    out.mkdir()
+    with pytest.raises(ProfilerUnavailable, match="py-spy wrote no profile of pid"):
+        profile(lambda: sum(range(10)), rate=100, out=out)
+
+
 def test_profile_bad_arguments(tmp_path):
     r = ipython("""
 %load_ext workbench

@@ -106,6 +106,13 @@ class _Recorder:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise ProfilerUnavailable(f"py-spy did not finish writing {self.out} within {STOP_TIMEOUT_S:.0f} s")
+        if not self.out.is_file():  # it said it was sampling, then failed (a denied attach can show up late)
+            said = [line.strip() for line in self.lines if line.strip()]
+            denied = any(w in line.lower() for line in said for w in ("permission denied", "not permitted", "eperm",
+                                                                        "ptrace"))
+            raise ProfilerUnavailable(f"py-spy wrote no profile of pid {self.pid} (exit code {self.proc.returncode}"
+                                      f"; it said: {' | '.join(said[-3:]) or 'nothing'})"
+                                      + (f". {_ptrace_advice()}" if denied else ""))
 
 
 def summarize(speedscope: Path, top: int = 15, thread: str | None = "MainThread") -> dict:
