@@ -31,6 +31,11 @@
 //     the last (or only) vector of tokens, so batch 16 decode wastes no lanes;
 //   - the task's y^T tile, accumulated over the K slices in a small buffer, is written
 //     transposed into y.
+//   Vectorizing over output features instead (x broadcast, W transposed per task into
+//   panels of whole vectors of features, gemm.h's micro-kernel) wastes no lanes on a token
+//   count that is not whole vectors; it measured faster on a lone product of a prompt's
+//   shape but no faster inside a prefill, where the transposing reads W from memory, so it
+//   is not here. Weights packed that way at load would remove the transposing.
 #include <algorithm>
 #include <atomic>
 #include <memory>
