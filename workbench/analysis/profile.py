@@ -59,6 +59,9 @@ def _ptrace_advice() -> str:
     return advice
 
 
+DENIED_WORDS = ("permission denied", "not permitted", "eperm", "ptrace")  # py-spy's ways of saying no
+
+
 class _Recorder:
     """One `py-spy record` attached to pid, writing speedscope JSON to `out`."""
 
@@ -90,13 +93,16 @@ class _Recorder:
         if self.proc.poll() is not None:
             self.proc.wait()
             time.sleep(0.05)  # the reader thread's last lines
-            said = [line.strip() for line in self.lines if line.strip()]
-            denied = [line for line in said if any(w in line.lower() for w in ("permission denied", "not permitted",
-                                                                                "eperm", "ptrace"))]
+            said, denied = self._said()
             if denied:
                 raise ProfilerUnavailable(f"{_ptrace_advice()} (py-spy said: {denied[0]})")
             raise ProfilerUnavailable(f"py-spy exited at start (code {self.proc.returncode}): "
                                       f"{' | '.join(said[:3]) or 'no output'}")
+
+    def _said(self) -> tuple[list[str], list[str]]:
+        """py-spy's non-empty output lines, and those of them that say it may not attach."""
+        said = [line.strip() for line in self.lines if line.strip()]
+        return said, [line for line in said if any(w in line.lower() for w in DENIED_WORDS)]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -107,9 +113,7 @@ class _Recorder:
             self.proc.kill()
             raise ProfilerUnavailable(f"py-spy did not finish writing {self.out} within {STOP_TIMEOUT_S:.0f} s")
         if not self.out.is_file():  # it said it was sampling, then failed (a denied attach can show up late)
-            said = [line.strip() for line in self.lines if line.strip()]
-            denied = any(w in line.lower() for line in said for w in ("permission denied", "not permitted", "eperm",
-                                                                        "ptrace"))
+            said, denied = self._said()
             raise ProfilerUnavailable(f"py-spy wrote no profile of pid {self.pid} (exit code {self.proc.returncode}"
                                       f"; it said: {' | '.join(said[-3:]) or 'nothing'})"
                                       + (f". {_ptrace_advice()}" if denied else ""))
