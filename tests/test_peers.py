@@ -88,7 +88,10 @@ def test_harness_runs_engines_in_their_own_processes_interleaved(tmp_path):
     r = hf["ours_over_peer"]
     assert r["min"] <= r["median"] <= r["max"] and r["median"] > 0
     assert hf["same_tokens_as_workbench_fp32"] == 6  # fp32 on the same weights: the same greedy tokens
-    assert "ours_over_peer" not in ok["workbench fp32"]
+    p = hf["ours_over_peer_prefill"]  # its time to first token over ours, paired the same way
+    assert p["min"] <= p["median"] <= p["max"] and p["median"] == pytest.approx(
+        hf["prefill_ms"]["median"] / ok["workbench fp32"]["prefill_ms"]["median"])
+    assert "ours_over_peer" not in ok["workbench fp32"] and "ours_over_peer_prefill" not in ok["workbench fp32"]
     ours = ok["workbench fp32"]  # our rows: GB/s on the step's bytes against the run's own triad
     assert len(ours["triad_gbps"]["samples"]) == 2 and ours["triad_gbps"]["min"] > 0
     import workbench as wb
@@ -101,7 +104,7 @@ def test_harness_runs_engines_in_their_own_processes_interleaved(tmp_path):
     assert "decode_gbps" not in hf
     assert {"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]} in rows  # its absence stated
     text = format_peers(rows)
-    assert "transformers fp32" in text and "IPEX" in text and "vs workbench fp32" in text and "% triad" in text
+    assert "transformers fp32" in text and "IPEX" in text and "ours/peer prefill" in text and "% triad" in text
     from workbench import report  # as `workbench peers` does: the rows join a report that renders
 
     paths = report.write(tmp_path / "peers.html", entries=[report.record(rows, None, command="test", kind="peers")])

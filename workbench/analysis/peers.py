@@ -21,10 +21,10 @@ dropped):
                                  (it reads Q4_1, Q8_0 and F16, not F32), prefix caching off, the
                                  prompt in one batch; its own perf metrics time the tokens
     IPEX                         only in a side environment with torch 2.8 (README): absent here
-Each row: prefill ms and decode tokens/s, median (min-max) over the rounds, and the ratio of
-its matched workbench row's decode speed to its own (> 1: ours faster), with the spread of
-that ratio (worst to best pairing of the rounds), and how many leading greedy tokens equal
-workbench fp32's.
+Each row: prefill ms (time to first token) and decode tokens/s, median (min-max) over the
+rounds; the ratios of its matched workbench row's decode speed to its own and of its prefill
+time to the workbench row's (> 1: ours faster), each with its spread (worst to best pairing of
+the rounds); and how many leading greedy tokens equal workbench fp32's.
 """
 
 from __future__ import annotations
@@ -255,6 +255,12 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
+def _ratio(num: list[float], den: list[float]) -> dict:
+    """median(num) / median(den), with the worst and best pairing of the rounds."""
+    return {"median": statistics.median(num) / statistics.median(den), "min": min(num) / max(den),
+            "max": max(num) / min(den)}
+
+
 def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_tokens: int = 64, rounds: int = 3,
               threads: int | None = None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Every engine on every prompt length, interleaved, `rounds` times. Returns one row per
@@ -325,9 +331,8 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
                 row["decode_pct_of_triad"] = 100 * gbps / statistics.median(triads)
             base = samples.get((e.matched, n))
             if base and e.spec["engine"] != "workbench":
-                ours = [1e3 / statistics.median(s["decode_ms"]) for s in base]
-                row["ours_over_peer"] = {"median": statistics.median(ours) / statistics.median(tps),
-                                         "min": min(ours) / max(tps), "max": max(ours) / min(tps)}
+                row["ours_over_peer"] = _ratio([1e3 / statistics.median(s["decode_ms"]) for s in base], tps)
+                row["ours_over_peer_prefill"] = _ratio([s["prefill_ms"] for s in runs], [s["prefill_ms"] for s in base])
             if reference:
                 a, b = reference[0]["tokens"], runs[0]["tokens"]
                 row["same_tokens_as_workbench_fp32"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
@@ -337,8 +342,9 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
     return rows
 
 
-def format_peers(rows: list[dict]) -> str:
-    from workbench.analysis.tables import format_table
+def peers_table(rows: list[dict]) -> tuple[list[dict], list[str], str]:
+    """The rows that ran as table rows (cells as text), the columns, and a title saying how to
+    read them: what `workbench peers` prints and bench/peers.py writes into its results."""
 
     def spread(d, fmt):
         return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"
@@ -347,20 +353,30 @@ def format_peers(rows: list[dict]) -> str:
     for r in rows:
         if r["status"] != "ok":
             continue
-        ratio = r.get("ours_over_peer")
+        decode, prefill = r.get("ours_over_peer"), r.get("ours_over_peer_prefill")
         table.append({"engine": r["engine"], "prompt": r["prompt_len"],
                       "prefill ms": spread(r["prefill_ms"], "{:.1f}"),
                       "decode tok/s": spread(r["decode_tokens_per_s"], "{:.1f}"),
                       "GB/s (% triad)": (f"{r['decode_gbps']:.1f} ({r['decode_pct_of_triad']:.0f}%)"
                                          if "decode_gbps" in r else "-"),
-                      "ours/peer decode": (f"{spread(ratio, '{:.2f}')} vs {r['matched']}" if ratio else "-"),
+                      "against": r["matched"] if decode else "-",
+                      "ours/peer prefill": spread(prefill, "{:.2f}") if prefill else "-",
+                      "ours/peer decode": spread(decode, "{:.2f}") if decode else "-",
                       "same tokens": r.get("same_tokens_as_workbench_fp32", "-")})
-    cols = ["engine", "prompt", "prefill ms", "decode tok/s", "GB/s (% triad)", "ours/peer decode", "same tokens"]
+    cols = ["engine", "prompt", "prefill ms", "decode tok/s", "GB/s (% triad)", "against", "ours/peer prefill",
+            "ours/peer decode", "same tokens"]
     triad = next((r["triad_gbps"] for r in rows if "triad_gbps" in r), None)
-    text = format_table(table, cols, title="decode tok/s and prefill ms: median (min-max) over rounds; ours/peer > 1 "
-                                           "means ours is faster; GB/s: a decode step's bytes (weights, LM head, "
-                                           "KV) x tokens/s, against the triad measured after each round"
-                                           + (f" ({spread(triad, '{:.1f}')} GB/s)" if triad else "")
-                                           + "; same tokens: leading greedy tokens equal to workbench fp32's")
+    title = ("prefill ms (time to first token) and decode tok/s: median (min-max) over rounds; ours/peer > 1 "
+             "means the workbench row it is set against is faster; GB/s: a decode step's bytes (weights, LM head, "
+             "KV) x tokens/s, against the triad measured after each round"
+             + (f" ({spread(triad, '{:.1f}')} GB/s)" if triad else "")
+             + "; same tokens: leading greedy tokens equal to workbench fp32's")
+    return table, cols, title
+
+
+def format_peers(rows: list[dict]) -> str:
+    from workbench.analysis.tables import format_table
+
+    table, cols, title = peers_table(rows)
     absent = [f"  {r['engine']}: {r['status']}" for r in rows if r["status"] != "ok"]
-    return text + ("\nnot run:\n" + "\n".join(absent) if absent else "")
+    return format_table(table, cols, title=title) + ("\nnot run:\n" + "\n".join(absent) if absent else "")

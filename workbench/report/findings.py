@@ -257,16 +257,20 @@ def _tp_findings(i: int, e: dict, peaks: dict) -> str:
 def _peers_findings(i: int, e: dict, peaks: dict) -> str:
     items = []
     for r in e["rows"]:
-        q = r.get("ours_over_peer")
-        if r.get("status") != "ok" or not q:
+        if r.get("status") != "ok":
             continue
-        verdict = ("faster beyond the round-to-round spread" if q["min"] > 1 else
-                   "slower beyond the round-to-round spread" if q["max"] < 1 else
-                   "within the round-to-round spread (the min–max ranges overlap)")
-        rounds = len(r["decode_tokens_per_s"].get("samples", [])) or "the"
-        items.append(f"<li>{html.escape(str(r['matched']))} decodes {_ratio(q['median'])} as fast as "
-                     f"<b>{html.escape(r['engine'])}</b> ({_number(q['min'], 'ratio')}–{_number(q['max'], 'ratio')}) "
-                     f"at a {r['prompt_len']}-token prompt, median (min–max) over {rounds} rounds: {verdict}</li>")
+        for key, what, spread_of in (("ours_over_peer_prefill", "prefills (time to first token)", "prefill_ms"),
+                                     ("ours_over_peer", "decodes", "decode_tokens_per_s")):
+            q = r.get(key)
+            if not q:
+                continue
+            verdict = ("faster beyond the round-to-round spread" if q["min"] > 1 else
+                       "slower beyond the round-to-round spread" if q["max"] < 1 else
+                       "within the round-to-round spread (the min–max ranges overlap)")
+            rounds = len(r[spread_of].get("samples", [])) or "the"
+            items.append(f"<li>{html.escape(str(r['matched']))} {what} {_ratio(q['median'])} as fast as "
+                         f"<b>{html.escape(r['engine'])}</b> ({_number(q['min'], 'ratio')}–{_number(q['max'], 'ratio')}) "
+                         f"at a {r['prompt_len']}-token prompt, median (min–max) over {rounds} rounds: {verdict}</li>")
     absent = [r["engine"] for r in e["rows"] if r.get("status") != "ok"]
     if absent:
         items.append(f"<li>not run: {html.escape(', '.join(absent))} (why: in the table below)</li>")

@@ -39,7 +39,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "same_tokens_as_tp1": ("same tokens as 1 rank", "text"),
     # peers
     "engine": ("engine", "text"), "status": ("status", "text"), "matched": ("against", "text"),
-    "ours_over_peer": ("ours / peer, decode", "ratio"), "triad_gbps": ("triad GB/s", "sig"),
+    "ours_over_peer": ("ours / peer, decode", "ratio"), "ours_over_peer_prefill": ("ours / peer, prefill", "ratio"), "triad_gbps": ("triad GB/s", "sig"),
     "same_tokens_as_workbench_fp32": ("same tokens as workbench fp32", "int"), "description": ("details", "text"),
     # KV-cache quality
     "granularity": ("scale granularity", "text"), "bits": ("bits", "int"),
