@@ -15,7 +15,7 @@
 //     decode reads the same rows);
 //   - the B operand is x^T in the VNNI pairing AMX wants, [K/2][tokens][2]: x is converted to
 //     bf16 once per call and written in that order, tile by tile (x is small beside w);
-//   - a task owns kRows rows of w and one block of up to kTokens tokens; for each KC-long slice
+//   - a task owns up to kRows rows of w (task_rows) and one block of up to kTokens tokens; for each KC-long slice
 //     of K its 2 x 2 register block (32 rows of w by 32 tokens: four C tiles, two A, two B)
 //     accumulates in tiles, and the task's y^T tile lives in an fp32 buffer across slices and
 //     is written transposed into y at the end.
@@ -46,7 +46,7 @@
 namespace wbk {
 namespace {
 
-constexpr int64_t kRows = 128;      // rows of w per task (whole 32-row blocks)
+constexpr int64_t kRows = 128;      // most rows of w per task (whole 32-row blocks)
 constexpr int64_t kTokens = 512;    // tokens per block of packed x (whole 32-token blocks)
 constexpr int64_t kKC = 1024;       // K per slice (a multiple of kTileK)
 constexpr int64_t kStreamBytes = int64_t{2} << 20;  // outputs from this size on (about a core's L2) are streamed
@@ -292,6 +292,19 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int6
 constexpr int kDpRows = 8;
 static_assert(kRows % kDpRows == 0, "a task's rows are whole blocks");
 
+// Rows of w per task: at most kRows, in whole blocks of `align` rows, and as many tasks as make
+// every thread's share the same (at::parallel_for gives each thread one contiguous run of
+// tasks). Fixed kRows-row tasks would give 576 rows (the bundled model's o_proj and down) to
+// two threads as 384 and 192 whenever the tokens fit one block: the call then takes as long
+// as the larger share.
+int64_t balanced_task_rows(int64_t N, int64_t m_blocks, int64_t align) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t n_blocks = (N + kRows - 1) / kRows;
+  while ((n_blocks * m_blocks) % threads && n_blocks < (N + align - 1) / align) ++n_blocks;
+  const int64_t rows = (N + n_blocks - 1) / n_blocks;
+  return (rows + align - 1) / align * align;
+}
+
 // The AVX512-BF16 tasks. K is cut into slices: within a slice, each 32-token piece of packed x
 // stays in L1 while every kDpRows-row block of the task's rows (in L2) passes over it. A
 // task's partial sums live in its fp32 buffer across slices; then the transposed store.
@@ -303,7 +316,8 @@ int64_t dp_pairs_per_slice() {
   return pairs;
 }
 
-WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t N, int64_t tokens_per_block,
+WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t N, int64_t task_rows,
+                                 int64_t tokens_per_block,
                                  int64_t token_tiles, int64_t block_elems, int64_t n_blocks, const uint16_t* xp,
                                  bool stream, int64_t begin, int64_t end) {
   const int64_t K = w.K, pairs = (K + 1) / 2, slice = dp_pairs_per_slice();
@@ -313,7 +327,7 @@ WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t 
   uint16_t* wbuf = reinterpret_cast<uint16_t*>(ws.data());
   for (int64_t t = begin; t < end; ++t) {
     const int64_t nb = t % n_blocks, mb = t / n_blocks;
-    const int64_t n0 = nb * kRows, rows = std::min(kRows, N - n0);
+    const int64_t n0 = nb * task_rows, rows = std::min(task_rows, N - n0);
     const int64_t m0 = mb * tokens_per_block, tokens = std::min(tokens_per_block, M - m0);
     const uint32_t* xb = reinterpret_cast<const uint32_t*>(xp + mb * block_elems);
     for (int64_t p0 = 0; p0 < pairs; p0 += slice) {
@@ -419,7 +433,7 @@ struct Shape {
   const float* x;
   Weights w;
   float* y;
-  int64_t M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks;
+  int64_t M, N, K, kp, task_rows, tokens_per_block, token_tiles, block_elems, n_blocks;
   const uint16_t* xp;
   bool stream;
 };
@@ -428,14 +442,14 @@ struct Shape {
 WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
   const uint16_t* w = s.w.bf16;
   const int64_t N = s.N, M = s.M, K = s.K, kp = s.kp, tokens_per_block = s.tokens_per_block;
-  const int64_t token_tiles = s.token_tiles, n_blocks = s.n_blocks;
+  const int64_t token_tiles = s.token_tiles, n_blocks = s.n_blocks, task_rows = s.task_rows;
   configure_tiles();
   Scratch cs(0, kRows * tokens_per_block), ws(1, (kRows * kKC + 1) / 2);
   float* ct = cs.data();
   uint16_t* wpad = reinterpret_cast<uint16_t*>(ws.data());
   for (int64_t t = begin; t < end; ++t) {
     const int64_t nb = t % n_blocks, mb = t / n_blocks;
-    const int64_t n0 = nb * kRows, rows = std::min(kRows, N - n0);
+    const int64_t n0 = nb * task_rows, rows = std::min(task_rows, N - n0);
     const int64_t m0 = mb * tokens_per_block, tokens = std::min(tokens_per_block, M - m0);
     const int64_t used_tiles = (tokens + 31) / 32 * 2;  // token tiles this block computes
     const int64_t row_blocks = (rows + 31) / 32;
@@ -481,7 +495,8 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
   const int64_t tokens_per_block = ((M + m_blocks - 1) / m_blocks + 31) / 32 * 32;
   const int64_t token_tiles = tokens_per_block / 16;
   const int64_t block_elems = k_tiles * token_tiles * 512;  // bf16 values of one packed block
-  const int64_t n_blocks = (N + kRows - 1) / kRows;
+  const int64_t task_rows = balanced_task_rows(N, m_blocks, tiles ? 32 : kDpRows);
+  const int64_t n_blocks = (N + task_rows - 1) / task_rows;
 
   // Packed x for the whole call (small beside w): up to 16 MB in the calling thread's scratch
   // (kept for the next call), a long prefill's allocated for this call only.
@@ -507,11 +522,11 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
   // Tasks: token block outer, so a thread's consecutive tasks share one block of packed x.
   if (!tiles) {
     at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
-      run_tasks_dp(w, y, M, N, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream, begin, end);
+      run_tasks_dp(w, y, M, N, task_rows, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream, begin, end);
     });
     return;
   }
-  const Shape shape{x, w, y, M, N, K, kp, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream};
+  const Shape shape{x, w, y, M, N, K, kp, task_rows, tokens_per_block, token_tiles, block_elems, n_blocks, xp, stream};
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_amx(shape, begin, end); });
 }
 
