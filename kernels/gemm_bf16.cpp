@@ -231,12 +231,12 @@ WBK_AMX_TARGET void weight_slice(const Weights& w, int64_t n0, int64_t rows, int
 // a short block repeats its last row, never stored) holding K's values from pair `pbase` on
 // (0: whole rows; p0: a converted slice); x packed as for the tiles: pair p of token tile
 // jt at xb + ((p / 16) token_tiles + jt) 256 + (p % 16) 16 dwords, so the 16 pairs of one
-// tile are 64 bytes apart and the pair of the next token tile 1 KB on. Its MR x 2 accumulators
-// are MR rows x 2 token vectors (NV = 2: 32 tokens), or, for 16 tokens alone (NV = 1), MR rows
-// x the even and the odd pairs of K, added at the end: as many independent chains either way,
-// and the same 8 row pointers (16 rows would not fit the general registers).
-template <int MR, int NV>
-WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[MR][2], int col, const uint32_t* bp,
+// tile are 64 bytes apart and the pair of the next token tile 1 KB on. Its accumulators are MR
+// rows x NV token vectors (NV = 3: 48 tokens; 2: 32), or, for 16 tokens alone (NV = 1), MR
+// rows x the even and the odd pairs of K, added at the end, so there are always at least two
+// independent chains per row; 8 row pointers either way (16 would not fit the general registers).
+template <int MR, int NV, int NC>
+WBK_AMX_TARGET inline void dp_step(__m512 (&acc)[MR][NC], int col, const uint32_t* bp,
                                    const uint16_t* const (&wr)[MR], int64_t p) {
   __m512bh b[NV];
   for (int v = 0; v < NV; ++v) b[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bp + v * 256));
@@ -255,17 +255,19 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int6
                              int64_t ldc, bool accumulate) {
   const uint16_t* wr[MR];
   for (int r = 0; r < MR; ++r) wr[r] = w + std::min<int64_t>(r, rows - 1) * ldw;
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  constexpr int NC = NV < 2 ? 2 : NV;  // accumulators per row
+  __m512 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t full_end = std::min(p1, K / 2);
   int64_t p = p0;
   for (; p + 16 <= full_end; p += 16) {  // whole tiles: the 16 steps at constant offsets
     const uint32_t* bt = xb + ((p / 16) * token_tiles + jt) * 256;
 #pragma GCC unroll 16
-    for (int q = 0; q < 16; ++q) dp_step<MR, NV>(acc, NV == 2 ? 0 : q % 2, bt + q * 16, wr, p + q - pbase);
+    for (int q = 0; q < 16; ++q) dp_step<MR, NV, NC>(acc, NV > 1 ? 0 : q % 2, bt + q * 16, wr, p + q - pbase);
   }
   for (; p < full_end; ++p)
-    dp_step<MR, NV>(acc, 0, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p - pbase);
+    dp_step<MR, NV, NC>(acc, 0, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, wr, p - pbase);
   if (K % 2 && p1 > K / 2) {  // the last value alone, its pair's other half zero (never read past the row)
     const uint16_t* last[MR];
     uint16_t tail[MR][2] = {};
@@ -273,7 +275,7 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int6
       tail[r][0] = wr[r][K - 1 - 2 * pbase];
       last[r] = tail[r];
     }
-    dp_step<MR, NV>(acc, 0, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, last, 0);
+    dp_step<MR, NV, NC>(acc, 0, xb + ((p / 16) * token_tiles + jt) * 256 + (p % 16) * 16, last, 0);
   }
   if (NV == 1)
     for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][1]);
@@ -286,9 +288,10 @@ WBK_AMX_TARGET void block_dp(const uint16_t* w, int64_t ldw, int64_t pbase, int6
   }
 }
 
-// The AVX512-BF16 blocks: 8 rows of w x 32 tokens, and for a last 16 tokens alone (batched
-// decode at 16 or fewer sequences, or a count of tokens that is an odd multiple of 16) 8 rows x
-// 16 tokens, so half of every vdpbf16ps is not spent on zero padding.
+// The AVX512-BF16 blocks: 8 rows of w x 48 tokens (24 accumulators, 3 x vectors and a broadcast:
+// 28 of the 32 registers; 11 loads per 24 vdpbf16ps, where 8 x 32 needs 10 per 16; measured
+// faster on the bundled model's and Llama-2-7B's shapes), then a last 32 or 16 tokens as 8 x 32
+// or 8 x 16, so no vdpbf16ps is spent on zero padding past the tokens' last 16.
 constexpr int kDpRows = 8;
 static_assert(kRows % kDpRows == 0, "a task's rows are whole blocks");
 
@@ -305,14 +308,17 @@ int64_t balanced_task_rows(int64_t N, int64_t m_blocks, int64_t align) {
   return (rows + align - 1) / align * align;
 }
 
-// The AVX512-BF16 tasks. K is cut into slices: within a slice, each 32-token piece of packed x
-// stays in L1 while every kDpRows-row block of the task's rows (in L2) passes over it. A
-// task's partial sums live in its fp32 buffer across slices; then the transposed store.
-// Pairs of K per slice: the 32-token piece of x (32 x 4 bytes a pair) takes two thirds of the
-// L1d, the rest is for the rows of w streaming through (smaller and larger slices measured
-// slower).
+// The AVX512-BF16 tasks. K is cut into slices: within a slice, every kDpRows-row block of the
+// task's rows passes over each 48-token piece of packed x in turn. A task's partial sums live
+// in its fp32 buffer across slices; then the transposed store.
+// Pairs of K per slice: the task's rows of w (kRows x 4 bytes a pair) and one piece of x (48 x 4
+// bytes a pair) in a quarter of the L2, so both stay there with room for the partial sums and
+// the next rows. Slices sized for the L1d instead (the piece of x alone in two thirds of it)
+// measured 3-7% slower on the bundled model's shapes and Llama-2-7B's: each slice costs a
+// load and store of every partial sum, and the piece of x streams from the L2 at the rate the
+// micro-kernel needs it.
 int64_t dp_pairs_per_slice() {
-  static const int64_t pairs = std::max<int64_t>(64, l1d_bytes() * 2 / 3 / (32 * 4) / 16 * 16);
+  static const int64_t pairs = std::max<int64_t>(64, l2_bytes() / 4 / ((kRows + 48) * 4) / 16 * 16);
   return pairs;
 }
 
@@ -336,16 +342,19 @@ WBK_AMX_TARGET void run_tasks_dp(const Weights& w, float* y, int64_t M, int64_t 
       const int64_t ldw = w.bf16 ? K : 2 * slice, pbase = w.bf16 ? 0 : p0;
       if (!w.bf16) weight_slice(w, n0, rows, 2 * p0, std::min(2 * p1, K), wbuf, ldw);
       const int64_t used_tiles = (tokens + 15) / 16;  // 16-token tiles holding a token
-      for (int64_t jt = 0; jt < used_tiles; jt += 2) {
-        if (jt + 1 < used_tiles) {
-          for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)
-            block_dp<kDpRows, 2>(rows_w + r0 * ldw, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1,
-                                 ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
-        } else {
-          for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)  // a last 16 tokens alone
-            block_dp<kDpRows, 1>(rows_w + r0 * ldw, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1,
-                                 ct + r0 * tokens_per_block + jt * 16, tokens_per_block, p0 > 0);
+      for (int64_t jt = 0; jt < used_tiles;) {  // 48 tokens at a time, then 32 or 16
+        const int64_t left = std::min<int64_t>(3, used_tiles - jt);
+        for (int64_t r0 = 0; r0 < rows; r0 += kDpRows) {
+          const uint16_t* wb = rows_w + r0 * ldw;
+          float* cb = ct + r0 * tokens_per_block + jt * 16;
+          if (left >= 3)
+            block_dp<kDpRows, 3>(wb, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1, cb, tokens_per_block, p0 > 0);
+          else if (left == 2)
+            block_dp<kDpRows, 2>(wb, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1, cb, tokens_per_block, p0 > 0);
+          else
+            block_dp<kDpRows, 1>(wb, ldw, pbase, K, rows - r0, xb, token_tiles, jt, p0, p1, cb, tokens_per_block, p0 > 0);
         }
+        jt += left;
       }
     }
     store_transposed(ct, tokens_per_block, rows, tokens, y + m0 * N + n0, N, stream);
