@@ -108,8 +108,9 @@ def render(runs: list[tuple[str, dict]]) -> str:
             script = e["command"].split()[1] if len(e["command"].split()) > 1 else name
             dirty = " with uncommitted changes" if e.get("git_dirty") else ""
             out.append(f"### {Path(script).stem}\n")
+            own_peaks = "" if e["peaks"] == env["peaks"] else " " + peaks_line(e["peaks"])  # a run with its own
             out.append(f"`{e['command']}` at commit {e['git_commit'][:10] or '?'}{dirty}, {e['time']}, "
-                       f"{e['threads']} threads.\n")
+                       f"{e['threads']} threads.{own_peaks}\n")
             out += [markdown_table(t) + "\n" for t in data["tables"]]
     return "\n".join(out).rstrip() + "\n"
 

@@ -76,3 +76,16 @@ def test_a_result_without_tables_is_refused(tmp_path):
         assert "old.json" in str(e) and "tables" in str(e)
     else:
         raise AssertionError("a result without tables was accepted")
+
+
+def test_a_run_whose_peaks_differ_from_its_sections_says_its_own():
+    """Results of one day and host share a section headed by the first run's peaks; a later
+    run that measured its own (a refreshed cache) prints them under its command."""
+    gen = _generator()
+    first = _result("2026-12-01T09:00:00+0000", ["avx2"], "A", [["a", "1"]])
+    same = _result("2026-12-01T10:00:00+0000", ["avx2"], "B", [["b", "2"]])
+    own = _result("2026-12-01T11:00:00+0000", ["avx2"], "C", [["c", "3"]])
+    own["environment"]["peaks"] = {**own["environment"]["peaks"], "triad_gbps": 36.7, "measured_at": "2026-12-01T10:30"}
+    page = gen.render([("a", first), ("b", same), ("c", own)])
+    assert page.count("triad 28.9 GB/s") == 1 and page.count("triad 36.7 GB/s") == 1
+    assert page.index("triad 36.7 GB/s") > page.index("**B**")  # under the run that measured them
