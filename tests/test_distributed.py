@@ -11,10 +11,13 @@ error naming its rank, and nothing is left running.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 pytest.importorskip("ipyparallel")
+
+import background  # noqa: E402
 
 import workbench as wb  # noqa: E402
 from workbench.distributed.cluster import Cluster  # noqa: E402
@@ -25,6 +28,17 @@ from workbench.model.config import ModelConfig  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Licensed under the Apache License, Version 2.0"]
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 ranks")
+
+
+def prepare_in_background():
+    """The oneCCL binding (kernels/ccl_comm.cpp: half a minute of compiling on 2 cores) built
+    into the cache by the call a ccl rank makes, started at nice 19 when the suite is collected
+    (tests/background.py), so the ccl cluster's engines find it built instead of building it
+    while the fixture waits. Without the ccl extra there is nothing to build."""
+    from workbench.distributed import ccl
+
+    if ccl.available():
+        background.run([sys.executable, "-c", "from workbench.distributed import ccl; ccl.extension()"])
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +54,8 @@ def tp2(request):
         if os.environ.get("CI"):
             pytest.fail("CI installs the ccl extra (scripts/bootstrap): " + ccl.INSTALL_HINT)
         pytest.skip(ccl.INSTALL_HINT)
+    if request.param == "ccl":
+        background.result(prepare_in_background)  # one builder of the binding, never two
     cluster = Cluster(2, backend=request.param, pin=True, timeout_s=20).start()
     model = cluster.load_model("smollm2-135m")
     yield cluster, model
