@@ -15,10 +15,10 @@
 //     decode reads the same rows);
 //   - the B operand is x^T in the VNNI pairing AMX wants, [K/2][tokens][2]: x is converted to
 //     bf16 once per call and written in that order, tile by tile (x is small beside w);
-//   - a task owns up to kRows rows of w (task_rows) and one block of up to kTokens tokens; for each KC-long slice
-//     of K its 2 x 2 register block (32 rows of w by 32 tokens: four C tiles, two A, two B)
-//     accumulates in tiles, and the task's y^T tile lives in an fp32 buffer across slices and
-//     is written transposed into y at the end.
+//   - a task owns up to kRows rows of w (balanced_task_rows) and one block of up to kTokens
+//     tokens; for each KC-long slice of K its 2 x 2 register block (32 rows of w by 32
+//     tokens: four C tiles, two A, two B) accumulates in tiles, and the task's y^T tile lives
+//     in an fp32 buffer across slices and is written transposed into y at the end.
 // The AVX512-BF16 micro-kernel uses the same packed x: a row of a tile is one pair of K for 16
 // tokens, exactly a vdpbf16ps operand; each row of w contributes one pair at a time as a
 // 32-bit broadcast. An 8-row x 32-token block of y^T stays in 16 registers over all of K.
