@@ -5,8 +5,9 @@
               t = alpha + bytes / beta, which the cost model and reports reuse
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
-              decode ms/token, comm ms/token, % comm, bytes per token; switch settings
-              interleaved within a cluster; ranks 1 is one process with 2 threads
+              decode ms/token, time over one process's, comm ms/token, % comm, bytes per
+              token; switch settings and the one process (2 threads, in this process)
+              interleaved within a cluster
 
     python bench/distributed.py [--only latency,tp] [--repeats 3] [--models smollm2-135m,llama2-7b]
 """
@@ -28,6 +29,11 @@ MODELS = {
     "smollm2-135m": ("smollm2-135m", {}),
     "llama2-7b": ("llama2-7b", {"random": True, "layers": 4, "dtype": "bf16", "max_seq_len": 512}),
 }
+
+
+def _vs_one(row: dict) -> str:
+    q = row.get("vs_tp1")
+    return f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
 
 
 def main() -> None:
@@ -58,11 +64,16 @@ def main() -> None:
             payload["tp"][key] = rows
             table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
                       f"{r['decode_ms_max']:.2f})", "comm ms": f"{r['comm_ms_per_token']:.2f}",
-                      "% comm": f"{r['pct_comm']:.0f}", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}"}
+                      "% comm": f"{r['pct_comm']:.0f}", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}",
+                      "time / 1 rank (min-max)": _vs_one(r)}
                      for r in rows]
+            paired = all(r.get("tp1_interleaved", True) for r in rows)
             print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy",
-                                "decode ms/token (min-max)", "comm ms", "% comm", "comm KB/token",
-                                "same_tokens_as_tp1"], title=f"Tensor parallel decode, {key}")
+                                "decode ms/token (min-max)", "time / 1 rank (min-max)", "comm ms", "% comm",
+                                "comm KB/token", "same_tokens_as_tp1"],
+                        title=f"Tensor parallel decode, {key}; time / 1 rank: "
+                              + ("per round, the single process in the same rounds" if paired else
+                                 "medians' ratio, worst and best pairing (the single process ran apart)"))
     write_results("distributed", payload, args.out)
 
 

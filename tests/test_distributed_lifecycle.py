@@ -170,6 +170,10 @@ def test_distributed_magics_in_a_real_shell(magic):
     df = sh.user_ns["tp"]
     assert list(df.ranks) == [1, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()
     assert list(df.path) == ["fused"] * 3  # every row on the fused step, the ranks with their all-reduces inside
+    one = df[df.ranks == 1].iloc[0]  # ran in the cluster's one round: each rank row's ratio is to that run
+    for _, row in df[df.ranks == 2].iterrows():
+        assert row.tp1_interleaved
+        assert row.vs_tp1["median"] == pytest.approx(row.decode_ms_per_token / one.decode_ms_per_token)
 
 
 def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():

@@ -383,10 +383,10 @@ def _grid_row(attention: str, kv: str, decode: float, prefill: float, spread: fl
             "decode_tokens_per_s_max": decode * (1 + spread)}
 
 
-def _page_of(rows: list[dict]) -> str:
+def _page_of(rows: list[dict], kind: str = "ablation") -> str:
     from workbench.report.render import html_page
 
-    entry = {"kind": "ablation", "time": "now", "model": {"name": "m"}, "rows": rows, "command": None}
+    entry = {"kind": kind, "time": "now", "model": {"name": "m"}, "rows": rows, "command": None}
     return html_page({"schema_version": 1, "title": "t", "created": "now", "entries": [entry], "peak_rss_bytes": 0,
                       "machine": {"cpu_model": "a CPU", "threads_used": 1,
                                   "peaks": {"triad_gbps": 40.0, "fma_gflops": 200.0, "measured_at": "now", "how": "-"}},
@@ -418,6 +418,26 @@ def test_findings_call_a_setting_faster_only_beyond_the_spread():
     single = _page_of([_grid_row(a, "fp16", d, p, spread=0, repeats=1) for a, d, p in
                        (("slim", 100, 10), ("naive", 50, 20))])
     assert "fastest" not in _finding(single, "Attention") and "no spread to judge" in _finding(single, "Attention")
+
+
+def test_tensor_parallel_findings_give_the_ratio_to_one_process_from_its_rounds():
+    """The fastest setting's time against the single process's is the per-round ratio the
+    ablation recorded (vs_tp1), said with how it was paired, not recomputed from medians."""
+    def tp_row(ranks, ms, vs=None, interleaved=True):
+        row = {"ranks": ranks, "backend": "shm" if ranks > 1 else "-", "token_broadcast": "ids", "lm_head": "topk",
+               "zero_copy": "on", "decode_ms_per_token": ms, "decode_ms_min": ms * 0.9, "decode_ms_max": ms * 1.1,
+               "comm_ms_per_token": 0.5 if ranks > 1 else 0.0, "pct_comm": 4.0 if ranks > 1 else 0.0,
+               "comm_bytes_per_token": 1000, "same_tokens_as_tp1": True, "repeats": 5}
+        if vs:
+            row.update(vs_tp1={"median": vs[0], "min": vs[1], "max": vs[2]}, tp1_interleaved=interleaved)
+        return row
+
+    findings = _section(_page_of([tp_row(1, 20.0), tp_row(2, 19.0, (0.93, 0.81, 1.07))], "tp_ablation"),
+                        "What was found")
+    assert "0.93x the single process's (0.81–1.07, in the same rounds)" in findings
+    apart = _section(_page_of([tp_row(1, 20.0), tp_row(2, 19.0, (0.95, 0.78, 1.16), False)], "tp_ablation"),
+                     "What was found")
+    assert "0.95x the single process's (0.78–1.16, in runs apart" in apart
 
 
 def test_a_figure_per_ablated_switch_with_medians_and_min_max(written):

@@ -5,15 +5,23 @@ workbench.distributed.allreduce).
 tp_ablation rows (decode phase, batch 1 unless given):
     ranks, backend, token_broadcast, lm_head, zero_copy
     decode_ms_per_token         median (with min / max) over the repeats, wall time per step
+    vs_tp1                      ranks > 1: decode time over the single process's in the same
+                                round, median and min / max over the rounds ({median, min,
+                                max}); the single process runs in every round of every
+                                cluster (tp1_interleaved), unless the host has no room for
+                                it beside the cluster: then it runs first, before any cluster,
+                                and vs_tp1 pairs the worst and best rounds instead
     comm_ms_per_token           the step's collectives (all-reduces and the head's), median
     pct_comm                    comm_ms_per_token / decode_ms_per_token
     comm_bytes_per_token        payload this rank sent per decode step
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     path                        which decode path ran ("fused": the C++ step, with the
                                 all-reduces inside on the ranks; "reference": Python)
-Within one cluster the switch settings are interleaved (shuffled every round); clusters
-of different backends run one after another (starting one takes seconds). ranks = 1 is the
-single-process model on the same cores (threads = the largest ranks x threads_per_rank).
+Within one cluster the switch settings and the single process are interleaved (shuffled
+every round); clusters of different backends run one after another (starting one takes
+seconds). ranks = 1 is the single-process model on the same cores (threads = the largest
+ranks x threads_per_rank), in this process: while it decodes the engines wait, and while
+they decode it waits.
 """
 
 from __future__ import annotations
@@ -51,33 +59,63 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
             "path": "+".join(sorted({s["path"] for s in samples}))}
 
 
+ONE_RANK = "1 rank"  # the single process, as a case of the interleaved rounds
+
+
+def _paired(tp: list[tuple[int, dict]], one: dict[int, dict]) -> dict:
+    """Time over the single process's, per round where both ran, as {median, min, max}."""
+    ratios = [s["decode_ms_per_token"] / one[r]["decode_ms_per_token"] for r, s in tp if r in one]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _unpaired(tp: list[tuple[int, dict]], one: list[dict]) -> dict:
+    """Time over the single process's from runs apart: the medians' ratio, with the worst and
+    best pairing of the rounds."""
+    a, b = [s["decode_ms_per_token"] for _, s in tp], [s["decode_ms_per_token"] for s in one]
+    return {"median": statistics.median(a) / statistics.median(b), "min": min(a) / max(b), "max": max(a) / min(b)}
+
+
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
                 backends=("gloo", "shm"), token_broadcast=("ids", "embeddings"), lm_head=("topk", "gather"),
                 zero_copy=(True, False), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
                 threads_per_rank: int = 1, batch: int = 1, seed: int = 0,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
     import workbench as wb
+    from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
 
     load_kwargs = dict(load_kwargs or {})
     say = progress or (lambda msg: None)
     before = torch.get_num_threads()
-    set_threads(max(ranks) * threads_per_rank)
+    one_threads = max(ranks) * threads_per_rank
+    set_threads(one_threads)
     single = wb.load_model(name, **load_kwargs)
     prompts = sample_prompts(single.tokenizer, prompt_len, batch)
     run = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     ref = single.generate(prompts, **run)  # also the warm-up
-    rows = []
-    if 1 in ranks:
-        samples = [_row(single.generate(prompts, **run), batch) for _ in range(repeats)]
-        rows.append(_summarize({"ranks": 1, "backend": "-", "token_broadcast": "-", "lm_head": "-",
-                                "zero_copy": "-", "threads": torch.get_num_threads()}, samples, True))
-        say(f"ranks 1: {rows[-1]['decode_ms_per_token']:.2f} ms/token")
-    del single
     set_threads(before)
+
+    def one_rank() -> dict:
+        set_threads(one_threads)
+        try:
+            return _row(single.generate(prompts, **run), batch)
+        finally:
+            set_threads(before)
+
+    multi = [r for r in ranks if r > 1]
+    # The cluster's ranks hold the weights once more between them: interleave the single
+    # process with them only where both fit.
+    interleave = 1 in ranks and bool(multi) and 2 * single.llama.weight_bytes < available_memory_bytes()
+    one_samples: list[dict] = []
+    if 1 in ranks and not interleave:
+        one_samples = [one_rank() for _ in range(repeats)]
+        del single
+    one_config = {"ranks": 1, "backend": "-", "token_broadcast": "-", "lm_head": "-", "zero_copy": "-",
+                  "threads": one_threads}
+    rows = []
     combos = list(itertools.product(token_broadcast, lm_head, zero_copy))
     order = random.Random(seed)
-    for r in (r for r in ranks if r > 1):
+    for r in multi:
         for backend in backends:
             cluster = Cluster(r, backend=backend, threads_per_rank=threads_per_rank, pin=True).start()
             try:
@@ -85,19 +123,31 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 model.generate(prompts, **run)  # warm-up
                 samples = {c: [] for c in combos}
                 same = {c: True for c in combos}
-                for _, c in interleaved_rounds(combos, repeats, seed=order.randrange(2**31)):
+                one_here: dict[int, dict] = {}
+                cases = combos + ([ONE_RANK] if interleave else [])
+                for round_, c in interleaved_rounds(cases, repeats, seed=order.randrange(2**31)):
+                    if c == ONE_RANK:
+                        one_here[round_] = one_rank()
+                        continue
                     model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2])
                     out = model.generate(prompts, **run)
-                    samples[c].append(_row(out, batch))
+                    samples[c].append((round_, _row(out, batch)))
                     same[c] = same[c] and out.token_ids == ref.token_ids
+                one_samples.extend(one_here.values())
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": "on" if c[2] else "off", "threads": threads_per_rank}
-                    rows.append(_summarize(config, samples[c], same[c]))
-                    say(f"ranks {r} {backend} {c}: {rows[-1]['decode_ms_per_token']:.2f} ms/token, "
-                        f"comm {rows[-1]['comm_ms_per_token']:.2f}")
+                    row = _summarize(config, [s for _, s in samples[c]], same[c])
+                    if 1 in ranks:
+                        row["vs_tp1"] = _paired(samples[c], one_here) if interleave else _unpaired(samples[c], one_samples)
+                        row["tp1_interleaved"] = interleave
+                    rows.append(row)
+                    say(f"ranks {r} {backend} {c}: {row['decode_ms_per_token']:.2f} ms/token, "
+                        f"comm {row['comm_ms_per_token']:.2f}"
+                        + (f", {row['vs_tp1']['median']:.2f}x one process" if "vs_tp1" in row else ""))
             finally:
                 cluster.stop()
+    if 1 in ranks:
+        rows.insert(0, _summarize(one_config, one_samples, True))
+        say(f"ranks 1: {rows[0]['decode_ms_per_token']:.2f} ms/token")
     return rows
-
-

@@ -3,11 +3,8 @@
     attention   by KV-head groups: rank r keeps a contiguous run of KV heads, the query
                 heads that share them, and (so) their share of the KV cache; wq / wk / wv
                 rows, wo columns
-    MLP         gate / up rows (the FFN's columns), down columns; where the attention split is
-                uneven, the FFN split leans the other way so every rank holds the same
-                weight bytes per layer (in steps of FFN_ALIGN features): a decode step
-                reads each rank's weights once, and the ranks meet at every all-reduce, so
-                the rank with the most bytes sets the pace
+    MLP         gate / up rows (the FFN's columns), down columns, split evenly in steps of
+                FFN_ALIGN features
     after       o_proj and down_proj give partial sums on every rank: an all-reduce follows
                 (workbench.distributed.tp)
     norms       replicated
@@ -15,9 +12,14 @@
     LM head     by vocabulary rows (each rank scores its slice: local top-k, then a gather);
                 the "hidden-split" variant keeps columns of the hidden size instead
 
-Splits may be uneven: the bundled model's 3 KV heads over 2 ranks are 2 + 1 (and its 9
-query heads 6 + 3), so its 1536 FFN features go 704 + 832. More ranks than KV heads is
-refused: a rank would have no attention.
+The ranks meet at both all-reduces of every layer, so each of the two parts between them (the
+attention block, the MLP block) should take every rank the same time on its own: a rank that
+finishes its part early waits at the all-reduce. The FFN is therefore split evenly even where
+the attention split is not (leaning the FFN against it would equalize a rank's bytes per layer
+and unbalance the MLP part as well). The attention split is uneven when the ranks do not divide
+the KV heads: the bundled model's 3 KV heads over 2 ranks are 2 + 1 (and its 9 query heads
+6 + 3), so in its attention part rank 1 waits for rank 0. More ranks than KV heads is refused: a
+rank would have no attention.
 """
 
 from __future__ import annotations
@@ -37,30 +39,18 @@ def split(n: int, parts: int, index: int) -> tuple[int, int]:
     return lo, lo + base + (1 if index < extra else 0)
 
 
-FFN_ALIGN = 64  # FFN features per step of the balanced split: whole int8-g32 groups and cache lines
+FFN_ALIGN = 64  # FFN features per step of the split: whole int8-g32 groups and cache lines
 
 
-def balanced_ffn_split(cfg: ModelConfig, world: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of the FFN features rank keeps: as many as make its attention and MLP weights
-    together 1/world of a layer's (each feature is a gate row, an up row and a down column:
-    3 x dim weights), in multiples of FFN_ALIGN, at least one step each; an even split where
-    the attention split is even."""
-    hd, dim, group = cfg.head_dim, cfg.dim, cfg.n_heads // cfg.n_kv_heads
-
-    def attention(r: int) -> int:  # wq, wk, wv rows and wo columns of rank r
-        lo, hi = split(cfg.n_kv_heads, world, r)
-        return 2 * (hi - lo) * (group + 1) * hd * dim
-
-    if len({attention(r) for r in range(world)}) == 1 or cfg.ffn_dim < world * FFN_ALIGN:
+def ffn_split(cfg: ModelConfig, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of the FFN features rank keeps: whole FFN_ALIGN steps split as evenly as
+    split() splits them (the last rank also takes the features past the last whole step);
+    a plain even split where there are fewer steps than ranks."""
+    steps = cfg.ffn_dim // FFN_ALIGN
+    if steps < world:
         return split(cfg.ffn_dim, world, rank)
-    share = (sum(attention(r) for r in range(world)) + 3 * dim * cfg.ffn_dim) / world
-    bounds, want = [0], 0.0
-    for r in range(world - 1):  # each boundary at its cumulative target, rounded to a step
-        want += (share - attention(r)) / (3 * dim)
-        lowest, highest = bounds[-1] + FFN_ALIGN, cfg.ffn_dim - FFN_ALIGN * (world - 1 - r)
-        bounds.append(min(max(FFN_ALIGN * round(want / FFN_ALIGN), lowest), highest))
-    bounds.append(cfg.ffn_dim)
-    return bounds[rank], bounds[rank + 1]
+    lo, hi = split(steps, world, rank)
+    return lo * FFN_ALIGN, cfg.ffn_dim if rank == world - 1 else hi * FFN_ALIGN
 
 
 @dataclass(frozen=True)
@@ -82,7 +72,7 @@ def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
                          f"ranks (each keeps at least one KV head with its query heads); got {world}")
     group = cfg.n_heads // cfg.n_kv_heads
     kv = split(cfg.n_kv_heads, world, rank)
-    return ShardPlan(rank, world, kv, (kv[0] * group, kv[1] * group), balanced_ffn_split(cfg, world, rank),
+    return ShardPlan(rank, world, kv, (kv[0] * group, kv[1] * group), ffn_split(cfg, world, rank),
                      split(cfg.vocab_size, world, rank), split(cfg.dim, world, rank))
 
 

@@ -249,7 +249,13 @@ def _tp_findings(i: int, e: dict, peaks: dict) -> str:
              f"token, median (min–max) {_repeats_said([best])}; communication {_number(best['pct_comm'], 'pct')}% "
              f"of it</li>"]
     one = next((r for r in rows if r["ranks"] == 1), None)
-    if one is not None and one is not best:
+    q = best.get("vs_tp1")
+    if q:  # measured against the single process round by round
+        how = ("in the same rounds" if best.get("tp1_interleaved") else
+               "in runs apart (no room for both at once): worst and best pairing")
+        items.append(f"<li>its time is {_ratio(q['median'])} the single process's ({_number(q['min'], 'ratio')}–"
+                     f"{_number(q['max'], 'ratio')}, {how})</li>")
+    elif one is not None and one is not best:
         items.append(f"<li>{_as_fast_as(_compare_pairs([(best, one)], m), _tp_name(one))}</li>")
     return _entry_finding(i, e, f"{len(rows)} settings of ranks, backend and the three switches", items)
 

@@ -36,7 +36,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "lm_head": ("LM head", "text"), "zero_copy": ("zero copy", "text"),
     "decode_ms_per_token": ("decode ms per token", "ms"), "comm_ms_per_token": ("communication ms per token", "ms"),
     "pct_comm": ("% communication", "pct"), "comm_bytes_per_token": ("communication per token", "bytes"),
-    "same_tokens_as_tp1": ("same tokens as 1 rank", "text"),
+    "same_tokens_as_tp1": ("same tokens as 1 rank", "text"), "vs_tp1": ("time / 1 rank", "ratio"),
+    "tp1_interleaved": ("1 rank in the same rounds", "text"),
     # peers
     "engine": ("engine", "text"), "status": ("status", "text"), "matched": ("against", "text"),
     "ours_over_peer": ("ours / peer, decode", "ratio"), "ours_over_peer_prefill": ("ours / peer, prefill", "ratio"), "triad_gbps": ("triad GB/s", "sig"),
