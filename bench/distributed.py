@@ -5,7 +5,8 @@
               t = alpha + bytes / beta, which the cost model and reports reuse
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
-              decode ms/token, time over one process's, comm ms/token, % comm, bytes per
+              decode ms/token, time over one process's, comm ms/token, % comm (rank 0's,
+              and every rank's: a rank with less to do waits at the all-reduce), bytes per
               token; switch settings and the one process (2 threads, in this process)
               interleaved within a cluster
 
@@ -64,12 +65,14 @@ def main() -> None:
             payload["tp"][key] = rows
             table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
                       f"{r['decode_ms_max']:.2f})", "comm ms": f"{r['comm_ms_per_token']:.2f}",
-                      "% comm": f"{r['pct_comm']:.0f}", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}",
+                      "% comm": f"{r['pct_comm']:.0f}",
+                      "% comm by rank": " / ".join(f"{100 * c / r['decode_ms_per_token']:.0f}"
+                                                   for c in r.get("comm_ms_by_rank", [])) or "-", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}",
                       "time / 1 rank (min-max)": _vs_one(r)}
                      for r in rows]
             paired = all(r.get("tp1_interleaved", True) for r in rows)
             print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy",
-                                "decode ms/token (min-max)", "time / 1 rank (min-max)", "comm ms", "% comm",
+                                "decode ms/token (min-max)", "time / 1 rank (min-max)", "comm ms", "% comm", "% comm by rank",
                                 "comm KB/token", "same_tokens_as_tp1"],
                         title=f"Tensor parallel decode, {key}; time / 1 rank: "
                               + ("per round, the single process in the same rounds" if paired else

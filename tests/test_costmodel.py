@@ -79,6 +79,25 @@ def test_roofline_names_the_bound_and_adds_communication():
     assert one.layers["decode"]["comm"].comm_s == 0.0
 
 
+def test_uneven_head_splits_are_predicted_at_the_busiest_ranks_share():
+    """The bundled model's 3 KV heads over 2 ranks are 2 + 1: its attention part is predicted
+    at rank 0's 6 query + 2 KV heads (the ranks meet at the all-reduce that ends it), its MLP
+    at half the features (the FFN splits evenly), byte for byte what rank 0's shard holds."""
+    from workbench.model.config import preset
+    from workbench.model.weights import weight_format
+
+    cfg = preset("smollm2-135m")
+    two = predict("smollm2-135m", batch=1, prompt_len=64, new_tokens=8, weight_dtype="bf16", ranks=2, hardware=HW)
+    d, hd, bf16 = cfg.dim, cfg.head_dim, weight_format("bf16")
+    weights = bf16.nbytes((6 + 2 * 2) * hd, d) + bf16.nbytes(d, 6 * hd)  # wq, wk, wv rows; wo columns
+    prefill = two.layers["prefill"]["attention"]
+    assert prefill.bytes == weights  # prefill's attention reads no cache
+    assert two.layers["prefill"]["mlp"].bytes == bf16.nbytes(cfg.ffn_dim, d) + bf16.nbytes(d, cfg.ffn_dim // 2)
+    even = predict("llama2-7b", batch=1, prompt_len=64, new_tokens=8, weight_dtype="bf16", ranks=2, hardware=HW)
+    one = predict("llama2-7b", batch=1, prompt_len=64, new_tokens=8, weight_dtype="bf16", hardware=HW)
+    assert even.layers["prefill"]["attention"].bytes * 2 == one.layers["prefill"]["attention"].bytes  # 32 heads: even
+
+
 def test_compare_sets_measurement_against_prediction_and_says_why(models):
     model = models["fp32"]
     out = model.generate("The capital of France is", max_new_tokens=8, stop_at_eos=False)

@@ -21,6 +21,9 @@ configuration alone (no weights needed, so Llama-2-70B works on a laptop):
     comm        tensor parallel: two all-reduces of tokens x dim fp32 per layer, each the
                 faster of a ring and recursive doubling built from the fitted alpha and
                 beta (at 2 ranks exactly the fitted alpha + bytes / beta)
+    ranks > 1   each part at the largest share any rank holds (the ranks meet at the
+                all-reduce that ends it, so the busiest rank sets its pace): the shard
+                plan's, workbench.distributed.shard
     head        embedding rows, final norm, the LM head (its vocabulary slice per rank),
                 FLOPs over the rows it projects; with ranks > 1 two more collectives (token
                 ids out, top-k pairs back), alpha each
@@ -328,14 +331,13 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     hw = hardware or Hardware.this_machine(ranks, backend, comm)
 
-    d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
-    heads, kv_heads = cfg.n_heads / ranks, cfg.n_kv_heads / ranks  # a rank's share (uneven splits: the mean)
+    d, hd = cfg.dim, cfg.head_dim
+    heads, kv_heads, f = _busiest_shares(cfg, ranks)
     attn_params = d * hd * (2 * heads + 2 * kv_heads)
-    mlp_params = 3 * d * f / ranks
-    # Bytes of a rank's matrices in the weight format, scales included (uneven head splits:
-    # the mean share, as above).
+    mlp_params = 3 * d * f
+    # Bytes of a rank's matrices in the weight format, scales included.
     attn_bytes = (wfmt.nbytes(round(hd * (heads + 2 * kv_heads)), d) + wfmt.nbytes(d, round(hd * heads)))
-    mlp_bytes = wfmt.nbytes(round(2 * f / ranks), d) + wfmt.nbytes(d, round(f / ranks))
+    mlp_bytes = wfmt.nbytes(round(2 * f), d) + wfmt.nbytes(d, round(f))
     head_bytes = wfmt.nbytes(round(cfg.vocab_size / ranks), d)
     embed_row = d * wfmt.embedding_dtype().itemsize
     norm_bytes = 2 * d * NORM_BYTES_PER_ELEM
@@ -371,6 +373,22 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         head[phase] = cost(tokens * embed_row + d * NORM_BYTES_PER_ELEM + head_bytes,
                            2 * head_rows * vocab * d, head_comm, linear_flops=2 * head_rows * vocab * d, rows=head_rows)
     return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)
+
+
+def _busiest_shares(cfg, ranks: int) -> tuple[float, float, float]:
+    """(query heads, KV heads, FFN features) of the rank that sets the pace of each part: the
+    ranks meet at the all-reduce that ends the attention part and the one that ends the MLP,
+    so where the shard plan splits unevenly (workbench.distributed.shard: 3 KV heads over 2
+    ranks are 2 + 1) every rank waits for the largest share. Past one rank per KV head (no
+    such model runs here; projections only) the mean share."""
+    if ranks == 1 or ranks > cfg.n_kv_heads:
+        return cfg.n_heads / ranks, cfg.n_kv_heads / ranks, cfg.ffn_dim / ranks
+    from workbench.distributed.shard import plan
+
+    plans = [plan(cfg, r, ranks) for r in range(ranks)]
+    busiest = max(plans, key=lambda p: p.kv_heads[1] - p.kv_heads[0])
+    return (busiest.q_heads[1] - busiest.q_heads[0], busiest.kv_heads[1] - busiest.kv_heads[0],
+            max(p.ffn[1] - p.ffn[0] for p in plans))
 
 
 def _cached_fit(backend: str, ranks: int) -> dict:

@@ -11,8 +11,11 @@ tp_ablation rows (decode phase, batch 1 unless given):
                                 cluster (tp1_interleaved), unless the host has no room for
                                 it beside the cluster: then it runs first, before any cluster,
                                 and vs_tp1 pairs the worst and best rounds instead
-    comm_ms_per_token           the step's collectives (all-reduces and the head's), median
+    comm_ms_per_token           rank 0's collectives in a step (all-reduces and the head's), median
     pct_comm                    comm_ms_per_token / decode_ms_per_token
+    comm_ms_by_rank             the same for every rank ([] at ranks 1): a rank whose part of a
+                                layer is smaller (uneven head splits) waits at the all-reduce
+                                that ends it, and the wait counts as its communication
     comm_bytes_per_token        payload this rank sent per decode step
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     path                        which decode path ran ("fused": the C++ step, with the
@@ -41,8 +44,10 @@ from workbench.hw.rounds import interleaved_rounds
 def _row(out, batch: int) -> dict:
     steps = out.timings.decode_steps
     per_step_ms = [1e3 * s.total_s for s in steps]
+    ranks = len(steps[0].rank_comm_s) if steps else 0
     return {"decode_ms_per_token": 1e3 * out.timings.decode_s / max(1, out.timings.decode_tokens // batch),
             "comm_ms_per_token": statistics.mean(1e3 * s.comm_s for s in steps) if steps else 0.0,
+            "comm_ms_by_rank": [statistics.mean(1e3 * s.rank_comm_s[r] for s in steps) for r in range(ranks)],
             "comm_bytes_per_token": statistics.mean(s.comm_bytes for s in steps) if steps else 0.0,
             "step_ms": statistics.median(per_step_ms) if per_step_ms else 0.0,
             "path": "+".join(sorted({s.path for s in steps}))}
@@ -54,6 +59,8 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
     med = statistics.median(ms)
     return {**config, "decode_ms_per_token": med, "decode_ms_min": min(ms), "decode_ms_max": max(ms),
             "comm_ms_per_token": statistics.median(comm), "pct_comm": 100 * statistics.median(comm) / med,
+            "comm_ms_by_rank": [statistics.median(s["comm_ms_by_rank"][r] for s in samples)
+                                for r in range(len(samples[0]["comm_ms_by_rank"]))],
             "comm_bytes_per_token": statistics.median(s["comm_bytes_per_token"] for s in samples),
             "same_tokens_as_tp1": same, "repeats": len(samples),
             "path": "+".join(sorted({s["path"] for s in samples}))}

@@ -431,7 +431,11 @@ class DistributedModel(SwitchProperties):
         ars.extend(self.cluster.client[eid].apply_async(engine.generate, prompt, kwargs, check_topk)
                    for eid in self.cluster.engine_ids)
         results = self.cluster._gather(ars, "generating", poll)
-        return results[0]
+        out = results[0]
+        if out.timings and all(r is not None for r in results[1:]):  # every rank's communication, per step
+            for i, rec in enumerate(out.timings.steps):
+                rec.rank_comm_s = [rec.comm_s] + [r["comm_s"][i] for r in results[1:]]
+        return out
 
     def logits(self, token_ids):
         results, _ = self.cluster.run(engine.logits, token_ids, what="computing logits")

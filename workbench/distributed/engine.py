@@ -162,8 +162,8 @@ def generate(prompt, kwargs: dict, check_topk: bool):
         out = model.generate(prompt, **kwargs, **hooks)
     finally:
         tp.options = saved
-    if rank != 0:
-        return None
+    if rank != 0:  # rank 0 returns the generation; the others, what their own records add to it
+        return {"comm_s": [rec.comm_s for rec in out.timings.steps]} if out.timings else None
     publish_data({"steps": state["steps"]})  # the records the last throttled publish left out
     out.topk_log = list(tp.topk_log)
     return out

@@ -68,6 +68,10 @@ class StepRecord:
     # head_s) and the payload bytes this rank sent in all of the step's collectives.
     head_comm_s: float = 0.0
     comm_bytes: int = 0
+    # Tensor parallel: every rank's comm_s of this step, by rank (this record is rank 0's, so
+    # rank_comm_s[0] == comm_s). They differ: a rank whose part of a layer is smaller waits
+    # for the others at the all-reduce that ends it, and that wait counts as its communication.
+    rank_comm_s: list[float] = field(default_factory=list)
     # Waking the thread pool before the first layer (the fused step does it apart, outside
     # the layers' times; part of head_s): after an idle gap between steps the workers sleep.
     wake_s: float = 0.0

@@ -35,7 +35,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "ranks": ("ranks", "int"), "backend": ("backend", "text"), "token_broadcast": ("token broadcast", "text"),
     "lm_head": ("LM head", "text"), "zero_copy": ("zero copy", "text"),
     "decode_ms_per_token": ("decode ms per token", "ms"), "comm_ms_per_token": ("communication ms per token", "ms"),
-    "pct_comm": ("% communication", "pct"), "comm_bytes_per_token": ("communication per token", "bytes"),
+    "pct_comm": ("% communication", "pct"), "comm_ms_by_rank": ("communication ms per token, by rank", "ms"), "comm_bytes_per_token": ("communication per token", "bytes"),
     "same_tokens_as_tp1": ("same tokens as 1 rank", "text"), "vs_tp1": ("time / 1 rank", "ratio"),
     "tp1_interleaved": ("1 rank in the same rounds", "text"),
     # peers
@@ -96,6 +96,8 @@ def _number(v, style: str = "sig") -> str:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
+        return " / ".join(_number(x, style) for x in v) or "-"  # one value per rank, say
     if not isinstance(v, (int, float)) or style == "text" or not math.isfinite(v):
         return str(v)
     if style == "int":
