@@ -217,10 +217,19 @@ void check_tiled_shape(int64_t Lmax, int64_t D, const char* fn, const char* name
   TORCH_CHECK_VALUE(D % 4 == 0, fn, ": the tiled layout needs the head dim D to be a multiple of 4, got ", D);
 }
 
+// head_map(group, q_offset): the HeadMap of a decode call or a fused step, checked against its
+// H query heads and Hkv KV heads (group 0: the uniform H / Hkv).
+wbk::HeadMap checked_head_map(int64_t group, int64_t q_offset, int64_t H, int64_t Hkv, const char* fn) {
+  const wbk::HeadMap m{group, q_offset};
+  const std::string why = wbk::head_map_error(m, H, Hkv);
+  TORCH_CHECK_VALUE(why.empty(), fn, ": ", why);
+  return m;
+}
+
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                         std::optional<double> scale, std::optional<int64_t> num_splits,
-                        const std::string& int8_kernel_name) {
+                        const std::string& int8_kernel_name, int64_t group, int64_t q_offset) {
   const char* fn = "decode_attention";
   check_tensor(q, fn, "q", 3, "[B, H, D]");
   check_float_input(q, fn, "q");
@@ -238,8 +247,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK_VALUE(k_cache.size(3) == D, fn, ": k_cache has head dim ", k_cache.size(3), " but q has head dim ",
                     D);
   TORCH_CHECK_VALUE(D >= 1, fn, ": head dim D must be >= 1, got ", D);
-  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, fn, ": the number of query heads H (", H,
-                    ") must be a multiple of the number of KV heads Hkv (", Hkv, ")");
+  const wbk::HeadMap heads = checked_head_map(group, q_offset, H, Hkv, fn);
   TORCH_CHECK_VALUE(Lmax >= 1, fn, ": the cache has no positions (Lmax = 0)");
   Tensor len = checked_positions(lengths, fn, "lengths", B, 1, Lmax, "each sequence attends to 1..Lmax tokens");
 
@@ -289,7 +297,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                     dtype,
                     s,
                     splits,
-                    int8_kernel};
+                    int8_kernel,
+                    heads};
   wbk::decode_attention(a);
   return out.to(q.scalar_type());
 }
@@ -644,7 +653,7 @@ struct DecodeLayer {
 class DecodeStack {
  public:
   DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
-              const std::string& int8_kernel_name) {
+              const std::string& int8_kernel_name, int64_t group, int64_t q_offset) {
     const char* fn = "DecodeStack";
     const size_t n = layers.size();
     TORCH_CHECK_VALUE(n >= 1, fn, ": needs at least one layer");
@@ -654,8 +663,7 @@ class DecodeStack {
                   D = first.k_cache.size(3);
     check_tensor(first.attn_norm, fn, "layers[0].attn_norm", 1, "[dim]");
     const int64_t dim = first.attn_norm.size(0);
-    TORCH_CHECK_VALUE(heads >= 1 && heads % Hkv == 0, fn, ": heads (", heads,
-                      ") must be a positive multiple of the cache's KV heads (", Hkv, ")");
+    const wbk::HeadMap head_map = checked_head_map(group, q_offset, heads, Hkv, fn);
     check_tensor(first.w_down, fn, "layers[0].w_down", 2, "[dim, ffn]");
     const int64_t ffn = first.w_down.size(1);
     const wbk::CacheDtype dtype = cache_dtype(first.k_cache, fn, "layers[0].k_cache");
@@ -666,7 +674,7 @@ class DecodeStack {
     if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
     shape_ = {dim, heads, Hkv, D, ffn, Lmax, static_cast<float>(eps), static_cast<float>(1.0 / std::sqrt(double(D))),
               dtype, tiled ? wbk::CacheLayout::kKTiles : wbk::CacheLayout::kRows,
-              tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_kernel};
+              tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_kernel, head_map};
     batch_ = B;
     for (size_t l = 0; l < n; ++l) {
       const DecodeLayer& in = layers[l];
@@ -778,8 +786,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PyCollective, wbk::StepCollective>(m, "PyCollective", py::module_local())
       .def(py::init<py::function>(), py::arg("all_reduce"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)
-      .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&>(), py::arg("layers"),
-           py::arg("heads"), py::arg("eps"), py::arg("int8_kernel"))
+      .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&, int64_t, int64_t>(),
+           py::arg("layers"), py::arg("heads"), py::arg("eps"), py::arg("int8_kernel"), py::arg("group") = 0,
+           py::arg("q_offset") = 0)
       .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
            py::arg("timers"), py::arg("comm") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layers", &DecodeStack::layers);
@@ -791,7 +800,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),
-        py::arg("int8_kernel") = "widen", py::call_guard<py::gil_scoped_release>());
+        py::arg("int8_kernel") = "widen", py::arg("group") = 0, py::arg("q_offset") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
   m.def("wake_threads", &wbk::wake_threads, py::call_guard<py::gil_scoped_release>());
   m.def("set_prefetch", [](int64_t bytes, int hint, bool pipeline) {

@@ -2,9 +2,9 @@
 // fp16, bf16 or int8 (the paper's hybrid-dtype kernel).
 //
 // Layout: q [B, H, D] fp32; k/v caches [B, Hkv, Lmax, D]; int8 scales [B, Hkv, Lmax]
-// (one per head per token); lengths [B] (ragged batches). GQA: the H / Hkv query
-// heads that share a KV head are handled by one task, so each cached token is read
-// from memory once for all of them.
+// (one per head per token); lengths [B] (ragged batches). GQA: the query heads that share
+// a KV head (H / Hkv of them, or as DecodeArgs::heads maps them) are handled by one task, so
+// each cached token is read from memory once for all of them.
 //
 // Parallel split: one task per (batch, KV head, split), where each sequence's
 // tokens are cut into `num_splits` equal chunks (split-KV) when there are too few
@@ -32,6 +32,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <string>
 #include <vector>
 
 #include "decode_common.h"
@@ -192,7 +193,8 @@ void decode_impl(const DecodeArgs& a) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
-  const int64_t G = a.H / a.Hkv, S = a.num_splits, D = a.D;
+  // Scratch for the most query heads one KV head has (uneven groups: HeadMap in kernels.h).
+  const int64_t Gmax = a.heads.group_size(a.H, a.Hkv), S = a.num_splits, D = a.D;
   const int64_t max_chunk = (a.Lmax + S - 1) / S;
   // Score rows lds apart: a chunk rounded up to whole score steps, so a short last step may
   // write its repeated tokens past the chunk's end without touching the next head's row.
@@ -209,16 +211,17 @@ void decode_impl(const DecodeArgs& a) {
   const int64_t ldq = (D + I8B - 1) / I8B * I8B;  // int8 query rows, padded to whole vectors
 
   run_tasks(a.B * a.Hkv * S, [&] {
-    return [&, scores = Scratch(0, G * lds), acc = Scratch(1, G * D), stats = Scratch(2, 2 * G),
-            qint = Scratch(3, int8_query ? G * ldq / 4 + 1 : 1),
-            qstats = Scratch(4, int8_query ? 2 * G : 1)](int64_t task) mutable {
+    return [&, scores = Scratch(0, Gmax * lds), acc = Scratch(1, Gmax * D), stats = Scratch(2, 2 * Gmax),
+            qint = Scratch(3, int8_query ? Gmax * ldq / 4 + 1 : 1),
+            qstats = Scratch(4, int8_query ? 2 * Gmax : 1)](int64_t task) mutable {
       const int64_t s = task % S, bk = task / S;  // bk = b * Hkv + kv head
       const int64_t b = bk / a.Hkv, kvh = bk % a.Hkv;
       const int64_t len = a.lengths[b], chunk = (len + S - 1) / S;
       const int64_t t0 = std::min(len, s * chunk), t1 = std::min(len, t0 + chunk), n = t1 - t0;
       const T* kbase = k_cache + bk * a.Lmax * D;
       const T* vbase = v_cache + bk * a.Lmax * D;
-      const float* qbase = a.q + (b * a.H + kvh * G) * D;  // G consecutive query heads
+      const int64_t h0 = a.heads.first_query(a.H, a.Hkv, kvh), G = a.heads.queries(a.H, a.Hkv, kvh);
+      const float* qbase = a.q + (b * a.H + h0) * D;  // G consecutive query heads
 
       std::fill(acc.data(), acc.data() + G * D, 0.0f);
       float* m_g = stats.data();  // per query head: softmax max and sum over the chunk
@@ -288,13 +291,33 @@ void decode_impl(const DecodeArgs& a) {
       }
 
       for (int64_t g = 0; g < G; ++g)
-        write_result(a, b, kvh * G + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
+        write_result(a, b, h0 + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
     };
   });
   if (S > 1) merge_splits(a, part_o, part_ml);
 }
 
 }  // namespace
+
+std::string head_map_error(const HeadMap& m, int64_t H, int64_t Hkv) {
+  const auto heads = " query heads onto " + std::to_string(Hkv) + " KV heads";
+  if (H < 1 || Hkv < 1) return "H and Hkv must be >= 1, got " + std::to_string(H) + " and " + std::to_string(Hkv);
+  if (m.group == 0) {
+    if (m.q_offset != 0) return "q_offset needs group (the model's query heads per KV head), got group 0";
+    if (H % Hkv) return "the number of query heads H (" + std::to_string(H) +
+                        ") must be a multiple of the number of KV heads Hkv (" + std::to_string(Hkv) +
+                        "), or group and q_offset must say how they map";
+    return "";
+  }
+  if (m.group < 1 || m.q_offset < 0 || m.q_offset >= m.group)
+    return "group must be >= 1 and q_offset in 0..group-1, got group " + std::to_string(m.group) + ", q_offset " +
+           std::to_string(m.q_offset);
+  // Every KV head read by at least one query head, every query head reading one of them.
+  if ((Hkv - 1) * m.group >= H + m.q_offset || H + m.q_offset > Hkv * m.group)
+    return "group " + std::to_string(m.group) + " with q_offset " + std::to_string(m.q_offset) + " cannot map " +
+           std::to_string(H) + heads + " (it needs (Hkv - 1) group < H + q_offset <= Hkv group)";
+  return "";
+}
 
 int64_t decode_default_splits(int64_t B, int64_t Hkv, int64_t max_length, int num_threads) {
   // The fewest splits that keep the threads evenly busy: the tasks (B Hkv splits, all the same

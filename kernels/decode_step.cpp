@@ -138,7 +138,7 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     kv_cache_append({buf.k.data(), L.k_cache, L.k_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.k_layout});
     kv_cache_append({buf.v.data(), L.v_cache, L.v_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.v_layout});
     DecodeArgs da{buf.q.data(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, a.lengths, buf.attn.data(), B, H, Hkv,
-                  s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_kernel};
+                  s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_kernel, s.heads};
     decode_attention(da);
     float* o_out = output_buffer(a.comm, out, B * dim);
     linear(buf.attn.data(), L.o, o_out, B);

@@ -225,7 +225,8 @@ void with_prefetch(F&& f) {
 void decode_attention_tiled(const DecodeArgs& a) {
   const int8_t* k_cache = static_cast<const int8_t*>(a.k_cache);
   const int8_t* v_cache = static_cast<const int8_t*>(a.v_cache);
-  const int64_t G = a.H / a.Hkv, S = a.num_splits, D = a.D;
+  // Scratch for the most query heads one KV head has (uneven groups: HeadMap in kernels.h).
+  const int64_t Gmax = a.heads.group_size(a.H, a.Hkv), S = a.num_splits, D = a.D;
   // Chunks start on whole blocks (so on whole tiles and groups): a split of chunk tokens.
   auto chunk_of = [&](int64_t len) {
     const int64_t c = (len + S - 1) / S;
@@ -253,8 +254,8 @@ void decode_attention_tiled(const DecodeArgs& a) {
   // Where a task's chunk of the K or V cache starts.
   auto chunk_in = [&](const int8_t* cache, const Span& sp) { return cache + (sp.bk * a.Lmax + sp.t0) * D; };
   run_tasks_ahead(a.B * a.Hkv * S, [&] {
-    return [&, scores = Scratch(0, G * kBlock), acc = Scratch(1, G * D), stats = Scratch(2, 5 * G),
-            qint = Scratch(3, G * ldq / 4 + 1), pint = Scratch(4, G * kBlock / 4 + 1),
+    return [&, scores = Scratch(0, Gmax * kBlock), acc = Scratch(1, Gmax * D), stats = Scratch(2, 5 * Gmax),
+            qint = Scratch(3, Gmax * ldq / 4 + 1), pint = Scratch(4, Gmax * kBlock / 4 + 1),
             streamed = false](int64_t task, int64_t next_task) mutable {
       const Span span = span_of(task);
       const auto [s, bk, t0, n, bytes] = span;
@@ -276,7 +277,8 @@ void decode_attention_tiled(const DecodeArgs& a) {
       }
       const Ahead kahead{kchunk, bytes, knext, next_bytes, g_prefetch.bytes};
       const Ahead vahead{vchunk, bytes, vnext, next_bytes, g_prefetch.bytes};
-      const float* qbase = a.q + (b * a.H + kvh * G) * D;
+      const int64_t h0 = a.heads.first_query(a.H, a.Hkv, kvh), G = a.heads.queries(a.H, a.Hkv, kvh);
+      const float* qbase = a.q + (b * a.H + h0) * D;
 
       std::fill(acc.data(), acc.data() + G * D, 0.0f);
       float* m_g = stats.data();
@@ -340,7 +342,7 @@ void decode_attention_tiled(const DecodeArgs& a) {
       }
       streamed = n > 0 && knext != nullptr && g_prefetch.bytes > 0;  // the next task's first lines are on their way
       for (int64_t g = 0; g < G; ++g)
-        write_result(a, b, kvh * G + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
+        write_result(a, b, h0 + g, s, acc.data() + g * D, m_g[g], l_g[g], part_o, part_ml);
     };
   });
   if (S > 1) merge_splits(a, part_o, part_ml);

@@ -46,6 +46,29 @@ enum class CacheDtype { kFloat32, kFloat16, kBFloat16, kInt8 };
 enum class Int8Kernel { kWiden = 0, kDot = 1, kTile = 2 };
 inline constexpr const char* kInt8KernelNames[] = {"widen", "dot", "tile"};
 
+// Which query heads read which KV head (GQA). In a whole model the H query heads fall in Hkv
+// equal groups of G = H / Hkv: KV head j is read by query heads [j G, (j + 1) G). A tensor-
+// parallel rank whose shard splits a group (workbench/distributed/shard.py) holds groups of
+// uneven size; it passes the model's group size and q_offset, how many of its first KV head's
+// query heads are on an earlier rank: its query head h then reads its KV head
+// (h + q_offset) / group. group 0 means H / Hkv (and q_offset 0).
+struct HeadMap {
+  int64_t group = 0;
+  int64_t q_offset = 0;
+  int64_t group_size(int64_t H, int64_t Hkv) const { return group > 0 ? group : H / Hkv; }
+  // The first of the query heads that read KV head kvh, and how many there are.
+  int64_t first_query(int64_t H, int64_t Hkv, int64_t kvh) const {
+    const int64_t lo = kvh * group_size(H, Hkv) - q_offset;
+    return lo > 0 ? lo : 0;
+  }
+  int64_t queries(int64_t H, int64_t Hkv, int64_t kvh) const {
+    const int64_t hi = (kvh + 1) * group_size(H, Hkv) - q_offset;
+    return (hi < H ? hi : H) - first_query(H, Hkv, kvh);
+  }
+};
+// Why `m` cannot map H query heads onto Hkv KV heads ("" if it can).
+std::string head_map_error(const HeadMap& m, int64_t H, int64_t Hkv);
+
 struct DecodeArgs {
   const float* q;
   const void* k_cache;
@@ -59,6 +82,7 @@ struct DecodeArgs {
   float scale;
   int64_t num_splits;  // KV-length splits per (batch, kv head); >= 1
   Int8Kernel int8_kernel = Int8Kernel::kWiden;  // how an int8 cache is read (other caches: kWiden)
+  HeadMap heads = {};
 };
 
 // The tiled int8 layout (decode_tiled.cpp): K in tiles of 16 tokens, V in groups of 4, a
@@ -215,6 +239,7 @@ struct StackShape {
   CacheDtype dtype;
   CacheLayout k_layout, v_layout;
   Int8Kernel int8_kernel;
+  HeadMap heads;
 };
 // The all-reduce (sum) a tensor-parallel rank's fused step runs after o_proj and after
 // down_proj, whose rows it holds only partial sums of. buffer(n) is where the producing

@@ -24,22 +24,27 @@ def attention_reference(q, k, v, *, causal: bool, scale: float | None = None) ->
 
 
 def decode_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, head_map=None) -> torch.Tensor:
     """q [B, H, D], caches [B, Hkv, Lmax, D] (any dtype; int8 with per-token scales)
-    -> float64 [B, H, D], each sequence b attending to its first lengths[b] tokens."""
+    -> float64 [B, H, D], each sequence b attending to its first lengths[b] tokens; query
+    head h reads KV head h // (H / Hkv), or (h + q_offset) // group with head_map =
+    (group, q_offset)."""
     k = k_cache.double()
     v = v_cache.double()
     if k_scale is not None:
         k = k * k_scale.double().unsqueeze(-1)
         v = v * v_scale.double().unsqueeze(-1)
     B, H, D = q.shape
-    group = H // k.shape[1]
+    if head_map is None:
+        index = torch.arange(H) // (H // k.shape[1])
+    else:
+        index = (torch.arange(H) + head_map[1]) // head_map[0]
     out = torch.empty(B, H, D, dtype=torch.float64)
     sm = scale if scale is not None else 1.0 / math.sqrt(D)
     for b in range(B):
         n = int(lengths[b])
-        kb = k[b, :, :n].repeat_interleave(group, dim=0)  # [H, n, D]
-        vb = v[b, :, :n].repeat_interleave(group, dim=0)
+        kb = k[b, index, :n]  # [H, n, D]: each query head's KV head
+        vb = v[b, index, :n]
         s = torch.einsum("hd,hnd->hn", q[b].double(), kb) * sm
         out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), vb)
     return out

@@ -80,16 +80,17 @@ def test_roofline_names_the_bound_and_adds_communication():
 
 
 def test_uneven_head_splits_are_predicted_at_the_busiest_ranks_share():
-    """The bundled model's 3 KV heads over 2 ranks are 2 + 1: its attention part is predicted
-    at rank 0's 6 query + 2 KV heads (the ranks meet at the all-reduce that ends it), its MLP
-    at half the features (the FFN splits evenly), byte for byte what rank 0's shard holds."""
+    """The bundled model's 9 query heads over 2 ranks are 5 + 4, each rank reading 2 of the 3
+    KV heads: its attention part is predicted at rank 0's 5 query + 2 KV heads (the ranks
+    meet at the all-reduce that ends it), its MLP at half the features (the FFN splits
+    evenly), byte for byte what rank 0's shard holds."""
     from workbench.model.config import preset
     from workbench.model.weights import weight_format
 
     cfg = preset("smollm2-135m")
     two = predict("smollm2-135m", batch=1, prompt_len=64, new_tokens=8, weight_dtype="bf16", ranks=2, hardware=HW)
     d, hd, bf16 = cfg.dim, cfg.head_dim, weight_format("bf16")
-    weights = bf16.nbytes((6 + 2 * 2) * hd, d) + bf16.nbytes(d, 6 * hd)  # wq, wk, wv rows; wo columns
+    weights = bf16.nbytes((5 + 2 * 2) * hd, d) + bf16.nbytes(d, 5 * hd)  # wq, wk, wv rows; wo columns
     prefill = two.layers["prefill"]["attention"]
     assert prefill.bytes == weights  # prefill's attention reads no cache
     assert two.layers["prefill"]["mlp"].bytes == bf16.nbytes(cfg.ffn_dim, d) + bf16.nbytes(d, cfg.ffn_dim // 2)

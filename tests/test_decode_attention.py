@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -72,6 +73,68 @@ def test_decode_matches_reference(kernels, c):
     ref = decode_reference(q, k_cache, v_cache, lengths, **scales)
     tol = 1e-5 if c["q_dtype"] == torch.float32 else 4e-3
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@st.composite
+def uneven_groups(draw):
+    """A tensor-parallel rank's heads where its shard cut groups of query heads: the model's
+    group size, how many of the first group's heads are elsewhere (q_offset), the rank's KV
+    heads, and its query heads (the last group possibly cut short too)."""
+    group = draw(st.integers(1, 9))
+    q_offset = draw(st.integers(0, group - 1))
+    Hkv = draw(st.integers(1, 3))
+    H = Hkv * group - q_offset - draw(st.integers(0, group - 1))  # the last group may end early
+    return dict(group=group, q_offset=q_offset, Hkv=Hkv, H=H) if H + q_offset > (Hkv - 1) * group and H >= 1 else \
+        dict(group=group, q_offset=0, Hkv=Hkv, H=Hkv * group)
+
+
+@given(g=uneven_groups(), B=st.integers(1, 3), Lmax=st.integers(1, 200), D=st.sampled_from([64, 72, 20]),
+       cache_dtype=st.sampled_from(CACHE_DTYPES), int8_kernel=st.sampled_from(["widen", "dot", "tile"]),
+       num_splits=st.one_of(st.none(), st.integers(1, 5)), seed=st.integers(0, 2**16))
+def test_uneven_groups_read_their_kv_heads(kernels, g, B, Lmax, D, cache_dtype, int8_kernel, num_splits, seed):
+    """With group and q_offset, query head h reads KV head (h + q_offset) // group: against
+    the float64 reference (fp32 accumulation), and for the int8 kernels that round the query
+    or the probabilities against the same kernel on a cache with one copy of each query
+    head's KV head (the heads are computed alike either way)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, Hkv, head_map = g["H"], g["Hkv"], (g["group"], g["q_offset"])
+    index = (torch.arange(H) + g["q_offset"]) // g["group"]
+    q = torch.randn(B, H, D, generator=gen)
+    lengths = torch.randint(1, Lmax + 1, (B,), generator=gen)
+    if int8_kernel == "tile" or (int8_kernel == "dot" and cache_dtype == torch.int8):
+        if int8_kernel == "tile":
+            if D % 4:
+                return
+            _, _, tiles, tiled_scales = build_tiled(kernels, B, Hkv, Lmax, D, gen)
+            kc, vc, scales = tiles["k"], tiles["v"], tiled_scales
+        else:
+            _, _, kc, vc, scales = build_cache(kernels, B, Hkv, Lmax, D, torch.int8, gen)
+        out = kernels.decode_attention(q, kc, vc, lengths, num_splits=num_splits, int8_kernel=int8_kernel,
+                                       group=g["group"], q_offset=g["q_offset"], **scales)
+        spread = {n: t[:, index].contiguous() for n, t in scales.items()}
+        same = kernels.decode_attention(q, kc[:, index].contiguous(), vc[:, index].contiguous(), lengths,
+                                        num_splits=num_splits, int8_kernel=int8_kernel, **spread)
+        torch.testing.assert_close(out, same, atol=1e-5, rtol=1e-5)
+        return
+    _, _, kc, vc, scales = build_cache(kernels, B, Hkv, Lmax, D, cache_dtype, gen)
+    out = kernels.decode_attention(q, kc, vc, lengths, num_splits=num_splits, group=g["group"],
+                                   q_offset=g["q_offset"], **scales)
+    ref = decode_reference(q, kc, vc, lengths, head_map=head_map, **scales)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_map_that_does_not_fit_is_refused_naming_it(kernels):
+    kc = torch.zeros(1, 2, 8, 16)
+    q = torch.zeros(1, 5, 16)
+    with pytest.raises(ValueError, match=r"H \(5\) must be a multiple of the number of KV heads Hkv \(2\), or group"):
+        kernels.decode_attention(q, kc, kc, torch.tensor([8]))
+    with pytest.raises(ValueError, match="group 3 with q_offset 2 cannot map 5 query heads onto 2 KV heads"):
+        kernels.decode_attention(q, kc, kc, torch.tensor([8]), group=3, q_offset=2)
+    with pytest.raises(ValueError, match="q_offset in 0..group-1, got group 3, q_offset 3"):
+        kernels.decode_attention(q, kc, kc, torch.tensor([8]), group=3, q_offset=3)
+    with pytest.raises(ValueError, match="q_offset must be a non-negative integer, got -1"):
+        kernels.decode_attention(q, kc, kc, torch.tensor([8]), group=3, q_offset=-1)
+    assert kernels.decode_attention(q, kc, kc, torch.tensor([8]), group=3).shape == (1, 5, 16)
 
 
 @given(

@@ -65,8 +65,12 @@ def tp2(request):
 def test_plan_splits_heads_ffn_and_vocab_unevenly():
     cfg = wb.load_model("smollm2-135m", random=True, layers=1).config
     p0, p1 = plan(cfg, 0, 2), plan(cfg, 1, 2)
-    assert (p0.kv_heads, p1.kv_heads) == ((0, 2), (2, 3))  # 3 KV heads: 2 + 1
-    assert (p0.q_heads, p1.q_heads) == ((0, 6), (6, 9))  # with their query heads (GQA 3:1)
+    # 9 query heads in 3 groups of 3: by KV heads (2 + 1) rank 0 would hold twice rank 1's
+    # attention weights; by query heads 5 + 4, each reading 2 KV heads (KV head 1 on both)
+    assert (p0.q_heads, p1.q_heads) == ((0, 5), (5, 9))
+    assert (p0.kv_heads, p1.kv_heads) == ((0, 2), (1, 3))
+    assert (p0.head_map, p1.head_map) == ((3, 0), (3, 2))  # rank 1's head 0 is the 3rd of KV head 1's group
+    assert plan(cfg, 0, 3).head_map is None and plan(cfg, 2, 3).q_heads == (6, 9)  # 3 ranks: whole groups
     assert p0.vocab[1] == p1.vocab[0] and p1.vocab[1] == cfg.vocab_size
     assert [split(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
     with pytest.raises(ValueError, match="at most 3 tensor-parallel ranks"):
@@ -94,6 +98,31 @@ def test_the_ffn_split_is_even_whatever_the_attention_split(kv_heads, group, hea
     widths = [hi - lo for lo, hi in pieces]
     widths[-1] -= tail
     assert max(widths) - min(widths) <= FFN_ALIGN
+
+
+@given(kv_heads=st.integers(1, 12), group=st.integers(1, 8), world=st.integers(1, 12))
+def test_the_attention_split_covers_every_head_and_never_loads_a_rank_more_than_by_kv_heads(kv_heads, group, world):
+    """Whichever split the plan takes, the ranks hold contiguous runs of query heads covering
+    all of them, each with exactly the KV heads its query heads read ((h + q_offset) // group
+    locally), and the busiest rank holds no more attention weights than by whole KV heads."""
+    assume(world <= kv_heads)
+    cfg = ModelConfig("synthetic", dim=64, n_layers=1, n_heads=kv_heads * group, n_kv_heads=kv_heads, ffn_dim=256,
+                      vocab_size=1000, head_dim=16)
+    plans = [plan(cfg, r, world) for r in range(world)]
+    assert plans[0].q_heads[0] == 0 and plans[-1].q_heads[1] == cfg.n_heads
+    assert all(a.q_heads[1] == b.q_heads[0] for a, b in zip(plans, plans[1:]))
+    for p in plans:
+        read = {h // group for h in range(*p.q_heads)}  # global KV head of each global query head
+        assert read == set(range(*p.kv_heads))
+        group_, offset = p.head_map or (group, 0)
+        assert offset == p.q_heads[0] - p.kv_heads[0] * group
+        assert all((h - p.q_heads[0] + offset) // group_ == h // group - p.kv_heads[0] for h in range(*p.q_heads))
+
+    def weights(q, kv):
+        return 2 * (q[1] - q[0]) + 2 * (kv[1] - kv[0])
+
+    by_kv = max(weights((kv[0] * group, kv[1] * group), kv) for kv in (split(kv_heads, world, r) for r in range(world)))
+    assert max(weights(p.q_heads, p.kv_heads) for p in plans) <= by_kv
 
 
 def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):

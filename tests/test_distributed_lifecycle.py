@@ -141,7 +141,7 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert err is None and "top-1 agrees at 4 of 4 positions" in out
         first = report.recorded()[-1]
         out, err = run("%distributed status")
-        assert "rank 1: KV heads (2, 3)" in out and "segment" in out
+        assert "rank 1: KV heads (1, 3), query heads (5, 9)" in out and "segment" in out  # a group cut: shard.py
         assert out.count("memory policy bind [") == 2  # --pin: each rank's memory bound to its node
         assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
     finally:

@@ -378,15 +378,16 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
 def _busiest_shares(cfg, ranks: int) -> tuple[float, float, float]:
     """(query heads, KV heads, FFN features) of the rank that sets the pace of each part: the
     ranks meet at the all-reduce that ends the attention part and the one that ends the MLP,
-    so where the shard plan splits unevenly (workbench.distributed.shard: 3 KV heads over 2
-    ranks are 2 + 1) every rank waits for the largest share. Past one rank per KV head (no
+    so where the shard plan splits unevenly (workbench.distributed.shard: the bundled model's
+    9 query heads over 2 ranks are 5 + 4, reading 2 KV heads each) every rank waits for the
+    largest share. Past one rank per KV head (no
     such model runs here; projections only) the mean share."""
     if ranks == 1 or ranks > cfg.n_kv_heads:
         return cfg.n_heads / ranks, cfg.n_kv_heads / ranks, cfg.ffn_dim / ranks
     from workbench.distributed.shard import plan
 
     plans = [plan(cfg, r, ranks) for r in range(ranks)]
-    busiest = max(plans, key=lambda p: p.kv_heads[1] - p.kv_heads[0])
+    busiest = max(plans, key=lambda p: (p.q_heads[1] - p.q_heads[0]) + (p.kv_heads[1] - p.kv_heads[0]))
     return (busiest.q_heads[1] - busiest.q_heads[0], busiest.kv_heads[1] - busiest.kv_heads[0],
             max(p.ffn[1] - p.ffn[0] for p in plans))
 

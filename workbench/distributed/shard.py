@@ -1,8 +1,13 @@
 """How a model is split over R ranks (Megatron-style tensor parallelism, the paper's 2.3):
 
-    attention   by KV-head groups: rank r keeps a contiguous run of KV heads, the query
-                heads that share them, and (so) their share of the KV cache; wq / wk / wv
-                rows, wo columns
+    attention   by KV-head groups where the ranks divide the KV heads: rank r keeps a
+                contiguous run of KV heads, the query heads that share them, and (so) their
+                share of the KV cache. Otherwise, where it leaves the busiest rank fewer
+                weights, by query heads: rank r keeps an equal run of query heads and every
+                KV head they read, so a KV head whose group the split cuts is kept (its wk /
+                wv rows and its cache) on both ranks, and the groups on a rank are uneven
+                (ShardPlan.head_map tells the kernels which KV head each query head reads).
+                wq / wk / wv rows, wo columns
     MLP         gate / up rows (the FFN's columns), down columns, split evenly in steps of
                 FFN_ALIGN features
     after       o_proj and down_proj give partial sums on every rank: an all-reduce follows
@@ -14,12 +19,12 @@
 
 The ranks meet at both all-reduces of every layer, so each of the two parts between them (the
 attention block, the MLP block) should take every rank the same time on its own: a rank that
-finishes its part early waits at the all-reduce. The FFN is therefore split evenly even where
-the attention split is not (leaning the FFN against it would equalize a rank's bytes per layer
-and unbalance the MLP part as well). The attention split is uneven when the ranks do not divide
-the KV heads: the bundled model's 3 KV heads over 2 ranks are 2 + 1 (and its 9 query heads
-6 + 3), so in its attention part rank 1 waits for rank 0. More ranks than KV heads is refused: a
-rank would have no attention.
+finishes its part early waits at the all-reduce. Hence the query-head split where the KV heads
+do not divide (the bundled model's 3 KV heads over 2 ranks: by KV heads 2 + 1, rank 0 holding
+twice rank 1's attention weights; by query heads 5 + 4 of the 9, with KV heads 0-1 and 1-2,
+14 : 12 in units of head_dim x dim), and an even FFN split whatever the attention split
+(leaning it against an uneven attention split would equalize a rank's bytes per layer and
+unbalance the MLP part as well). More ranks than KV heads is refused.
 """
 
 from __future__ import annotations
@@ -62,6 +67,43 @@ class ShardPlan:
     ffn: tuple[int, int]  # [lo, hi) of the FFN's intermediate features
     vocab: tuple[int, int]  # [lo, hi) of the vocabulary (LM head rows)
     hidden: tuple[int, int]  # [lo, hi) of the hidden size (the hidden-split LM head's columns)
+    # Query heads of the first KV head's group held by an earlier rank (the query-head split
+    # only, else 0), and the model's query heads per KV head: query head h of this rank reads
+    # its KV head (h + q_offset) // group.
+    q_offset: int = 0
+    group: int = 1
+
+    @property
+    def head_map(self) -> tuple[int, int] | None:
+        """(group, q_offset) for the kernels where this rank's groups are uneven, else None."""
+        q, kv = self.q_heads[1] - self.q_heads[0], self.kv_heads[1] - self.kv_heads[0]
+        return (self.group, self.q_offset) if self.q_offset or q != self.group * kv else None
+
+
+def attention_split(cfg: ModelConfig, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """(query heads, KV heads, q_offset) of rank: by KV heads with their whole groups where the
+    ranks divide the KV heads; otherwise whichever of that and the query-head split gives the
+    busiest rank the fewer attention weights. The query-head split gives each rank an equal
+    share of the query heads and every KV head any of them reads, so a KV head whose group
+    the split cuts is held (its wk and wv rows, its cache) by both ranks."""
+    group = cfg.n_heads // cfg.n_kv_heads
+
+    def by_kv(r):
+        kv = split(cfg.n_kv_heads, world, r)
+        return (kv[0] * group, kv[1] * group), kv, 0
+
+    def by_q(r):
+        q = split(cfg.n_heads, world, r)
+        kv = (q[0] // group, -(-q[1] // group))
+        return q, kv, q[0] - kv[0] * group
+
+    if cfg.n_kv_heads % world == 0:
+        return by_kv(rank)
+
+    def busiest(how):  # wq and wo: 2 x hd x dim per query head; wk and wv: the same per KV head
+        return max(2 * (q[1] - q[0]) + 2 * (kv[1] - kv[0]) for q, kv, _ in map(how, range(world)))
+
+    return (by_q if busiest(by_q) < busiest(by_kv) else by_kv)(rank)
 
 
 def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
@@ -70,10 +112,9 @@ def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
     if world > cfg.n_kv_heads:
         raise ValueError(f"{cfg.name} has {cfg.n_kv_heads} KV heads, so at most {cfg.n_kv_heads} tensor-parallel "
                          f"ranks (each keeps at least one KV head with its query heads); got {world}")
-    group = cfg.n_heads // cfg.n_kv_heads
-    kv = split(cfg.n_kv_heads, world, rank)
-    return ShardPlan(rank, world, kv, (kv[0] * group, kv[1] * group), ffn_split(cfg, world, rank),
-                     split(cfg.vocab_size, world, rank), split(cfg.dim, world, rank))
+    q, kv, q_offset = attention_split(cfg, world, rank)
+    return ShardPlan(rank, world, kv, q, ffn_split(cfg, world, rank), split(cfg.vocab_size, world, rank),
+                     split(cfg.dim, world, rank), q_offset, cfg.n_heads // cfg.n_kv_heads)
 
 
 def shard_hook(rank: int, world: int):

@@ -112,6 +112,7 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
     llama, cfg = model.llama, model.config
     p = plan(cfg, comm.rank, comm.world)
     tp = TensorParallel(comm, options or TPOptions(), p.vocab, cfg.vocab_size)
+    llama.head_map = p.head_map  # where the shard cut a group of query heads, which KV head each reads
     for i, layer in enumerate(llama.layers):
         layer.wo = ReducedLinear(layer.wo, tp, i, "attention")
         layer.w_down = ReducedLinear(layer.w_down, tp, i, "mlp")

@@ -144,7 +144,7 @@ class KernelSet:
 
     def decode_attention(self, q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
                          scale: float | None = None, num_splits: int | None = None,
-                         int8_kernel: str = "widen") -> torch.Tensor:
+                         int8_kernel: str = "widen", group: int = 0, q_offset: int = 0) -> torch.Tensor:
         """Attention of one new token per sequence over a KV cache.
 
         q [B, H, D] fp32/bf16; k_cache / v_cache [B, Hkv, Lmax, D] int8, fp16, bf16 or fp32;
@@ -159,13 +159,19 @@ class KernelSet:
           "tile"   the caches in the tiled layout (K written with layout="k_tiles", V with
                    "v_groups"; Lmax a multiple of TILED_ALIGN, D of 4): the scores and P.V by
                    integer dot products, the probabilities quantized to [0, 127] per 32 tokens.
+
+        group, q_offset: which KV head each query head reads where the groups are uneven (a
+        tensor-parallel rank's shard: workbench.distributed.shard): query head h reads KV head
+        (h + q_offset) // group. Default (0, 0): h // (H // Hkv).
         """
         _check_tensor_args(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)
+        group, q_offset = _head_map("decode_attention", group, q_offset)
         if num_splits is not None:
             num_splits = _positive_int("num_splits", num_splits)
         return self.ext.decode_attention(q, k_cache, v_cache, lengths, k_scale=k_scale, v_scale=v_scale,
                                          scale=scale, num_splits=num_splits,
-                                         int8_kernel=_int8_kernel("decode_attention", int8_kernel))
+                                         int8_kernel=_int8_kernel("decode_attention", int8_kernel),
+                                         group=group, q_offset=q_offset)
 
     def decode_dot_isa(self) -> str:
         """The integer dot-product instructions of the int8-query decode path in this build."""
@@ -235,7 +241,8 @@ class KernelSet:
             raise ValueError(f"engine must be one of {', '.join(self.GEMM_ENGINES)}, got {engine!r}")
         self.ext.set_gemm_engine(engine)
 
-    def decode_stack(self, layers, caches, *, heads: int, eps: float, int8_kernel: str = "widen"):
+    def decode_stack(self, layers, caches, *, heads: int, eps: float, int8_kernel: str = "widen", group: int = 0,
+                     q_offset: int = 0):
         """The fused decode step over a whole decoder stack (kernels/decode_step.cpp).
 
         layers: the model's Layer objects (attn_norm, mlp_norm, and the Linear wqkv, wo,
@@ -245,7 +252,8 @@ class KernelSet:
         in one call with the GIL released: x [B, dim] fp32 updated in place, cos / sin
         [B, head_dim], positions [B]; timers a float64 [layers, parts] tensor that receives
         each layer's seconds per part (constants()["timer_parts"]), or None. The weights and
-        caches are held, not copied: build one per (model, cache)."""
+        caches are held, not copied: build one per (model, cache). group, q_offset:
+        decode_attention's."""
         layers, caches = list(layers), list(caches)
         if len(caches) != len(layers):
             raise ValueError(f"decode_stack: caches needs one (k, v, k_scale, v_scale) per layer: {len(layers)}, "
@@ -255,7 +263,9 @@ class KernelSet:
                                         *(getattr(layer, n).scale for n in ("wqkv", "wo", "w_gate_up", "w_down")),
                                         *cache)
                    for layer, cache in zip(layers, caches)]
-        return self.ext.DecodeStack(records, heads, float(eps), _int8_kernel("decode_stack", int8_kernel))
+        group, q_offset = _head_map("decode_stack", group, q_offset)
+        return self.ext.DecodeStack(records, heads, float(eps), _int8_kernel("decode_stack", int8_kernel), group,
+                                    q_offset)
 
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
         """Rotary position embedding (rotate-half layout) in place: in each row of x [T, C]
@@ -319,6 +329,13 @@ class KernelSet:
 
 
 TILED_LAYOUTS = ("rows", "k_tiles", "v_groups")
+
+
+def _head_map(fn: str, group, q_offset) -> tuple[int, int]:
+    for name, value in (("group", group), ("q_offset", q_offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{fn}: {name} must be a non-negative integer, got {value!r}")
+    return group, q_offset  # the kernel checks them against the heads
 
 
 def _int8_kernel(fn: str, name) -> str:

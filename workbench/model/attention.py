@@ -47,7 +47,7 @@ def _per_sequence_decode(attend_one: Callable) -> Callable:
     def decode(q, cache, layer: int, lengths):
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
-            k, v = cache.dequantized(layer, b, int(lengths[b]))
+            k, v = cache.per_query_head(*cache.dequantized(layer, b, int(lengths[b])), q.shape[1])
             out[b] = attend_one(q[b].unsqueeze(1), k, v)[:, 0]
         return out
 

@@ -210,10 +210,24 @@ def kv_format(name: str) -> KVFormat:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_FORMATS)}, got {name!r}") from None
 
 
+def kv_heads_of(n_heads: int, head_map: tuple[int, int] | None) -> torch.Tensor | None:
+    """The KV head each of n_heads query heads reads under head_map = (group, q_offset): query
+    head h reads (h + q_offset) // group. None for None (equal groups: h // (H / Hkv))."""
+    if head_map is None:
+        return None
+    group, q_offset = head_map
+    return torch.div(torch.arange(n_heads) + q_offset, group, rounding_mode="floor")
+
+
 class KVCache:
     """Preallocated K/V for every layer in one format, laid out for the kernel that reads it
     (`kernel`: KV_KERNELS); `lengths` [B] counts each sequence's tokens (the next position
     to write)."""
+
+    # Which KV head each query head reads where the groups are uneven (a tensor-parallel rank
+    # whose shard splits a group of query heads, workbench.distributed.shard): (group,
+    # q_offset) as kernels.decode_attention takes them; None: equal groups. Set by the model.
+    head_map: tuple[int, int] | None = None
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str,
                  kernel: str | None = None):
@@ -278,8 +292,17 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """Decode attention of q [B, H, D] over this layer's cache with its kernel (options:
         the kernel's, such as num_splits)."""
+        if self.head_map is not None:
+            options = {**options, "group": self.head_map[0], "q_offset": self.head_map[1]}
         return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths,
                                   int8_kernel=self.kernel, **options)
+
+    def per_query_head(self, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [Hkv, ..., D] of the reference paths as one KV head per query head where the
+        groups are uneven (head_map), so that plain GQA code reads them right; as they are
+        otherwise."""
+        index = kv_heads_of(n_heads, self.head_map)
+        return (k, v) if index is None else (k[index], v[index])
 
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K, V [Hkv, length, D] of sequence b (for the reference attention paths)."""
@@ -333,7 +356,7 @@ class ReferenceKVCache(KVCache):
     def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=torch.float32)
         for b in range(q.shape[0]):
-            k, v = self.dequantized(layer, b, int(lengths[b]))
+            k, v = self.per_query_head(*self.dequantized(layer, b, int(lengths[b])), q.shape[1])
             out[b] = reference_attention(q[b].float(), k, v)
         return out
 

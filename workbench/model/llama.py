@@ -36,7 +36,7 @@ from workbench import kernels
 from workbench.hw import memory
 from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
-from workbench.model.kv_formats import KVCache, new_kv_cache
+from workbench.model.kv_formats import KVCache, kv_heads_of, new_kv_cache
 from workbench.model.switches import Switches
 from workbench.model.weights import WeightFormat, weight_format
 from workbench.model.timing import Clock, StepRecord
@@ -172,6 +172,10 @@ class LlamaModel:
         # Tensor parallel (workbench.distributed.tp): the all-reduce the fused step runs after
         # o_proj and down_proj (a kernels StepCollective); None in one process.
         self.collective = None
+        # ... and, where the rank's shard splits a group of query heads, which KV head each of
+        # its query heads reads: (group, q_offset), see kernels.decode_attention. None: equal
+        # groups, as in one process.
+        self.head_map: tuple[int, int] | None = None
 
     def _pack_weights(self) -> None:
         """Move every matrix (and int8 scales) into one huge-page arena in the order a decode
@@ -206,8 +210,17 @@ class LlamaModel:
     def new_cache(self, batch: int, max_len: int, kv_cache: str, kv_kernel: str | None = None) -> KVCache:
         """An empty KV cache for this model's (local) KV heads, laid out for `kv_kernel` (None:
         the format's default)."""
-        return new_kv_cache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache,
-                            kv_kernel)
+        cache = new_kv_cache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache,
+                             kv_kernel)
+        cache.head_map = self.head_map
+        return cache
+
+    def _per_query_head(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [1, Hkv, n, D] for a prefill attention backend: one KV head per query head where
+        the groups are uneven (head_map; our prefill kernels take equal groups only), as they
+        are otherwise."""
+        index = kv_heads_of(self.n_heads, self.head_map)
+        return (k, v) if index is None else (k[:, index], v[:, index])
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens].float()
@@ -284,6 +297,7 @@ class LlamaModel:
                 s = slice(offsets[b], offsets[b + 1])
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
                 cache.append(i, kb, vb, start, rows=slice(b, b + 1))
+                kb, vb = self._per_query_head(kb, vb)
                 out[s] = backend.prefill(qb.to(act), kb.to(act), vb.to(act))[0].transpose(0, 1)
             return layer.wo(out.view(-1, H * D))
 
@@ -333,7 +347,8 @@ class LlamaModel:
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
                 cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
                 keys, values = cache.dequantized(i, row, starts[b] + seq_lens[b])  # [Hkv, start + n, D]
-                keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
+                keys, values = self._per_query_head(keys.unsqueeze(0), values.unsqueeze(0))
+                keys, values = (t.to(act).contiguous() for t in (keys, values))
                 out[s] = kernels.slim_attention(qb.to(act), keys, values)[0].transpose(0, 1)
             return layer.wo(out.view(-1, H * D))
 
@@ -371,8 +386,9 @@ class LlamaModel:
     def _fused_stack(self, cache: KVCache):
         stack = self._stacks.get(cache)
         if stack is None:
+            group, q_offset = self.head_map or (0, 0)
             stack = kernels.decode_stack(self.layers, cache.per_layer, heads=self.n_heads, eps=self.cfg.norm_eps,
-                                         int8_kernel=cache.kernel)
+                                         int8_kernel=cache.kernel, group=group, q_offset=q_offset)
             self._stacks[cache] = stack
         return stack
 
