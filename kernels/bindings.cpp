@@ -557,9 +557,31 @@ class ShmCollective : public wbk::StepCollective {
   wbk::ShmArgs a_;
 };
 
-// The same all-reduce through a Python callable (gloo, oneCCL: communicators that live in
-// Python): called with a float32 tensor viewing the data, which it reduces in place. The GIL
-// is taken for the call only.
+// A StepCollective that another extension of ours built from the same kernels.h (the oneCCL
+// binding, ccl_comm.cpp: a separate library, built only with the ccl extra), handed over as its
+// address: the fused step calls it natively, with the GIL released, as it calls ShmCollective.
+// The object lives in that extension for the life of the process.
+class ForeignCollective : public wbk::StepCollective {
+ public:
+  explicit ForeignCollective(uintptr_t address) : target_(reinterpret_cast<wbk::StepCollective*>(address)) {
+    TORCH_CHECK_VALUE(address != 0, "ForeignCollective: address is null");
+  }
+  float* buffer(int64_t n) override { return target_->buffer(n); }
+  void all_reduce(float* data, int64_t n) override {
+    try {
+      target_->all_reduce(data, n);
+    } catch (const std::exception& e) {  // raised in the other library: the step's own error type
+      throw wbk::CollectiveError(e.what());
+    }
+  }
+
+ private:
+  wbk::StepCollective* target_;
+};
+
+// The same all-reduce through a Python callable (gloo: a communicator that lives in Python):
+// called with a float32 tensor viewing the data, which it reduces in place. The GIL is taken
+// for the call only.
 class PyCollective : public wbk::StepCollective {
  public:
   explicit PyCollective(py::function fn) : fn_(std::move(fn)) {}
@@ -783,6 +805,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("world"), py::arg("capacity"), py::arg("timeout_s"))
       .def_readwrite("seq", &ShmCollective::seq)
       .def_readwrite("zero_copy", &ShmCollective::zero_copy);
+  py::class_<ForeignCollective, wbk::StepCollective>(m, "ForeignCollective", py::module_local())
+      .def(py::init<uintptr_t>(), py::arg("address"));
   py::class_<PyCollective, wbk::StepCollective>(m, "PyCollective", py::module_local())
       .def(py::init<py::function>(), py::arg("all_reduce"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)

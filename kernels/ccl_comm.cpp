@@ -8,7 +8,10 @@
 //           its address (256 bytes, e.g. "127.0.0.1_4096..."), which the client hands to
 //           the others out of band (through ipyparallel);
 //   all:    connect(rank, world, address) creates the communicator (collective);
-//   then    all_reduce (fp32 sum, in place), broadcast (bytes, in place), all_gather.
+//   then    all_reduce (fp32 sum, in place), broadcast (bytes, in place), all_gather;
+//           step_collective(): the address of this process's StepCollective (kernels.h), the
+//           all-reduce the fused decode step calls natively between its kernels (the kernels'
+//           ForeignCollective wraps it).
 // oneCCL errors become Python RuntimeErrors naming the call. oneCCL has no timeout of its
 // own: a dead rank is detected by the client (workbench.distributed.cluster), which stops
 // the engines.
@@ -21,6 +24,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "kernels.h"  // wbk::StepCollective: the kernels' extension calls ours through it
 
 namespace {
 
@@ -128,6 +133,23 @@ void all_gather(const Tensor& t, Tensor& out) {
   });
 }
 
+// The fused step's all-reduce: oneCCL's, in place; no buffer of its own (the step reduces its
+// own). Errors propagate as C++ exceptions through the step to its Python caller.
+class StepAllReduce : public wbk::StepCollective {
+ public:
+  float* buffer(int64_t) override { return nullptr; }
+  void all_reduce(float* data, int64_t n) override {
+    auto& c = comm("ccl step all_reduce");
+    guarded("allreduce", [&] { ccl::allreduce(data, data, n, ccl::reduction::sum, c).wait(); });
+  }
+};
+
+uintptr_t step_collective() {
+  static StepAllReduce collective;
+  comm("ccl step_collective");  // connected first
+  return reinterpret_cast<uintptr_t>(static_cast<wbk::StepCollective*>(&collective));
+}
+
 void disconnect() {
   state().comm.reset();
   state().kvs.reset();
@@ -142,5 +164,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("all_reduce", &all_reduce);
   m.def("broadcast", &broadcast);
   m.def("all_gather", &all_gather);
+  m.def("step_collective", &step_collective);
   m.def("disconnect", &disconnect);
 }

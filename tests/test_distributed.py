@@ -140,6 +140,14 @@ def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
+def test_the_fused_step_calls_shm_and_ccl_natively_and_gloo_through_python(tp2):
+    cluster, _ = tp2
+    kind = "type(__import__('workbench.distributed.engine', fromlist=['_model'])._model().llama.collective).__name__"
+    kinds = cluster.run(eval, kind, what="reading the step's collective")[0]
+    expected = {"shm": "ShmCollective", "ccl": "ForeignCollective", "gloo": "PyCollective"}[cluster.backend]
+    assert kinds == [expected] * 2
+
+
 def test_every_exact_switch_setting_gives_the_same_tokens(tp2, single):
     cluster, model = tp2
     ref = single.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False).token_ids

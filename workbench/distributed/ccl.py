@@ -8,6 +8,7 @@ The workbench sets that environment on every engine itself; `%distributed status
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -62,11 +63,15 @@ def extension():
         from workbench.kernels._build import SOURCE_DIR, our_ninja
 
         prefix = ccl_prefix()
+        # The binding implements kernels.h's StepCollective for the kernels' extension to call:
+        # a change to that header must rebuild it too (load() hashes the sources and flags only).
+        interface = hashlib.sha256((SOURCE_DIR / "kernels.h").read_bytes()).hexdigest()[:16]
         build = cache_dir() / "kernels" / f"ccl-{cpu_key()}"
         build.mkdir(parents=True, exist_ok=True)
         with our_ninja():  # the same ninja in every process, as for the kernels
             _ext = load(name="workbench_ccl", sources=[str(SOURCE_DIR / "ccl_comm.cpp")],
-                        extra_include_paths=[str(prefix / "include")], extra_cflags=["-O2"],
+                        extra_include_paths=[str(prefix / "include")],
+                        extra_cflags=["-O2", f"-DWBK_KERNELS_H={interface}"],
                         extra_ldflags=[f"-L{prefix / 'lib'}", "-l:libccl.so.1", f"-Wl,-rpath,{prefix / 'lib'}"],
                         build_directory=str(build))
     return _ext
@@ -103,6 +108,12 @@ class CclComm(Communicator):
 
     def _all_reduce(self, x):
         self._call(self.ext.all_reduce, x)
+
+    def step_collective(self):
+        """oneCCL's all-reduce for the fused decode step, called natively (not through Python)."""
+        from workbench.kernels import native
+
+        return native.ext.ForeignCollective(self._call(self.ext.step_collective))
 
     def _broadcast(self, x, root):
         self._call(self.ext.broadcast, x, root)

@@ -201,7 +201,7 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
         begin(record)
         try:
             logits, rec = decode(tokens, cache, switches, record)
-        except kernels.native.ext.CollectiveError as e:  # the fused step's shm all-reduce: a rank died or is stuck
+        except kernels.native.ext.CollectiveError as e:  # the fused step's shm or oneCCL all-reduce failed
             raise CommError(str(e)) from None
         return logits, end(rec)
 
