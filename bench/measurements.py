@@ -116,7 +116,8 @@ def render(runs: list[tuple[str, dict]]) -> str:
 
 
 def add(paths: list[Path]) -> None:
-    """Copy results into docs/results/, named by day, host and benchmark. The host is its CPU
+    """Copy results into docs/results/, named by day, host and benchmark (a second run of one
+    benchmark on one day also by its time: never over another run). The host is its CPU
     model, ISA and L1d size: a cloud VM may call two CPU generations by one model name (AMD EPYC
     for Zen 4 and Zen 5), and the L1d tells them apart."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -127,6 +128,9 @@ def add(paths: list[Path]) -> None:
         l1d = next((c["size_bytes"] for c in env["machine"].get("caches", []) if c["level"] == 1 and c["kind"] == "Data"),
                    0)
         target = RESULTS / f"{env['time'][:10]}-{host}-{isa}-l1d-{l1d >> 10}k-{path.stem}.json"
+        if target.exists() and read_result(target)["environment"]["time"] != env["time"]:
+            # another run of the same benchmark that day: both kept (remove one by hand to replace it)
+            target = target.with_name(f"{target.stem}-{env['time'][11:16].replace(':', '')}.json")
         shutil.copyfile(path, target)
         print(f"added {target.relative_to(ROOT)}")
 

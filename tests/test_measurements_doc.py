@@ -89,3 +89,17 @@ def test_a_run_whose_peaks_differ_from_its_sections_says_its_own():
     page = gen.render([("a", first), ("b", same), ("c", own)])
     assert page.count("triad 28.9 GB/s") == 1 and page.count("triad 36.7 GB/s") == 1
     assert page.index("triad 36.7 GB/s") > page.index("**B**")  # under the run that measured them
+
+
+def test_adding_a_second_run_of_a_benchmark_on_one_day_keeps_both(tmp_path, monkeypatch):
+    gen = _generator()
+    monkeypatch.setattr(gen, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    for time, folder in (("2026-12-01T09:00:00+0000", "a"), ("2026-12-01T15:31:00+0000", "b")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "distributed.json").write_text(json.dumps(_result(time, ["avx2"], folder, [[folder, "1"]])))
+        gen.add([tmp_path / folder / "distributed.json"])
+    gen.add([tmp_path / "b" / "distributed.json"])  # the same run again: replaces its own copy only
+    names = sorted(p.name for p in (tmp_path / "results").iterdir())
+    assert names == ["2026-12-01-some-cpu-avx512-l1d-48k-distributed-1531.json",
+                     "2026-12-01-some-cpu-avx512-l1d-48k-distributed.json"]
