@@ -207,7 +207,7 @@ def test_the_stack_checks_what_it_is_given(model):
     parts = len(ks.ext.constants()["timer_parts"])
     with pytest.raises(ValueError, match=f"timers must be \\[30, {parts}\\]"):
         stack.step(x, cs, cs, torch.tensor([3, 4]), torch.zeros(2, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="heads \\(7\\) must be a positive multiple"):
+    with pytest.raises(ValueError, match="query heads H \\(7\\) must be a multiple of the number of KV heads Hkv"):
         ks.decode_stack(llama.layers, cache.per_layer, heads=7, eps=1e-5)
     with pytest.raises(ValueError, match="int8_kernel 'tile' needs an int8 cache"):
         ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=1e-5, int8_kernel="tile")
