@@ -40,7 +40,7 @@ from typing import Callable
 
 from workbench.cache import cache_dir
 from workbench.model.gguf_file import dequantize, read_gguf
-from workbench.hw.rounds import interleaved_rounds
+from workbench.hw.rounds import interleaved_rounds, ratio_of_runs
 
 
 @dataclass(frozen=True)
@@ -255,12 +255,6 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
-def _ratio(num: list[float], den: list[float]) -> dict:
-    """median(num) / median(den), with the worst and best pairing of the rounds."""
-    return {"median": statistics.median(num) / statistics.median(den), "min": min(num) / max(den),
-            "max": max(num) / min(den)}
-
-
 def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_tokens: int = 64, rounds: int = 3,
               threads: int | None = None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Every engine on every prompt length, interleaved, `rounds` times. Returns one row per
@@ -331,8 +325,8 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
                 row["decode_pct_of_triad"] = 100 * gbps / statistics.median(triads)
             base = samples.get((e.matched, n))
             if base and e.spec["engine"] != "workbench":
-                row["ours_over_peer"] = _ratio([1e3 / statistics.median(s["decode_ms"]) for s in base], tps)
-                row["ours_over_peer_prefill"] = _ratio([s["prefill_ms"] for s in runs], [s["prefill_ms"] for s in base])
+                row["ours_over_peer"] = ratio_of_runs([1e3 / statistics.median(s["decode_ms"]) for s in base], tps)
+                row["ours_over_peer_prefill"] = ratio_of_runs([s["prefill_ms"] for s in runs], [s["prefill_ms"] for s in base])
             if reference:
                 a, b = reference[0]["tokens"], runs[0]["tokens"]
                 row["same_tokens_as_workbench_fp32"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),

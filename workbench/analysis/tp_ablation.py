@@ -38,7 +38,7 @@ import torch
 
 from workbench.analysis.text import sample_prompts
 from workbench.distributed.cluster import Cluster
-from workbench.hw.rounds import interleaved_rounds
+from workbench.hw.rounds import interleaved_rounds, ratio_by_round, ratio_of_runs
 
 
 def _row(out, batch: int) -> dict:
@@ -67,19 +67,6 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
 
 
 ONE_RANK = "1 rank"  # the single process, as a case of the interleaved rounds
-
-
-def _paired(tp: list[tuple[int, dict]], one: dict[int, dict]) -> dict:
-    """Time over the single process's, per round where both ran, as {median, min, max}."""
-    ratios = [s["decode_ms_per_token"] / one[r]["decode_ms_per_token"] for r, s in tp if r in one]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-
-
-def _unpaired(tp: list[tuple[int, dict]], one: list[dict]) -> dict:
-    """Time over the single process's from runs apart: the medians' ratio, with the worst and
-    best pairing of the rounds."""
-    a, b = [s["decode_ms_per_token"] for _, s in tp], [s["decode_ms_per_token"] for s in one]
-    return {"median": statistics.median(a) / statistics.median(b), "min": min(a) / max(b), "max": max(a) / min(b)}
 
 
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
@@ -141,12 +128,15 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                     samples[c].append((round_, _row(out, batch)))
                     same[c] = same[c] and out.token_ids == ref.token_ids
                 one_samples.extend(one_here.values())
+                one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": "on" if c[2] else "off", "threads": threads_per_rank}
                     row = _summarize(config, [s for _, s in samples[c]], same[c])
                     if 1 in ranks:
-                        row["vs_tp1"] = _paired(samples[c], one_here) if interleave else _unpaired(samples[c], one_samples)
+                        ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
+                        row["vs_tp1"] = ratio_by_round(ms, one_ms) if interleave else ratio_of_runs(
+                            list(ms.values()), [s["decode_ms_per_token"] for s in one_samples])
                         row["tp1_interleaved"] = interleave
                     rows.append(row)
                     say(f"ranks {r} {backend} {c}: {row['decode_ms_per_token']:.2f} ms/token, "

@@ -14,6 +14,7 @@ Callers time each call and keep what they measure (seconds, a generation's recor
 from __future__ import annotations
 
 import random
+import statistics
 from typing import Hashable, Iterable, Iterator
 
 
@@ -28,3 +29,16 @@ def interleaved_rounds(cases: Iterable[Hashable], repeats: int, *, warmup: int =
     for round_ in range(-warmup, repeats):
         for name in names if round_ < 0 else order.sample(names, len(names)):
             yield round_, name
+
+
+def ratio_of_runs(num: list[float], den: list[float]) -> dict:
+    """median(num) / median(den) of samples taken apart, with the worst and best pairing of
+    them as {median, min, max}."""
+    return {"median": statistics.median(num) / statistics.median(den), "min": min(num) / max(den),
+            "max": max(num) / min(den)}
+
+
+def ratio_by_round(num: dict[int, float], den: dict[int, float]) -> dict:
+    """num / den within each round both ran in, as {median, min, max} over those rounds."""
+    ratios = [num[r] / den[r] for r in num if r in den]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}

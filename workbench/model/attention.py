@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench import kernels
+from workbench.model.kv_formats import per_query_head
 
 
 def _naive_prefill(q, k, v):
@@ -47,7 +48,7 @@ def _per_sequence_decode(attend_one: Callable) -> Callable:
     def decode(q, cache, layer: int, lengths):
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
-            k, v = cache.per_query_head(*cache.dequantized(layer, b, int(lengths[b])), q.shape[1])
+            k, v = per_query_head(*cache.dequantized(layer, b, int(lengths[b])), q.shape[1], cache.head_map)
             out[b] = attend_one(q[b].unsqueeze(1), k, v)[:, 0]
         return out
 

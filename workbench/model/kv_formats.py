@@ -210,13 +210,16 @@ def kv_format(name: str) -> KVFormat:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_FORMATS)}, got {name!r}") from None
 
 
-def kv_heads_of(n_heads: int, head_map: tuple[int, int] | None) -> torch.Tensor | None:
-    """The KV head each of n_heads query heads reads under head_map = (group, q_offset): query
-    head h reads (h + q_offset) // group. None for None (equal groups: h // (H / Hkv))."""
+def per_query_head(k: torch.Tensor, v: torch.Tensor, n_heads: int, head_map: tuple[int, int] | None,
+                   dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v with their KV heads (along `dim`) as one per query head, for code that takes equal
+    groups only, where head_map = (group, q_offset) makes them uneven: query head h reads KV
+    head (h + q_offset) // group. As they are for head_map None."""
     if head_map is None:
-        return None
+        return k, v
     group, q_offset = head_map
-    return torch.div(torch.arange(n_heads) + q_offset, group, rounding_mode="floor")
+    index = torch.div(torch.arange(n_heads) + q_offset, group, rounding_mode="floor")
+    return k.index_select(dim, index), v.index_select(dim, index)
 
 
 class KVCache:
@@ -297,13 +300,6 @@ class KVCache:
         return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths,
                                   int8_kernel=self.kernel, **options)
 
-    def per_query_head(self, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [Hkv, ..., D] of the reference paths as one KV head per query head where the
-        groups are uneven (head_map), so that plain GQA code reads them right; as they are
-        otherwise."""
-        index = kv_heads_of(n_heads, self.head_map)
-        return (k, v) if index is None else (k[index], v[index])
-
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K, V [Hkv, length, D] of sequence b (for the reference attention paths)."""
         def one(values, scales, layout):
@@ -356,7 +352,7 @@ class ReferenceKVCache(KVCache):
     def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=torch.float32)
         for b in range(q.shape[0]):
-            k, v = self.per_query_head(*self.dequantized(layer, b, int(lengths[b])), q.shape[1])
+            k, v = per_query_head(*self.dequantized(layer, b, int(lengths[b])), q.shape[1], self.head_map)
             out[b] = reference_attention(q[b].float(), k, v)
         return out
 

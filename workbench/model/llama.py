@@ -36,7 +36,7 @@ from workbench import kernels
 from workbench.hw import memory
 from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
-from workbench.model.kv_formats import KVCache, kv_heads_of, new_kv_cache
+from workbench.model.kv_formats import KVCache, new_kv_cache, per_query_head
 from workbench.model.switches import Switches
 from workbench.model.weights import WeightFormat, weight_format
 from workbench.model.timing import Clock, StepRecord
@@ -215,13 +215,6 @@ class LlamaModel:
         cache.head_map = self.head_map
         return cache
 
-    def _per_query_head(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [1, Hkv, n, D] for a prefill attention backend: one KV head per query head where
-        the groups are uneven (head_map; our prefill kernels take equal groups only), as they
-        are otherwise."""
-        index = kv_heads_of(self.n_heads, self.head_map)
-        return (k, v) if index is None else (k[:, index], v[:, index])
-
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens].float()
 
@@ -297,7 +290,7 @@ class LlamaModel:
                 s = slice(offsets[b], offsets[b + 1])
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
                 cache.append(i, kb, vb, start, rows=slice(b, b + 1))
-                kb, vb = self._per_query_head(kb, vb)
+                kb, vb = per_query_head(kb, vb, H, self.head_map, dim=1)  # our prefill kernels: equal groups
                 out[s] = backend.prefill(qb.to(act), kb.to(act), vb.to(act))[0].transpose(0, 1)
             return layer.wo(out.view(-1, H * D))
 
@@ -347,8 +340,8 @@ class LlamaModel:
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
                 cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
                 keys, values = cache.dequantized(i, row, starts[b] + seq_lens[b])  # [Hkv, start + n, D]
-                keys, values = self._per_query_head(keys.unsqueeze(0), values.unsqueeze(0))
-                keys, values = (t.to(act).contiguous() for t in (keys, values))
+                keys, values = per_query_head(keys, values, H, self.head_map)
+                keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
                 out[s] = kernels.slim_attention(qb.to(act), keys, values)[0].transpose(0, 1)
             return layer.wo(out.view(-1, H * D))
 
