@@ -96,6 +96,17 @@ def stop() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def peer_files() -> None:
+    """The files the peers read, written into the cache by the same functions a user's first
+    peers run calls (converted_gguf, hf_directory): a minute of converting that needs nothing
+    from the tests. tests/test_peers.py checks them; tests/test_runtime.py loads transformers
+    from the Hugging Face directory (the GGUF's values, as transformers itself decodes them)
+    instead of decoding the GGUF a second time. Both modules name this one job, so it runs
+    once, and its readers wait for it: never two writers of one file."""
+    run([sys.executable, "-c", "from workbench.analysis.peers import converted_gguf, hf_directory; "
+                               "[converted_gguf(k) for k in ('F32', 'F16', 'Q8_0')]; hf_directory()"])
+
+
 def build_variants(variants: list[str]) -> None:
     """Compile the kernel builds `variants` into the cache, as KernelSet(v).ext would."""
     for variant in variants:

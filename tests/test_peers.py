@@ -14,13 +14,7 @@ from workbench.analysis.peers import IPEX_ABSENT, converted_gguf, format_peers, 
 from workbench.model.loaders import bundled_gguf_path
 
 
-def prepare_in_background():
-    """The files the peers read, written into the cache by the same functions a user's first
-    peers run calls (converted_gguf, hf_directory): a minute of converting that needs nothing
-    from the other tests, started at nice 19 when the suite is collected (tests/background.py).
-    The tests below then check the files those functions wrote."""
-    background.run([sys.executable, "-c", "from workbench.analysis.peers import converted_gguf, hf_directory; "
-                                          "[converted_gguf(k) for k in ('F32', 'F16', 'Q8_0')]; hf_directory()"])
+prepare_in_background = background.peer_files  # started when the suite is collected (tests/background.py)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import background
 import workbench as wb
 from workbench.analysis.forcing import forced_logits
 from workbench.model.kv_formats import KV_FORMATS, parse_kv
@@ -38,12 +39,18 @@ def model():
     return wb.load_model("smollm2-135m")
 
 
+prepare_in_background = background.peer_files  # the GGUF as transformers decodes it, written once
+
+
 @pytest.fixture(scope="module")
 def hf_model():
+    """transformers' model of the bundled GGUF: its own GGUF decoding, saved once as a Hugging
+    Face directory (workbench.analysis.peers.hf_directory, which tests/test_peers.py checks)."""
     transformers = pytest.importorskip("transformers")
-    path = bundled_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32)
+    background.result(prepare_in_background)
+    from workbench.analysis.peers import hf_directory
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_directory()), dtype=torch.float32)
     return hf.eval()
 
 

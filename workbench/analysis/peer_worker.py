@@ -53,13 +53,13 @@ def _transformers(spec: dict):
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from workbench.model.loaders import bundled_gguf_path
+    from workbench.analysis.peers import hf_directory
 
     torch.set_num_threads(spec["threads"])
-    path = bundled_gguf_path()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.get("dtype", "fp32")]
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
-                                              attn_implementation="sdpa").eval()
+    # The GGUF as transformers itself decodes it, saved once as a Hugging Face directory: loading
+    # that takes a second where decoding the GGUF again takes tens.
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_directory()), dtype=dtype, attn_implementation="sdpa").eval()
 
     import inspect
 
