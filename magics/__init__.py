@@ -670,6 +670,9 @@ class WorkbenchMagics(Magics):
     @argument("--max-tokens", type=int, default=32)
     @argument("--shared-prefix-tokens", type=int, default=0)
     @argument("--shared-fraction", type=float, default=0.0)
+    @argument("--range-ratio", type=float, default=0.0, help="prompt and output lengths within this fraction of "
+              "--prompt-tokens and --max-tokens")
+    @argument("--prompts-file", default=None, help="prompts from a file (one a line, or JSON lines ending .jsonl)")
     @argument("--slo-ttft", default=None, help="e.g. 1s")
     @argument("--slo-tpot", default=None, help="e.g. 100ms")
     @argument("-o", "--out", default=None, help="store the rows as a DataFrame in this variable")
@@ -682,6 +685,7 @@ class WorkbenchMagics(Magics):
 
           In [1]: %serve_bench --concurrency 8 --num-requests 32
           In [2]: %serve_bench --rate 1,2,4 --slo-ttft 1s --slo-tpot 100ms -o sb
+          In [3]: %serve_bench --rate 2 --range-ratio 0.5 --prompts-file prompts.jsonl
         """
         import argparse
 
@@ -699,7 +703,8 @@ class WorkbenchMagics(Magics):
             rows = serve_bench(url, rates=rates, concurrency=args.concurrency, num_requests=args.num_requests,
                                prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                                shared_prefix_tokens=args.shared_prefix_tokens, shared_fraction=args.shared_fraction,
-                               burstiness=args.burstiness, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+                               burstiness=args.burstiness, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+                               range_ratio=args.range_ratio, prompts_file=args.prompts_file)
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise UsageError(str(e)) from None
         from IPython.display import display

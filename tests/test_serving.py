@@ -364,3 +364,50 @@ def test_a_sweep_has_a_knee_a_figure_a_report_section_and_compares():
     ttft = found["serve ours 1 req/s prompt 64 max 10 shared 0x0 | TTFT p50 ms"]
     assert ttft["a"] == pytest.approx(200) and ttft["ratio_b_over_a"] == pytest.approx(2.0)
     assert ttft["verdict"] == "no spread"  # one run per load: a ratio, no verdict
+
+
+def test_synthetic_prompts_and_output_lengths_within_the_range_asked():
+    """range_ratio r: each prompt's words and each request's max_tokens drawn uniformly from
+    [n (1 - r), n (1 + r)], the same for the same seed; r = 0 leaves every prompt as before
+    (prompt_tokens words after its "[i]" tag) and draws nothing."""
+    from workbench.analysis.serve_bench import drawn_lengths, synthetic_prompts
+
+    plain = synthetic_prompts(40, 20, seed=7)
+    assert all(len(p.split()) == 21 for p in plain)
+    assert synthetic_prompts(40, 20, seed=7, range_ratio=0.0) == plain
+    ranged = synthetic_prompts(40, 20, seed=7, range_ratio=0.5)
+    words = [len(p.split()) - 1 for p in ranged]
+    assert all(10 <= n <= 30 for n in words) and len(set(words)) > 5
+    assert synthetic_prompts(40, 20, seed=7, range_ratio=0.5) == ranged
+    assert drawn_lengths(5, 8, 0.0, random.Random(0)) == [8] * 5
+    outs = drawn_lengths(200, 2, 0.9, random.Random(0))
+    assert min(outs) == 1 and max(outs) == 4  # never below one token
+
+
+def test_a_prompts_file_is_read_or_refused_with_the_line_named(tmp_path):
+    from workbench.analysis.serve_bench import load_prompts, serve_bench
+
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\n  second one  \n")
+    assert load_prompts(text) == [{"prompt": "first prompt", "max_tokens": None},
+                                  {"prompt": "  second one  ", "max_tokens": None}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a", "max_tokens": 4}\n{"prompt": "b"}\n')
+    assert load_prompts(jsonl) == [{"prompt": "a", "max_tokens": 4}, {"prompt": "b", "max_tokens": None}]
+    for body, message in (("{oops\n", "line 1 is not JSON"), ('{"prompt": ""}\n', "non-empty string"),
+                          ('{"prompt": "a", "n": 1}\n', r"unknown fields \['n'\]"),
+                          ('{"prompt": "a", "max_tokens": 0}\n', "positive integer, got 0"),
+                          ('\n\n', "holds no prompts")):
+        jsonl.write_text(body)
+        with pytest.raises(ValueError, match=message):
+            load_prompts(jsonl)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(tmp_path / "missing.txt")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match="UTF-8"):
+        load_prompts(tmp_path / "latin1.txt")
+    # refused before any request is sent (no server at this address)
+    with pytest.raises(ValueError, match="range_ratio must be in"):
+        serve_bench("http://127.0.0.1:9", range_ratio=1.0)
+    with pytest.raises(ValueError, match="do not go together"):
+        serve_bench("http://127.0.0.1:9", prompts_file=str(text), shared_prefix_tokens=10)

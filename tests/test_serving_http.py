@@ -140,6 +140,35 @@ def test_serve_bench_loads_the_server_and_reports_percentiles(server, tmp_path):
     assert "concurrency 2 prompt 12 max 5" in r.stdout and "TTFT p50 ms" in r.stdout
 
 
+def test_serve_bench_takes_prompts_from_a_file_and_lengths_from_a_range(server, tmp_path):
+    """`workbench serve-bench --prompts-file`: the file's prompts in order (repeated), each
+    line's own max_tokens where it gives one; --range-ratio: prompt and output lengths drawn
+    around the nominal ones, so the requests differ. Every request streams exactly the tokens
+    it asked for (ignore_eos), which the server's usage counts."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "The capital of France is", "max_tokens": 2}) + "\n\n"
+                       + json.dumps({"prompt": "def fibonacci(n):"}) + "\n")
+    out = tmp_path / "file.json"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "serve-bench", "--url", server, "--concurrency", "2",
+                        "--num-requests", "5", "--max-tokens", "6", "--prompts-file", str(prompts), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["completed"] == 5 and row["prompts_file"] == str(prompts) and row["prompt_tokens"] is None
+    assert row["output_tokens_asked"] == row["output_tokens"] == 2 + 6 + 2 + 6 + 2  # lines 1, 2, 1, 2, 1
+    ranged = wb.serve_bench(server, concurrency=2, num_requests=6, prompt_tokens=12, max_tokens=6, range_ratio=0.5,
+                            seed=3)[0]
+    assert ranged["completed"] == 6 and ranged["range_ratio"] == 0.5
+    assert ranged["output_tokens"] == ranged["output_tokens_asked"] != 6 * 6  # drawn in 3..9 each
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "serve-bench", "--url", server, "--prompts-file", str(bad),
+                        "--num-requests", "1", "--out", str(tmp_path / "x.json")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "line 2" in r.stderr and '"prompt": a non-empty string' in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_a_taken_port_is_a_clear_error(server):
     port = server.rsplit(":", 1)[1]
     with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is in use"):
@@ -151,7 +180,7 @@ def test_a_taken_port_is_a_clear_error(server):
     assert httpx.get(server + "/health", timeout=5).status_code == 200  # the first one is untouched
 
 
-def test_serve_and_serve_bench_magics_in_a_real_shell(magic):
+def test_serve_and_serve_bench_magics_in_a_real_shell(magic, tmp_path):
     from IPython.core.error import UsageError
 
     run, sh = magic, magic.shell
@@ -176,6 +205,14 @@ def test_serve_and_serve_bench_magics_in_a_real_shell(magic):
             "%serve_bench --concurrency 2 --num-requests 3 --prompt-tokens 8 --max-tokens 3 --slo-ttft 30s -o sb",
             "%serve stop"]
         assert isinstance(run("%serve_bench --slo-ttft soon")[1], UsageError)
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("The capital of France is\n")
+        out, err = run(f"%serve_bench --concurrency 1 --num-requests 2 --max-tokens 4 --range-ratio 0.5 "
+                       f"--prompts-file {prompts}")
+        assert err is None and "TTFT ms p50/p90/p99" in out
+        row = report.recorded()[-1]["rows"][0]
+        assert row["completed"] == 2 and row["prompts_file"] == str(prompts) and row["range_ratio"] == 0.5
+        assert isinstance(run(f"%serve_bench --prompts-file {tmp_path / 'none.txt'}")[1], UsageError)
         assert "serving at " + url in run("%serve status")[0]
     finally:
         out, err = run("%serve stop")

@@ -209,7 +209,8 @@ def cmd_serve_bench(args) -> int:
                        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                        shared_prefix_tokens=args.shared_prefix_tokens, shared_fraction=args.shared_fraction,
                        burstiness=args.burstiness, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                       model=args.model, label=args.label)
+                       model=args.model, label=args.label, range_ratio=args.range_ratio,
+                       prompts_file=args.prompts_file)
     print(format_rows(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -307,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--max-tokens", type=int, default=32)
     sb.add_argument("--shared-prefix-tokens", type=int, default=0)
     sb.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts starting with the prefix")
+    sb.add_argument("--range-ratio", type=float, default=0.0,
+                    help="prompt and output lengths drawn uniformly within this fraction of --prompt-tokens and "
+                         "--max-tokens (0: all alike)")
+    sb.add_argument("--prompts-file", default=None,
+                    help="prompts from a file: one a line, or JSON lines with prompt (and max_tokens) if it ends in "
+                         ".jsonl; taken in order")
     sb.add_argument("--slo-ttft", type=parse_duration, default=None, help="e.g. 1s")
     sb.add_argument("--slo-tpot", type=parse_duration, default=None, help="e.g. 100ms")
     sb.add_argument("--model", default="default", help="the model name sent in each request")

@@ -7,10 +7,14 @@
 Arrivals: at a rate (requests/s) with gamma-distributed gaps (burstiness 1 is a Poisson
 process, below 1 burstier), or all at once under a fixed concurrency (rate None). Prompts are
 synthetic (words of the bundled sample text, about one token each) of prompt_tokens words, a
-shared_fraction of them starting with the same shared_prefix_tokens words; every request
-streams (server-sent events) and asks for max_tokens with ignore_eos, so each should produce
-exactly that many; tokens are counted from the usage the server reports at the end of the
-stream (stream_options.include_usage), else as text chunks.
+shared_fraction of them starting with the same shared_prefix_tokens words; with range_ratio r
+each prompt's length and each request's max_tokens are drawn uniformly from [n (1 - r),
+n (1 + r)] (vLLM's benchmark calls it --random-range-ratio), so the requests are not all
+alike. Or the prompts come from a file (prompts_file: one prompt a line, or JSON lines with
+"prompt" and optionally "max_tokens"), taken in order and repeated as needed. Every request
+streams (server-sent events) and asks for its max_tokens with ignore_eos, so each should
+produce exactly that many; tokens are counted from the usage the server reports at the end of
+the stream (stream_options.include_usage), else as text chunks.
 
 Per run (one rate): TTFT (request sent -> first text), TPOT ((end - first) / (tokens - 1)),
 ITL (gaps between streamed chunks; a chunk may carry more than one token) and end-to-end latency at p50 / p90 / p99; output tokens/s
@@ -60,14 +64,25 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(v), "n": len(v)}
 
 
+def drawn_lengths(n: int, length: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """n lengths drawn uniformly from [length (1 - r), length (1 + r)] (at least 1); all
+    `length` when r is 0, without touching rng."""
+    if not range_ratio:
+        return [length] * n
+    lo, hi = max(1, round(length * (1 - range_ratio))), max(1, round(length * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def synthetic_prompts(n: int, prompt_tokens: int, shared_prefix_tokens: int = 0, shared_fraction: float = 0.0,
-                      seed: int = 0, prefix_seed: int = 0) -> list[str]:
-    """n prompts of about prompt_tokens words (plus the shared prefix where it applies); the
-    prefix comes from prefix_seed alone, so runs with other seeds share it (and only it)."""
+                      seed: int = 0, prefix_seed: int = 0, range_ratio: float = 0.0) -> list[str]:
+    """n prompts of about prompt_tokens words (drawn within range_ratio of it), plus the
+    shared prefix where it applies; the prefix comes from prefix_seed alone, so runs with
+    other seeds share it (and only it)."""
     from workbench.analysis.text import sample_text
 
     words = sample_text().split()
     rng = random.Random(seed)
+    lengths = drawn_lengths(n, prompt_tokens, range_ratio, random.Random(f"prompt-lengths-{seed}"))
 
     def words_from(k: int, r: random.Random = rng) -> str:
         start = r.randrange(len(words))
@@ -76,9 +91,59 @@ def synthetic_prompts(n: int, prompt_tokens: int, shared_prefix_tokens: int = 0,
     prefix = words_from(shared_prefix_tokens, random.Random(f"prefix-{prefix_seed}")) if shared_prefix_tokens else ""
     prompts = []
     for i in range(n):
-        body = f"[{i}] " + words_from(prompt_tokens)  # distinct from the first word on
+        body = f"[{i}] " + words_from(lengths[i])  # distinct from the first word on
         prompts.append(f"{prefix} {body}" if prefix and rng.random() < shared_fraction else body)
     return prompts
+
+
+def load_prompts(path) -> list[dict]:
+    """A prompts file: JSON lines ({"prompt": text, "max_tokens": n optional}) where the name
+    ends in .jsonl, else one prompt a line (blank lines skipped) -> [{"prompt", "max_tokens"
+    (None: the run's)}]. A ValueError names the file, the line and what is accepted."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"prompts_file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"prompts_file {str(path)!r} cannot be read as UTF-8 text: {e}") from None
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            found.append({"prompt": line, "max_tokens": None})
+            continue
+        where = f"prompts_file {str(path)!r} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not JSON ({e.msg}); each line must be an object like "
+                             '{"prompt": "...", "max_tokens": 32}') from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+            raise ValueError(f'{where} needs "prompt": a non-empty string, got {line[:80]!r}')
+        unknown = set(item) - {"prompt", "max_tokens"}
+        if unknown:
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)}; accepted: prompt, max_tokens")
+        n = item.get("max_tokens")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f'{where}: "max_tokens" must be a positive integer, got {n!r}')
+        found.append({"prompt": item["prompt"], "max_tokens": n})
+    if not found:
+        raise ValueError(f"prompts_file {str(path)!r} holds no prompts")
+    return found
+
+
+def workload_label(row: dict) -> str:
+    """What a row's requests were: their prompts and output lengths (the match key of
+    `workbench compare`, beside the server and the load)."""
+    spread = f" +-{row['range_ratio']:.0%}" if row.get("range_ratio") else ""
+    if row.get("prompts_file"):
+        return f"prompts {row['prompts_file']} max {row['max_tokens']}{spread}"
+    return (f"prompt {row['prompt_tokens']} max {row['max_tokens']}{spread} "
+            f"shared {row['shared_prefix_tokens']}x{row['shared_fraction']:g}")
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, hang_up: bool = False) -> Outcome:
@@ -121,7 +186,7 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, hang_
     return out
 
 
-async def _run(url: str, prompts: list[str], max_tokens: int, rate: float | None, concurrency: int,
+async def _run(url: str, prompts: list[str], max_tokens: list[int], rate: float | None, concurrency: int,
                burstiness: float, model: str, seed: int, timeout_s: float,
                hang_up_fraction: float = 0.0) -> tuple[list[Outcome], float]:
     import httpx
@@ -134,15 +199,15 @@ async def _run(url: str, prompts: list[str], max_tokens: int, rate: float | None
         if rate is None:
             gate = asyncio.Semaphore(concurrency)
 
-            async def gated(p, hang_up):
+            async def gated(p, n, hang_up):
                 async with gate:
-                    return await _one(client, url, model, p, max_tokens, hang_up)
+                    return await _one(client, url, model, p, n, hang_up)
 
-            outcomes = await asyncio.gather(*(gated(p, h) for p, h in zip(prompts, hang_ups)))
+            outcomes = await asyncio.gather(*(gated(p, n, h) for p, n, h in zip(prompts, max_tokens, hang_ups)))
         else:
             tasks = []
-            for p, h in zip(prompts, hang_ups):
-                tasks.append(asyncio.create_task(_one(client, url, model, p, max_tokens, h)))
+            for p, n, h in zip(prompts, max_tokens, hang_ups):
+                tasks.append(asyncio.create_task(_one(client, url, model, p, n, h)))
                 # gamma gaps with mean 1 / rate; shape = burstiness (1: exponential, Poisson)
                 await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
             outcomes = await asyncio.gather(*tasks)
@@ -180,28 +245,49 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
                 prompt_tokens: int = 64, max_tokens: int = 32, shared_prefix_tokens: int = 0,
                 shared_fraction: float = 0.0, burstiness: float = 1.0, slo_ttft_s: float | None = None,
                 slo_tpot_s: float | None = None, model: str = "default", seed: int = 0,
-                timeout_s: float = 600.0, label: str = "", hang_up_fraction: float = 0.0) -> list[dict]:
+                timeout_s: float = 600.0, label: str = "", hang_up_fraction: float = 0.0,
+                range_ratio: float = 0.0, prompts_file: str | None = None) -> list[dict]:
     """One row per rate (None: all requests at once under `concurrency`). hang_up_fraction of
-    the clients close their stream after the first text (counted apart, not as served)."""
+    the clients close their stream after the first text (counted apart, not as served).
+    range_ratio: prompt and output lengths drawn within that fraction of prompt_tokens and
+    max_tokens; prompts_file: the prompts from a file instead (load_prompts), in order."""
     for name, value in (("num_requests", num_requests), ("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens),
                         ("concurrency", concurrency)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not 0 <= shared_fraction <= 1:
         raise ValueError(f"shared_fraction must be in [0, 1], got {shared_fraction}")
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    from_file = None
+    if prompts_file is not None:
+        if shared_prefix_tokens:
+            raise ValueError("prompts_file and shared_prefix_tokens do not go together: the file's prompts are "
+                             "sent as they are (put a shared prefix in the file)")
+        from_file = load_prompts(prompts_file)
     if burstiness <= 0:
         raise ValueError(f"burstiness must be > 0, got {burstiness}")
     rows = []
     for i, rate in enumerate(rates):
         if rate is not None and rate <= 0:
             raise ValueError(f"rates must be > 0 (or None for a fixed concurrency), got {rate}")
-        prompts = synthetic_prompts(num_requests, prompt_tokens, shared_prefix_tokens, shared_fraction, seed + i)
-        outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, max_tokens, rate, concurrency, burstiness, model,
+        outputs = drawn_lengths(num_requests, max_tokens, range_ratio, random.Random(f"output-lengths-{seed + i}"))
+        if from_file is None:
+            prompts = synthetic_prompts(num_requests, prompt_tokens, shared_prefix_tokens, shared_fraction, seed + i,
+                                        range_ratio=range_ratio)
+        else:  # in the file's order, repeated as needed; a line's own max_tokens wins
+            items = [from_file[j % len(from_file)] for j in range(num_requests)]
+            prompts = [item["prompt"] for item in items]
+            outputs = [item["max_tokens"] or n for item, n in zip(items, outputs)]
+        outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, outputs, rate, concurrency, burstiness, model,
                                           seed + i, timeout_s, hang_up_fraction))
         rows.append({
             "kind": "serve_bench", "label": label, "url": url, "rate": rate,
             "concurrency": None if rate is not None else concurrency, "burstiness": burstiness,
-            "num_requests": num_requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "num_requests": num_requests, "prompt_tokens": None if from_file else prompt_tokens,
+            "max_tokens": max_tokens, "range_ratio": range_ratio,
+            "prompts_file": None if prompts_file is None else str(prompts_file),
+            "output_tokens_asked": sum(outputs),
             "shared_prefix_tokens": shared_prefix_tokens, "shared_fraction": shared_fraction,
             "hang_up_fraction": hang_up_fraction, "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
             **summarize_run(outcomes, wall, rate=rate, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s),

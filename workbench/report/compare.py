@@ -86,11 +86,10 @@ def measurements(report: dict) -> dict[str, dict]:
                     d = r[field]
                     add(key, _metric(name, unit, better, d["median"], d["min"], d["max"], len(d.get("samples", []))))
         elif kind == "serve_bench":
-            from workbench.analysis.serve_bench import load_label
+            from workbench.analysis.serve_bench import load_label, workload_label
 
             for r in e["rows"]:  # one run per load: no repeats, so a ratio without a verdict
-                key = (f"serve {r.get('label') or r.get('url')} {load_label(r)} prompt {r['prompt_tokens']} max {r['max_tokens']} "
-                       f"shared {r['shared_prefix_tokens']}x{r['shared_fraction']:g}")
+                key = f"serve {r.get('label') or r.get('url')} {load_label(r)} {workload_label(r)}"
                 for name, unit, better, value in (
                         ("TTFT p50 ms", "ms", "lower", r["ttft_s"]["p50"]), ("TTFT p99 ms", "ms", "lower", r["ttft_s"]["p99"]),
                         ("TPOT p50 ms", "ms", "lower", r["tpot_s"]["p50"]),

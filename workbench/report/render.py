@@ -213,18 +213,18 @@ def _tp_body(i: int, rows: list[dict], figures: list) -> str:
     return fig + _grid_table(rows)
 
 
-SERVE_COLUMNS = ["load", "completed", "num_requests", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
+SERVE_COLUMNS = ["load", "requests", "completed", "num_requests", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
                  "output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "overloaded"]
 
 
 def _serve_body(i: int, rows: list[dict], figures: list) -> str:
-    from workbench.analysis.serve_bench import load_label
+    from workbench.analysis.serve_bench import load_label, workload_label
     from workbench.ui.plots import knee_spec
 
     def ms(p: dict, key: str):
         return None if p[key] is None else 1e3 * p[key]
 
-    flat = [{**r, "load": load_label(r), "ttft_ms_p50": ms(r["ttft_s"], "p50"), "ttft_ms_p99": ms(r["ttft_s"], "p99"),
+    flat = [{**r, "load": load_label(r), "requests": workload_label(r), "ttft_ms_p50": ms(r["ttft_s"], "p50"), "ttft_ms_p99": ms(r["ttft_s"], "p99"),
              "tpot_ms_p50": ms(r["tpot_s"], "p50"), "itl_ms_p99": ms(r["itl_s"], "p99")} for r in rows]
     return (_figure(figures, f"fig-serve-{i}", knee_spec(rows, f"Entry {i}: latency against throughput"))
             + _grid_table(flat, SERVE_COLUMNS))
