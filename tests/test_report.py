@@ -460,7 +460,8 @@ def test_findings_of_a_real_run_name_a_setting_and_a_ratio(written):
     findings = _section(written["html"].read_text(), "What was found")
     for switch in ("Attention", "KV cache"):
         row = _finding(written["html"].read_text(), switch)
-        assert re.search(r"\d+\.\d\dx as fast as .+? \(\d+\.\d\d–\d+\.\d\d\)", row), row
+        # ratios in meaningful digits: 2.01, and 23.3 once a noisy pairing passes 10
+        assert re.search(r"\d+(?:\.\d+)?x as fast as .+? \(\d+(?:\.\d+)?–\d+(?:\.\d+)?\)", row), row
         assert "is fastest" in row or "within the run-to-run spread" in row or "within it in" in row, row
     assert "median (min–max) over 3 repeats" in findings and "% of the measured triad" in findings
 
