@@ -411,3 +411,23 @@ def test_a_prompts_file_is_read_or_refused_with_the_line_named(tmp_path):
         serve_bench("http://127.0.0.1:9", range_ratio=1.0)
     with pytest.raises(ValueError, match="do not go together"):
         serve_bench("http://127.0.0.1:9", prompts_file=str(text), shared_prefix_tokens=10)
+
+
+def test_the_prefix_hit_rate_of_a_run_from_two_scrapes_of_the_servers_counters():
+    """Ours counts prompt tokens, reused tokens and bytes; vLLM counts queried and hit tokens
+    per engine (labels summed); a server with neither (llama.cpp's) has no hit rate."""
+    from workbench.analysis.serve_bench import metric_counters, prefix_reuse
+
+    ours = metric_counters("# HELP x\nworkbench_prompt_tokens_total 100\nworkbench_prefix_reused_tokens_total 20\n"
+                           "workbench_prefix_reused_bytes_total 4096\n")
+    later = {**ours, "workbench_prompt_tokens_total": 300.0, "workbench_prefix_reused_tokens_total": 120.0,
+             "workbench_prefix_reused_bytes_total": 12288.0}
+    assert prefix_reuse(ours, later) == {"prefix_hit_rate": 0.5, "prefix_reused_tokens": 100,
+                                         "prefix_reused_bytes": 8192}
+    vllm = metric_counters('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 50.0\n'
+                           'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 30.0\n'
+                           'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 16.0\n')
+    assert vllm == {"vllm:prefix_cache_queries_total": 80.0, "vllm:prefix_cache_hits_total": 16.0}
+    assert prefix_reuse({}, vllm) == {"prefix_hit_rate": 0.2, "prefix_reused_tokens": 16, "prefix_reused_bytes": None}
+    assert prefix_reuse({}, {"llamacpp:tokens_predicted_total": 5.0})["prefix_hit_rate"] is None
+    assert prefix_reuse(ours, ours)["prefix_hit_rate"] is None  # nothing looked up in the run

@@ -131,6 +131,9 @@ def test_serve_bench_loads_the_server_and_reports_percentiles(server, tmp_path):
             assert 0 < p["p50"] <= p["p90"] <= p["p99"]
         assert row["goodput_requests_per_s"] <= row["requests_per_s"] and row["slo_tpot_s"] == 1e-3
     assert metrics(server)["workbench_prefix_reused_tokens_total"] > 0  # the shared 40 words hit the prefix cache
+    # ... and each run says how much: its share of prompt tokens reused, and the K / V bytes not recomputed
+    assert all(0 < row["prefix_hit_rate"] < 1 and row["prefix_reused_bytes"] > 0 for row in rows[1:])
+    assert "prefix hit" in r.stdout
     # a report beside the rows, which `workbench compare` reads
     shared = tmp_path / "sb-report.json"
     assert json.loads(shared.read_text())["entries"][0]["kind"] == "serve_bench"

@@ -18,9 +18,13 @@ the stream (stream_options.include_usage), else as text chunks.
 
 Per run (one rate): TTFT (request sent -> first text), TPOT ((end - first) / (tokens - 1)),
 ITL (gaps between streamed chunks; a chunk may carry more than one token) and end-to-end latency at p50 / p90 / p99; output tokens/s
-and requests/s over the run; goodput (requests/s meeting both SLOs); refusals by status; and
+and requests/s over the run; goodput (requests/s meeting both SLOs); refusals by status;
 `overloaded` when the requests served per second fell below 90% of the offered rate or any was
-refused: the load exceeded what the server sustains.
+refused: the load exceeded what the server sustains; and the prefix hit rate (prompt tokens
+reused / prompt tokens looked up) with the bytes not recomputed, from the server's /metrics
+counters before and after the run where it has them (ours; vLLM's prefix_cache_hits /
+queries, without bytes), else None. The counters are the server's: another client loading it
+at the same time is counted too.
 """
 
 from __future__ import annotations
@@ -28,9 +32,18 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
+
+# Where a server counts its prompt-prefix reuse on /metrics: (prompt tokens looked up, tokens
+# reused, bytes not recomputed or None), by the first counter's name.
+PREFIX_COUNTERS = (
+    ("workbench_prompt_tokens_total", "workbench_prefix_reused_tokens_total", "workbench_prefix_reused_bytes_total"),
+    ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", None),
+)
+_SAMPLE = re.compile(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)")
 
 
 @dataclass
@@ -279,8 +292,10 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
             items = [from_file[j % len(from_file)] for j in range(num_requests)]
             prompts = [item["prompt"] for item in items]
             outputs = [item["max_tokens"] or n for item, n in zip(items, outputs)]
+        before = _scrape(url.rstrip("/"))
         outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, outputs, rate, concurrency, burstiness, model,
                                           seed + i, timeout_s, hang_up_fraction))
+        reuse = prefix_reuse(before, _scrape(url.rstrip("/")))
         rows.append({
             "kind": "serve_bench", "label": label, "url": url, "rate": rate,
             "concurrency": None if rate is not None else concurrency, "burstiness": burstiness,
@@ -290,9 +305,45 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
             "output_tokens_asked": sum(outputs),
             "shared_prefix_tokens": shared_prefix_tokens, "shared_fraction": shared_fraction,
             "hang_up_fraction": hang_up_fraction, "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
-            **summarize_run(outcomes, wall, rate=rate, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s),
+            **summarize_run(outcomes, wall, rate=rate, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s), **reuse,
         })
     return rows
+
+
+def metric_counters(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over its labels}."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            try:
+                found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
+            except ValueError:
+                continue
+    return found
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The server's /metrics counters, or {} where it serves none (llama.cpp's server)."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=5)
+    except httpx.HTTPError:
+        return {}
+    return metric_counters(r.text) if r.status_code == 200 else {}
+
+
+def prefix_reuse(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The prefix hit rate over a run from two scrapes (PREFIX_COUNTERS): reused / looked-up
+    prompt tokens, the tokens and (ours) the bytes; None where the server counts none."""
+    for looked, hit, nbytes in PREFIX_COUNTERS:
+        if looked in after and hit in after:
+            d_looked, d_hit = after[looked] - before.get(looked, 0.0), after[hit] - before.get(hit, 0.0)
+            return {"prefix_hit_rate": d_hit / d_looked if d_looked > 0 else None, "prefix_reused_tokens": int(d_hit),
+                    "prefix_reused_bytes": int(after[nbytes] - before.get(nbytes, 0.0))
+                    if nbytes and nbytes in after else None}
+    return {"prefix_hit_rate": None, "prefix_reused_tokens": None, "prefix_reused_bytes": None}
 
 
 def load_label(row: dict) -> str:
@@ -324,5 +375,6 @@ def format_rows(rows: list[dict]) -> str:
               "ITL ms p50/p99": f"{ms(r['itl_s'], 'p50')}/{ms(r['itl_s'], 'p99')}",
               "out tok/s": f"{r['output_tokens_per_s']:.1f}", "req/s": f"{r['requests_per_s']:.2f}",
               "goodput req/s": f"{r['goodput_requests_per_s']:.2f}",
+              "prefix hit": "-" if r.get("prefix_hit_rate") is None else f"{100 * r['prefix_hit_rate']:.0f}%",
               "overloaded": "yes" if r["overloaded"] else ""} for r in rows]
     return format_table(table, list(table[0]))

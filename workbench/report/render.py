@@ -214,7 +214,7 @@ def _tp_body(i: int, rows: list[dict], figures: list) -> str:
 
 
 SERVE_COLUMNS = ["load", "requests", "completed", "num_requests", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
-                 "output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "overloaded"]
+                 "output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "prefix_hit_rate", "overloaded"]
 
 
 def _serve_body(i: int, rows: list[dict], figures: list) -> str:

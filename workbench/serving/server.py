@@ -192,6 +192,7 @@ class Engine:
         metric("prompt_tokens_total", "counter", st["prompt_tokens"], "prompt tokens of accepted requests")
         metric("prefilled_tokens_total", "counter", st["prefilled_tokens"], "prompt tokens computed")
         metric("prefix_reused_tokens_total", "counter", st["reused_tokens"], "prompt tokens reused from the prefix cache")
+        metric("prefix_reused_bytes_total", "counter", st["reused_bytes"], "bytes of K / V reused, not recomputed")
         metric("generation_tokens_total", "counter", self.generated_tokens, "tokens generated")
         metric("decode_steps_total", "counter", st["decode_steps"], "batched decode steps")
         metric("prefix_cache_bytes", "gauge", s.prefix_cache_bytes, "bytes of K / V kept for prefix reuse")
