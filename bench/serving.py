@@ -302,28 +302,7 @@ def peers(args) -> dict:
 
     roof, mean_tokens = prefill_roof_ms(args, loads, run, seeds, sorted(set(weights[name] for name in servers)))
     slo = f"TTFT <= {args.slo_ttft:g} s, TPOT <= {1e3 * args.slo_tpot:g} ms"
-    table = [{"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * run['num_requests']}",
-              "output tokens/s": spread([r["output_tokens_per_s"] for r in rows]),
-              "goodput req/s": spread([r["goodput_requests_per_s"] for r in rows], 2),
-              "TTFT ms p50": spread([1e3 * r["ttft_s"]["p50"] for r in rows]),
-              "TTFT ms p99": spread([1e3 * r["ttft_s"]["p99"] for r in rows]),
-              "TTFT p50 / roof": f"{statistics.median(1e3 * r['ttft_s']['p50'] for r in rows) / roof[weights[name]][load]:.2f}x",
-              "TPOT ms p50": spread([1e3 * r["tpot_s"]["p50"] for r in rows])} for (name, load), rows in found.items()]
-    ratios = {}
-    for peer, base in against.items():
-        for load in loads:  # ours over the peer, round by round (the rounds interleave them)
-            pairs = list(zip(found[(base, load)], found[(peer, load)]))
-            # > 1: ours better (more tokens / goodput; less time to first token)
-            r = {"output tokens/s": [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in pairs],
-                 "goodput req/s": [a["goodput_requests_per_s"] / b["goodput_requests_per_s"]
-                                   if b["goodput_requests_per_s"] else float("inf") for a, b in pairs],
-                 "TTFT ms p50": [b["ttft_s"]["p50"] / a["ttft_s"]["p50"] for a, b in pairs],
-                 "TTFT ms p99": [b["ttft_s"]["p99"] / a["ttft_s"]["p99"] for a, b in pairs],
-                 "TPOT ms p50": [b["tpot_s"]["p50"] / a["tpot_s"]["p50"] for a, b in pairs]}
-            ratios[f"{peer} | {load}"] = r
-            table.append({"server": f"{base.split(',')[0]} / {peer.split(' (')[0]} (> 1: ours better)", "load": load,
-                          "done": "",
-                          **{k: spread(v, 2, "x") for k, v in r.items()}, "TTFT p50 / roof": ""})
+    table, ratios = peer_table(found, against, weights, roof, run["num_requests"])
     print_table(table, list(table[0]), title=(
         f"Against the peers' servers: {run['num_requests']} requests of 64 prompt + {run['max_tokens']} output "
         f"tokens per load, {threads} threads each, {args.repeats} rounds interleaved, new prompts for every load of every round; "
@@ -342,6 +321,47 @@ def peers(args) -> dict:
             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "against": against, "ours_over_peer": ratios,
             "ttft_explained": explained,
             "rows": {f"{name} | {load}": rows for (name, load), rows in found.items()}}
+
+
+# The peers table's quantities: a run's value in the column's unit, the digits shown, and
+# whether more is better (ours over a peer divides ours by theirs, else theirs by ours, so
+# > 1 is ours better in every column).
+PEER_COLUMNS = {
+    "output tokens/s": (lambda r: r["output_tokens_per_s"], 1, True),
+    "goodput req/s": (lambda r: r["goodput_requests_per_s"], 2, True),
+    "TTFT ms p50": (lambda r: 1e3 * r["ttft_s"]["p50"], 1, False),
+    "TTFT ms p99": (lambda r: 1e3 * r["ttft_s"]["p99"], 1, False),
+    "TPOT ms p50": (lambda r: 1e3 * r["tpot_s"]["p50"], 1, False),
+}
+PEER_ORDER = ["output tokens/s", "goodput req/s", "TTFT ms p50", "TTFT ms p99", "TTFT p50 / roof", "TPOT ms p50"]
+
+
+def ours_over(ours: float, theirs: float, more_is_better: bool) -> float:
+    """> 1: ours better (infinite where the peer served nothing)."""
+    num, den = (ours, theirs) if more_is_better else (theirs, ours)
+    return num / den if den else float("inf")
+
+
+def peer_table(found: dict, against: dict, weights: dict, roof: dict, num_requests: int) -> tuple[list, dict]:
+    """Each (server, load)'s rounds as median (min-max) per PEER_COLUMNS, its TTFT p50 over the
+    roof of its weights, then ours over each peer per load, round by round (the rounds
+    interleave them) -> (the table, the ratios by "peer | load")."""
+    table, ratios = [], {}
+    for (name, load), rows in found.items():
+        cells = {col: spread([get(r) for r in rows], digits) for col, (get, digits, _) in PEER_COLUMNS.items()}
+        cells["TTFT p50 / roof"] = f"{statistics.median(1e3 * r['ttft_s']['p50'] for r in rows) / roof[weights[name]][load]:.2f}x"
+        table.append({"server": name, "load": load, "done": f"{sum(r['completed'] for r in rows)}/{len(rows) * num_requests}",
+                      **{col: cells[col] for col in PEER_ORDER}})
+    loads = list(dict.fromkeys(load for _, load in found))
+    for peer, base in against.items():
+        for load in loads:
+            pairs = list(zip(found[(base, load)], found[(peer, load)]))
+            r = {col: [ours_over(get(a), get(b), more) for a, b in pairs]
+                 for col, (get, _, more) in PEER_COLUMNS.items()}
+            ratios[f"{peer} | {load}"] = r
+            table.append({"server": f"{base.split(',')[0]} / {peer.split(' (')[0]} (> 1: ours better)", "load": load,
+                          "done": "", **{col: spread(r[col], 2, "x") if col in r else "" for col in PEER_ORDER}})
+    return table, ratios
 
 
 # Run by the side environment's python: vLLM's fp32 product on CPU (vllm/model_executor/

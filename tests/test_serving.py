@@ -416,7 +416,8 @@ def test_a_prompts_file_is_read_or_refused_with_the_line_named(tmp_path):
 def test_the_prefix_hit_rate_of_a_run_from_two_scrapes_of_the_servers_counters():
     """Ours counts prompt tokens, reused tokens and bytes; vLLM counts queried and hit tokens
     per engine (labels summed); a server with neither (llama.cpp's) has no hit rate."""
-    from workbench.analysis.serve_bench import metric_counters, prefix_reuse
+    from workbench.analysis.serve_bench import prefix_reuse
+    from workbench.serving.process import metric_counters
 
     ours = metric_counters("# HELP x\nworkbench_prompt_tokens_total 100\nworkbench_prefix_reused_tokens_total 20\n"
                            "workbench_prefix_reused_bytes_total 4096\n")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,6 @@ PREFIX_COUNTERS = (
     ("workbench_prompt_tokens_total", "workbench_prefix_reused_tokens_total", "workbench_prefix_reused_bytes_total"),
     ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", None),
 )
-_SAMPLE = re.compile(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)")
 
 
 @dataclass
@@ -280,6 +278,7 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
         from_file = load_prompts(prompts_file)
     if burstiness <= 0:
         raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    base = url.rstrip("/")
     rows = []
     for i, rate in enumerate(rates):
         if rate is not None and rate <= 0:
@@ -292,10 +291,10 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
             items = [from_file[j % len(from_file)] for j in range(num_requests)]
             prompts = [item["prompt"] for item in items]
             outputs = [item["max_tokens"] or n for item, n in zip(items, outputs)]
-        before = _scrape(url.rstrip("/"))
-        outcomes, wall = asyncio.run(_run(url.rstrip("/"), prompts, outputs, rate, concurrency, burstiness, model,
+        before = _scrape(base)
+        outcomes, wall = asyncio.run(_run(base, prompts, outputs, rate, concurrency, burstiness, model,
                                           seed + i, timeout_s, hang_up_fraction))
-        reuse = prefix_reuse(before, _scrape(url.rstrip("/")))
+        reuse = prefix_reuse(before, _scrape(base))
         rows.append({
             "kind": "serve_bench", "label": label, "url": url, "rate": rate,
             "concurrency": None if rate is not None else concurrency, "burstiness": burstiness,
@@ -310,28 +309,16 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
     return rows
 
 
-def metric_counters(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value summed over its labels}."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            try:
-                found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
-            except ValueError:
-                continue
-    return found
-
-
 def _scrape(url: str) -> dict[str, float]:
     """The server's /metrics counters, or {} where it serves none (llama.cpp's server)."""
     import httpx
 
+    from workbench.serving.process import read_metrics
+
     try:
-        r = httpx.get(url + "/metrics", timeout=5)
+        return read_metrics(url)
     except httpx.HTTPError:
         return {}
-    return metric_counters(r.text) if r.status_code == 200 else {}
 
 
 def prefix_reuse(before: dict[str, float], after: dict[str, float]) -> dict:

@@ -4,6 +4,7 @@ answers, stopping it; and reading a server's /metrics."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -12,12 +13,31 @@ import time
 from workbench.serving.scheduler import DEFAULT_CHUNK
 
 
+_SAMPLE = re.compile(r"^([^\s{#]+)(?:\{[^}]*\})?\s+(\S+)")  # name{labels} value [timestamp]
+
+
+def metric_counters(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over its labels} (vLLM labels its
+    counters per engine; ours has none)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
+            except ValueError:
+                continue
+    return found
+
+
 def read_metrics(url: str) -> dict[str, float]:
-    """A server's /metrics (Prometheus text) as {name: value}."""
+    """A server's /metrics as {name: value} (metric_counters); an httpx.HTTPError where it
+    does not answer or serves none."""
     import httpx
 
-    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    r = httpx.get(url.rstrip("/") + "/metrics", timeout=10)
+    r.raise_for_status()
+    return metric_counters(r.text)
 
 
 def server_args(model, *, slots: int = 8, chunk: int = DEFAULT_CHUNK, prefix_cache_tokens: int = 0, max_queue: int = 256,
