@@ -14,10 +14,12 @@ dtype GGUFReader gives it, so gguf.quants.dequantize reads it the same way.
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -106,7 +108,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"{path} cannot be mapped ({e})") from None
     if bytes(data[:4]) != MAGIC:
         raise GGUFError(f"{path} does not start with the GGUF magic (got {bytes(data[:4])!r})")
-    cur = _Cursor(data, path)
+    # the header through a memoryview: slicing the memmap itself builds a numpy object per
+    # string, which for a 49,152-token vocabulary cost most of the parse
+    cur = _Cursor(memoryview(data), path)
     cur.pos = 4
     version = cur.take("<I")
     if version not in (2, 3):
@@ -155,6 +159,13 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(version, fields, tensors, types)
 
 
+def _read_only_tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor over the file's read-only memory map, nothing copied; only ever read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
 def dequantize(t: GGUFTensor) -> np.ndarray:
     """t's values as a new float32 array in numpy order (shape reversed from GGUF's). Q8_0 and
     Q4_1, the bundled model's types, are decoded here over the whole tensor at once (the gguf
@@ -164,16 +175,19 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
     kind = t.tensor_type.name
     shape = tuple(reversed(t.shape))
     if kind == "Q8_0":  # blocks of 32: fp16 scale d, 32 int8 q; value = d q
-        b = t.data.reshape(-1, 34)
-        d = np.ascontiguousarray(b[:, :2]).view(np.float16).astype(np.float32)
-        return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(shape)
+        b = _read_only_tensor(t.data.reshape(-1, 34))
+        d = b[:, :2].contiguous().view(torch.float16).float()
+        out = b[:, 2:].view(torch.int8).float()
+        return out.mul_(d).reshape(shape).numpy()
     if kind == "Q4_1":  # blocks of 32: fp16 scale d, fp16 minimum m, 16 bytes of two 4-bit q
-        b = t.data.reshape(-1, 20)
-        d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(np.float32)
-        m = np.ascontiguousarray(b[:, 2:4]).view(np.float16).astype(np.float32)
+        b = _read_only_tensor(t.data.reshape(-1, 20))
+        d = b[:, 0:2].contiguous().view(torch.float16).float()
+        m = b[:, 2:4].contiguous().view(torch.float16).float()
         qs = b[:, 4:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)  # low nibbles are values 0-15
-        return (q * d + m).reshape(shape)
+        out = torch.empty(b.shape[0], 32)
+        torch.bitwise_and(qs, 0x0F, out=out[:, :16])  # low nibbles are values 0-15, high 16-31
+        torch.bitwise_right_shift(qs, 4, out=out[:, 16:])
+        return out.mul_(d).add_(m).reshape(shape).numpy()
     from gguf.quants import dequantize as gguf_dequantize
 
     return np.array(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
