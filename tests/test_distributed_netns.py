@@ -101,8 +101,12 @@ def two_hosts(tmp_path_factory):
             sshds.append(subprocess.Popen((["ip", "netns", "exec", ns] if side == "there" else []) + cmd,
                                           stdout=subprocess.DEVNULL, stderr=open(tmp / f"sshd-{side}.log", "w")))
             _wait_for_port(addr, PORT, ns if side == "there" else None)
+        # One connection per host, reused by every later ssh and scp (ControlMaster): the
+        # launcher runs about a dozen remote commands per start and stop, each otherwise a
+        # new connection of its own.
         ssh_opts = ["-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                    "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
+                    "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", "-o", "ControlMaster=auto",
+                    "-o", f"ControlPath={tmp}/ssh-%C", "-o", "ControlPersist=60"]
         config = {"SSHEngineSetLauncher": {"engines": {f"root@{here}:{PORT}": 1, f"root@{there}:{PORT}": 1},
                                            "ssh_args": ssh_opts, "scp_args": ssh_opts}}
         yield here, there, iface, config

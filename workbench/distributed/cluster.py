@@ -62,6 +62,11 @@ USER_ERRORS = ("ValueError", "TypeError", "ModelLoadError", "TruncatedModelWarni
 _alive = watchdog.alive  # the process exists and is not a zombie
 
 
+def _on_this_host(engine: dict) -> bool:
+    """Whether an engine record's pid is a process of this machine."""
+    return engine.get("host") == socket.gethostname()
+
+
 def _descendants(root: int) -> list[int]:
     """Every live process below `root` in the process tree (from /proc)."""
     parent: dict[int, int] = {}
@@ -208,7 +213,7 @@ class Cluster:
         from workbench.cache import cache_dir
 
         ours = [pid for pid in _descendants(os.getpid()) if "ipyparallel" in _cmdline(pid)]
-        pids = sorted({*ours, *(e["pid"] for e in self.engines if e.get("host") == socket.gethostname())})
+        pids = sorted({*ours, *(e["pid"] for e in self.engines if _on_this_host(e))})
         security = Path(self.ipp_cluster.profile_dir) / "security"
         files = [*security.glob(f"*{self.ipp_cluster.cluster_id}*")]
         if self.shm_path is not None:
@@ -224,7 +229,7 @@ class Cluster:
     def stop(self) -> None:
         """Stop the engines and the controller, also after a failure; idempotent."""
         global _running
-        pids = [e["pid"] for e in self.engines]
+        pids = [e["pid"] for e in self.engines if _on_this_host(e)]
         if self._watchdog is not None:  # a clean stop: nothing for it to do
             self._watchdog.terminate()
             try:
@@ -234,6 +239,7 @@ class Cluster:
             self._watchdog = None
         if self.client is not None:
             self._close_communicators()
+            self._shut_engines_down()
             try:
                 self.client.close()
             except Exception:
@@ -256,6 +262,19 @@ class Cluster:
         self.model = None
         if _running is self:
             _running = None
+
+    def _shut_engines_down(self, timeout_s: float = 3.0) -> None:
+        """Ask every engine to exit and wait until the controller has seen them go (at most
+        timeout_s). The launchers' own stop then finds nothing left to signal: otherwise it
+        sends SIGTERM and waits for each engine (over ssh for the SSH launcher, a connection
+        per command), and a request sent just before the client closes is dropped unsent."""
+        try:
+            self.client.shutdown(targets=self.engine_ids, block=False)
+        except Exception:
+            return
+        deadline = time.monotonic() + timeout_s
+        while set(self.engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _close_communicators(self, timeout_s: float = 5.0) -> None:
         """Ask every live engine to close its communicator (gloo's process group, the shm
@@ -297,7 +316,10 @@ class Cluster:
             raise DistributedError("the cluster is not running (start it with %distributed start or wb.cluster())")
 
     def _dead_ranks(self) -> list[str]:
-        return [f"rank {e['rank']} (engine pid {e['pid']})" for e in self.engines if not _alive(e["pid"])]
+        # an engine on another machine is watched by the controller's heartbeat instead: its
+        # pid means nothing here
+        return [f"rank {e['rank']} (engine pid {e['pid']})" for e in self.engines
+                if _on_this_host(e) and not _alive(e["pid"])]
 
     def _gather(self, ars, what: str, poll: Callable[[], None] | None = None) -> list:
         """Wait for every engine's result; a dead engine or a failed rank stops the cluster and
