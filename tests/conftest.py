@@ -20,7 +20,8 @@ settings.load_profile("default")
 
 @pytest.fixture(scope="session", params=runnable_variants())
 def kernels(request) -> KernelSet:
-    """The kernel API on every build this host can execute: native, avx2, scalar."""
+    """The kernel API on every distinct build this host can execute: native, avx2 (where it
+    differs from native) and scalar."""
     ks = KernelSet(request.param)
     if request.param != "native":
         background.result(_build_variants)  # usually compiled by now, in the background

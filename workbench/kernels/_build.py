@@ -82,10 +82,12 @@ def compiler_version() -> str:
 
 
 def runnable_variants() -> list[str]:
-    """The variants whose instructions this host can execute."""
+    """The distinct variants whose instructions this host can execute. "avx2" only where it
+    differs from "native", that is where the host has one of the extensions it turns off; on
+    an AVX2-only host the two would be the same build."""
     info = machine_info()
     variants = ["native"]
-    if _X86 and info.has_avx2:
+    if _X86 and info.has_avx2 and info.flags & {"avx512f", "avx_vnni"}:
         variants.append("avx2")
     if _X86:
         variants.append("scalar")
