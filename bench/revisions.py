@@ -1,0 +1,138 @@
+"""This checkout against an earlier commit on the same machine, interleaved in one run: time
+to first token and batch-1 decode on the bundled model, per weight format, and the linear
+kernel alone (GFLOP/s) at the bundled model's shapes, one row (decode) and 256 rows (prefill).
+
+"No slower than before" is a claim about two builds of the kernels, so it is measured as one:
+the earlier commit is checked out into a git worktree (kept under .cache/revisions/, its
+kernels built there on first use), and every round runs each (revision, weight format) once
+in its own process, in a fresh random order. Each process loads the model, warms up with one
+short generation, then generates --new-tokens after a prompt of --prompt-words words; the
+ratio is this checkout's figure over the earlier one's within each round (> 1: this checkout
+is faster), median and min-max over rounds. The linear kernel's rows (kernels.linear, which
+both commits have) take the median of 15 calls per process.
+
+    python bench/revisions.py --base f77e44c [--dtypes fp32,bf16,int8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, print_table, write_results  # noqa: E402
+from workbench.hw.rounds import interleaved_rounds, ratio_by_round  # noqa: E402
+
+# Runs inside either checkout, so it uses only what both have: load_model, generate and the
+# timings' summary.
+WORKER = """
+import json, sys
+import workbench as wb
+dtype, words, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = wb.load_model("smollm2-135m", dtype=dtype)
+prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * (words // 9 + 1)).split()[:words]
+model.generate(" ".join(prompt[:16]), max_new_tokens=4, stop_at_eos=False)
+s = model.generate(" ".join(prompt), max_new_tokens=new, stop_at_eos=False).timings.summary()
+out = {"ttft_ms": s["time_to_first_token_ms"], "decode_tokens_per_s": s["decode_tokens_per_s"]}
+if dtype in ("fp32", "bf16"):  # the linear kernel alone, on weights of the model's shapes
+    import statistics, time, torch
+    from workbench.kernels import KernelSet
+    ks, cfg = KernelSet("native"), model.config
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    for n, k in ((qkv, cfg.dim), (2 * cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim)):
+        w = (torch.randn(n, k) * 0.02).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
+        for rows in (1, 256):
+            x, times = torch.randn(rows, k), []
+            for i in range(18):
+                t = time.perf_counter()
+                ks.linear(x, w, matvec_max_rows=10 if rows == 1 else 0)
+                times.append(time.perf_counter() - t)
+            out[f"linear M={rows} {n}x{k}"] = 2 * rows * n * k / statistics.median(times[3:]) / 1e9
+print(json.dumps(out))
+"""
+
+
+def worktree(commit: str) -> Path:
+    """A checkout of `commit` under .cache/revisions/ (made once)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if sha.returncode != 0:
+        raise SystemExit(f"--base: {commit!r} is not a commit of this repository ({sha.stderr.strip()})")
+    path = ROOT / ".cache" / "revisions" / sha.stdout.strip()[:12]
+    if not (path / "workbench").is_dir():
+        subprocess.run(["git", "worktree", "add", "--detach", "-f", str(path), sha.stdout.strip()], cwd=ROOT,
+                       check=True, capture_output=True)
+    return path
+
+
+def run_once(checkout: Path, dtype: str, words: int, new_tokens: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout), WORKBENCH_CACHE_DIR=str(checkout / ".cache" / "workbench"))
+    done = subprocess.run([sys.executable, "-c", WORKER, dtype, str(words), str(new_tokens)], cwd=checkout, env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{checkout} ({dtype}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the earlier commit (any git revision)")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8", help="weight formats, comma-separated")
+    ap.add_argument("--prompt-words", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    checkouts = {"this": ROOT, "base": worktree(args.base)}
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    # the base's kernels are built before anything is timed
+    for rev in checkouts:
+        run_once(checkouts[rev], dtypes[0], 16, 2)
+    runs: dict[tuple[str, str], dict[int, dict]] = {(r, d): {} for r in checkouts for d in dtypes}
+    for round_, case in interleaved_rounds(list(runs), args.repeats, seed=1):
+        runs[case][round_] = run_once(checkouts[case[0]], case[1], args.prompt_words, args.new_tokens)
+        print(f"round {round_} {case[0]:>4} {case[1]:>5}: {runs[case][round_]}", flush=True)
+    rows = []
+    for dtype in dtypes:
+        this, base = runs[("this", dtype)], runs[("base", dtype)]
+        row = {"weights": dtype}
+        for key, label, faster in (("ttft_ms", "TTFT ms", -1), ("decode_tokens_per_s", "decode tok/s", 1)):
+            for rev, samples in (("this", this), ("base", base)):
+                values = [s[key] for s in samples.values()]
+                row[f"{label} {rev}"] = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+            num, den = ({r: s[key] for r, s in (this if faster > 0 else base).items()},
+                        {r: s[key] for r, s in (base if faster > 0 else this).items()})
+            ratio = ratio_by_round(num, den)
+            row[f"{label.split()[0]} speed this/base"] = f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+        rows.append(row)
+    gemm_rows = []
+    for dtype in dtypes:
+        this, base = runs[("this", dtype)], runs[("base", dtype)]
+        for key in sorted(k for k in next(iter(this.values())) if k.startswith("linear")):
+            ratio = ratio_by_round({r: s[key] for r, s in this.items()}, {r: s[key] for r, s in base.items()})
+            row = {"weights": dtype, "shape": key.removeprefix("linear ")}
+            for rev, samples in (("this", this), ("base", base)):
+                values = [s[key] for s in samples.values()]
+                row[f"GFLOP/s {rev}"] = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+            row["this/base"] = f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+            gemm_rows.append(row)
+    columns = ["weights", "TTFT ms this", "TTFT ms base", "TTFT speed this/base", "decode tok/s this",
+               "decode tok/s base", "decode speed this/base"]
+    print_table(rows, columns, title=f"this checkout against {args.base}: bundled model, {args.prompt_words}-word "
+                                     f"prompt, {args.new_tokens} new tokens, batch 1 (this/base > 1: this is faster)")
+    if gemm_rows:
+        print_table(gemm_rows, ["weights", "shape", "GFLOP/s this", "GFLOP/s base", "this/base"],
+                    title=f"the linear kernel alone (kernels.linear), this checkout against {args.base}: "
+                          f"M=1 the matrix-vector kernel, M=256 the GEMM")
+    write_results("revisions", {"base": args.base, "prompt_words": args.prompt_words, "new_tokens": args.new_tokens,
+                                "runs": [{"revision": r, "weights": d, "round": k, **v}
+                                         for (r, d), by_round in runs.items() for k, v in by_round.items()]})
+
+
+if __name__ == "__main__":
+    main()
