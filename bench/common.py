@@ -17,6 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +30,16 @@ from workbench.analysis.tables import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "results"
+
+
+def spread(xs, digits: int = 1, unit: str = "") -> str:
+    """Median (min-max) of one case's rounds, as every table prints it."""
+    return f"{statistics.median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def ratio_text(r: dict) -> str:
+    """A ratio {median, min, max} (workbench.hw.rounds) as '1.05x (0.98-1.12)'."""
+    return f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
 
 
 def fmt_ms(s: dict) -> str:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, print_table, write_results  # noqa: E402
+from common import ROOT, print_table, ratio_text, spread, write_results  # noqa: E402
 from workbench.hw.rounds import interleaved_rounds, ratio_by_round  # noqa: E402
 
 # Runs inside either checkout, so it uses only what both have: load_model, generate and the
@@ -97,36 +96,25 @@ def main() -> None:
     for round_, case in interleaved_rounds(list(runs), args.repeats, seed=1):
         runs[case][round_] = run_once(checkouts[case[0]], case[1], args.prompt_words, args.new_tokens)
         print(f"round {round_} {case[0]:>4} {case[1]:>5}: {runs[case][round_]}", flush=True)
-    rows = []
-    for dtype in dtypes:
-        this, base = runs[("this", dtype)], runs[("base", dtype)]
-        row = {"weights": dtype}
-        for key, label, faster in (("ttft_ms", "TTFT ms", -1), ("decode_tokens_per_s", "decode tok/s", 1)):
-            for rev, samples in (("this", this), ("base", base)):
-                values = [s[key] for s in samples.values()]
-                row[f"{label} {rev}"] = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-            num, den = ({r: s[key] for r, s in (this if faster > 0 else base).items()},
-                        {r: s[key] for r, s in (base if faster > 0 else this).items()})
-            ratio = ratio_by_round(num, den)
-            row[f"{label.split()[0]} speed this/base"] = f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
-        rows.append(row)
-    gemm_rows = []
-    for dtype in dtypes:
-        this, base = runs[("this", dtype)], runs[("base", dtype)]
-        for key in sorted(k for k in next(iter(this.values())) if k.startswith("linear")):
-            ratio = ratio_by_round({r: s[key] for r, s in this.items()}, {r: s[key] for r, s in base.items()})
-            row = {"weights": dtype, "shape": key.removeprefix("linear ")}
-            for rev, samples in (("this", this), ("base", base)):
-                values = [s[key] for s in samples.values()]
-                row[f"GFLOP/s {rev}"] = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-            row["this/base"] = f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
-            gemm_rows.append(row)
+    def compare(dtype: str, key: str, label: str, lower_is_better: bool = False) -> dict:
+        """The two revisions' median (min-max) of `key`, and this one's speed over the base's
+        round by round (> 1: this is faster)."""
+        this, base = ({k: s[key] for k, s in runs[(rev, dtype)].items()} for rev in ("this", "base"))
+        speed = ratio_by_round(base, this) if lower_is_better else ratio_by_round(this, base)
+        return {f"{label} this": spread(list(this.values())), f"{label} base": spread(list(base.values())),
+                f"{label.split()[0]} speed this/base": ratio_text(speed)}
+
+    rows = [{"weights": d, **compare(d, "ttft_ms", "TTFT ms", lower_is_better=True),
+             **compare(d, "decode_tokens_per_s", "decode tok/s")} for d in dtypes]
+    gemm_rows = [{"weights": d, "shape": key.removeprefix("linear "), **compare(d, key, "GFLOP/s")}
+                 for d in dtypes for key in sorted(next(iter(runs[("this", d)].values())))
+                 if key.startswith("linear")]
     columns = ["weights", "TTFT ms this", "TTFT ms base", "TTFT speed this/base", "decode tok/s this",
                "decode tok/s base", "decode speed this/base"]
     print_table(rows, columns, title=f"this checkout against {args.base}: bundled model, {args.prompt_words}-word "
                                      f"prompt, {args.new_tokens} new tokens, batch 1 (this/base > 1: this is faster)")
     if gemm_rows:
-        print_table(gemm_rows, ["weights", "shape", "GFLOP/s this", "GFLOP/s base", "this/base"],
+        print_table(gemm_rows, ["weights", "shape", "GFLOP/s this", "GFLOP/s base", "GFLOP/s speed this/base"],
                     title=f"the linear kernel alone (kernels.linear), this checkout against {args.base}: "
                           f"M=1 the matrix-vector kernel, M=256 the GEMM")
     write_results("revisions", {"base": args.base, "prompt_words": args.prompt_words, "new_tokens": args.new_tokens,

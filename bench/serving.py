@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import print_table, write_results  # noqa: E402
+from common import print_table, spread, write_results  # noqa: E402
 import httpx  # noqa: E402
 from workbench.analysis.serve_bench import serve_bench  # noqa: E402
 from workbench.hw.rounds import interleaved_rounds  # noqa: E402
@@ -62,11 +62,6 @@ def fresh_seed(base: int, round_: int, loads, load) -> int:
     has seen in another load or round."""
     loads = list(loads)
     return base + len(loads) * (round_ + 1) + loads.index(load)
-
-
-def spread(xs, digits: int = 1, unit: str = "") -> str:
-    """Median (min-max) of one case's rounds, as every table here prints it."""
-    return f"{statistics.median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
 
 def main() -> None:
