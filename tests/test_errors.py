@@ -1,6 +1,6 @@
 """Every kind of bad input raises a Python exception that names the argument; none crashes.
 
-Each case runs on the native build; the checks live in one place (kernels/bindings.cpp),
+Each case runs on the native build; the checks live in one place (kernels/ops.cpp),
 before any pointer is formed, so they hold for every build.
 """
 

@@ -3,6 +3,7 @@ each engine in its own process, interleaved, with ratios, spreads and token chec
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
@@ -22,10 +23,20 @@ def _conversions_written():
     background.result(prepare_in_background)  # never two writers of one file
 
 
+@functools.cache
+def gguf_file(kind: str):
+    """The bundled model's GGUF as `kind` ("Q4_1" is the file itself), read by the gguf
+    package's own reader (not ours): one read per file for the module, as parsing a header of
+    49,152 vocabulary strings takes seconds."""
+    import gguf
+
+    return gguf.GGUFReader(bundled_gguf_path() if kind == "Q4_1" else converted_gguf(kind))
+
+
 def test_f32_conversion_is_lossless_and_keeps_the_metadata():
     import gguf
 
-    src, f32 = gguf.GGUFReader(bundled_gguf_path()), gguf.GGUFReader(converted_gguf("F32"))
+    src, f32 = gguf_file("Q4_1"), gguf_file("F32")
     assert {t.name for t in src.tensors} == {t.name for t in f32.tensors}
     by_name = {t.name: t for t in f32.tensors}
     for t in src.tensors[:12]:
@@ -41,8 +52,8 @@ def test_f32_conversion_is_lossless_and_keeps_the_metadata():
 def test_q8_0_conversion_quantizes_matrices_within_its_rounding_bound():
     import gguf
 
-    q8 = gguf.GGUFReader(converted_gguf("Q8_0"))
-    f32 = {t.name: t for t in gguf.GGUFReader(converted_gguf("F32")).tensors}
+    q8 = gguf_file("Q8_0")
+    f32 = {t.name: t for t in gguf_file("F32").tensors}
     for t in q8.tensors[:8]:
         ref = np.asarray(f32[t.name].data, dtype=np.float32)
         if ref.ndim == 1:
@@ -59,8 +70,8 @@ def test_q8_0_conversion_quantizes_matrices_within_its_rounding_bound():
 def test_f16_conversion_rounds_matrices_to_fp16_and_keeps_norms():
     import gguf
 
-    f16 = gguf.GGUFReader(converted_gguf("F16"))
-    f32 = {t.name: t for t in gguf.GGUFReader(converted_gguf("F32")).tensors}
+    f16 = gguf_file("F16")
+    f32 = {t.name: t for t in gguf_file("F32").tensors}
     assert f16.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_F16)
     for t in f16.tensors[:8]:
         ref = np.asarray(f32[t.name].data, dtype=np.float32)

@@ -1,0 +1,160 @@
+// The kernels' tensor-level face, for the Python module (bindings.cpp): every tensor argument
+// is validated here (ops.cpp), before any pointer is formed, so a user's mistake becomes a
+// Python exception (ValueError / TypeError) that names the argument, what it was and what is
+// accepted, never a crash. The kernels themselves (kernels.h) trust their arguments.
+//
+// Apart from the module so that the two compile side by side: these checks need ATen's
+// headers, the module pybind11's and torch's type casters, and the two together in one unit
+// were the longest compile of the build by far.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+#include "shm_comm.h"
+
+namespace wbk::ops {
+
+using at::Tensor;
+
+const char* engine_name(wbk::GemmEngine e);
+
+// A weight kernel by its name (WeightFormat.kernel, constants()["weight_kernels"]).
+wbk::WeightDtype weight_kernel(const std::string& kernel, const char* fn);
+
+Tensor slim_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                      int64_t block_m);
+
+Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                       std::optional<double> scale, int64_t block_m, int64_t block_n);
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+                        const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                        std::optional<double> scale, std::optional<int64_t> num_splits,
+                        const std::string& int8_kernel_name, int64_t group, int64_t q_offset);
+
+std::tuple<Tensor, Tensor> quantize_kv_int8(const Tensor& x);
+
+void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& positions,
+                     const std::optional<Tensor>& scales, const std::string& layout);
+
+Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
+              const std::optional<Tensor>& scale);
+
+void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std);
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+
+Tensor silu_mul(const Tensor& gate_up);
+
+void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t head_dim);
+
+void shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                    Tensor& data, int64_t seq);
+
+void shm_broadcast(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                   Tensor& data, int64_t root, int64_t seq);
+
+void shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                    const Tensor& data, Tensor& out, int64_t seq);
+
+void triad(Tensor& a, const Tensor& b, const Tensor& c, double s);
+
+double read_sum(const Tensor& x);
+
+// The matrix-vector kernel's weight types, each with its own prefetch setting (prefetch.h);
+// int8 covers both scale granularities (per row and per group).
+int matvec_weights(const std::string& name);
+
+// The fused decode step's all-reduce over our shared-memory segment, called from C++ with no
+// Python in between. Its barrier numbers are the communicator's (`seq`, which the Python side
+// reads and advances for its own collectives: ShmComm). With zero_copy, o_proj / down_proj
+// write into this rank's input slot, which the all-reduce then reads in place.
+class ShmCollective : public wbk::StepCollective {
+ public:
+  ShmCollective(Tensor seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s);
+
+  float* buffer(int64_t n) override {
+    if (!zero_copy || n * static_cast<int64_t>(sizeof(float)) > a_.capacity) return nullptr;
+    return reinterpret_cast<float*>(a_.seg + wbk::kShmHeaderBytes + a_.rank * a_.capacity);
+  }
+
+  void all_reduce(float* data, int64_t n) override {
+    const int64_t chunk = a_.capacity / static_cast<int64_t>(sizeof(float));
+    for (int64_t lo = 0; lo < n; lo += chunk) {
+      wbk::shm_all_reduce_sum(a_, data + lo, std::min(chunk, n - lo), seq);
+      seq += 2;
+    }
+  }
+
+  int64_t seq = 1;  // the next barrier number
+  bool zero_copy = true;
+
+ private:
+  Tensor seg_;  // keeps the mapping alive
+  wbk::ShmArgs a_;
+};
+
+// A StepCollective that another extension of ours built from the same kernels.h (the oneCCL
+// binding, ccl_comm.cpp: a separate library, built only with the ccl extra), handed over as its
+// address: the fused step calls it natively, with the GIL released, as it calls ShmCollective.
+// The object lives in that extension for the life of the process.
+class ForeignCollective : public wbk::StepCollective {
+ public:
+  explicit ForeignCollective(uintptr_t address) : target_(reinterpret_cast<wbk::StepCollective*>(address)) {
+    TORCH_CHECK_VALUE(address != 0, "ForeignCollective: address is null");
+  }
+  float* buffer(int64_t n) override { return target_->buffer(n); }
+  void all_reduce(float* data, int64_t n) override {
+    try {
+      target_->all_reduce(data, n);
+    } catch (const std::exception& e) {  // raised in the other library: the step's own error type
+      throw wbk::CollectiveError(e.what());
+    }
+  }
+
+ private:
+  wbk::StepCollective* target_;
+};
+
+// One decoder layer's tensors as the fused step reads them: its norms, its four linears
+// (weight and, for int8 weights, the per-row scales) and its KV cache (scales for int8).
+struct DecodeLayer {
+  Tensor attn_norm, mlp_norm;
+  Tensor wqkv, wo, w_gate_up, w_down;
+  std::optional<Tensor> wqkv_scale, wo_scale, w_gate_up_scale, w_down_scale;
+  Tensor k_cache, v_cache;
+  std::optional<Tensor> k_scale, v_scale;
+};
+
+// The fused decode step's Python face: built once per (model, cache) with every layer's
+// weights and cache tensors (checked here, kept alive here), then step() runs all layers
+// in one call with the GIL released (decode_step.cpp).
+class DecodeStack {
+ public:
+  DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
+              const std::string& int8_kernel_name, int64_t group, int64_t q_offset);
+
+  // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, kTimerParts]
+  // float64 (attention, mlp, other seconds added) or None. Returns the seconds spent waking
+  // the thread pool before layer 0.
+  double step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+              const std::optional<Tensor>& timers, wbk::StepCollective* comm);
+
+  int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  wbk::StackShape shape_{};
+  int64_t batch_ = 0;
+  std::vector<wbk::LayerRef> layers_;
+  std::vector<DecodeLayer> keep_;  // every tensor a pointer above points into
+  wbk::StepBuffers buffers_;
+};
+
+}  // namespace wbk::ops
