@@ -141,6 +141,24 @@ def _run_panel(page) -> None:
         return d && JSON.stringify(d.data) !== before; }}""", arg=before)
 
 
+def _wait_for_figures(page, condition: str, what: str) -> None:
+    """Wait for `condition` on the figures after the notebook is reopened. A reopen draws them
+    in seconds; if they have not come back after 3 minutes, fail with what the page holds (each
+    figure's traces and points, the kernel's status, a screenshot) rather than wait out the
+    10-minute hang guard with nothing to show for it."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(condition, timeout=180_000)
+    except PlaywrightTimeout:
+        shot = SHOTS / f"timeout-{what.replace(' ', '-')}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        figures = page.evaluate(f"() => Array.from({FIGURES}).map(d => (d.data || []).map(t => (t.y || []).length))")
+        kernel = page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status")
+        pytest.fail(f"{what}: the figures did not come back in 3 minutes; points per trace of each figure: "
+                    f"{figures}; kernel {kernel}; screenshot {shot}")
+
+
 _ACTIVE_KV_JS = """() => { const boxes = document.querySelectorAll('.jp-OutputArea .widget-dropdown');
     const kv = Array.from(boxes).find(g => g.innerText.includes('KV cache'));
     const s = kv && kv.querySelector('select'); return s ? s.value : ''; }"""
@@ -261,7 +279,8 @@ def test_quickstart_in_jupyterlab(lab):
         # Reload: the figures come back drawn, and a new run updates them.
         save(page)
         open_notebook()
-        page.wait_for_function(f"() => {FIGURES}.length >= 6 && ({FIGURES}[1].data || []).some(t => (t.y || []).length)")
+        _wait_for_figures(page, f"() => {FIGURES}.length >= 6 && ({FIGURES}[1].data || []).some(t => (t.y || []).length)",
+                          "after reload")
         page.screenshot(path=str(SHOTS / "quickstart-after-reload.png"), full_page=False)
         _run_panel(page)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload-run.png"), full_page=False)
@@ -271,7 +290,8 @@ def test_quickstart_in_jupyterlab(lab):
         save(page)
         page.set_viewport_size({"width": 640, "height": 1800})
         open_notebook()
-        page.wait_for_function(f"() => {FIGURES}.length >= 6 && ({FIGURES}[0].data || []).some(t => (t.y || []).length)")
+        _wait_for_figures(page, f"() => {FIGURES}.length >= 6 && ({FIGURES}[0].data || []).some(t => (t.y || []).length)",
+                          "narrow view")
         fits = page.evaluate(f"""() => {{ const d = {FIGURES}[0], svg = d.querySelector('svg.main-svg');
             const area = d.closest('.jp-OutputArea-output');
             return [svg.getBoundingClientRect().width, area.getBoundingClientRect().width]; }}""")
