@@ -16,7 +16,7 @@
 // own: a dead rank is detected by the client (workbench.distributed.cluster), which stops
 // the engines.
 #include <ATen/ATen.h>
-#include <torch/python.h>  // not torch/extension.h: see bindings.cpp
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h or torch/python.h: see bindings.cpp
 
 #include <cstring>
 #include <memory>

@@ -12,6 +12,9 @@
 #include "prefetch.h"
 
 namespace wbk::ops {
+
+// -- the checks shared by several of ops.h's functions (this file only) ----------------------
+
 namespace {
 
 void check_tensor(const Tensor& t, const char* fn, const char* name, int64_t dim, const char* layout,
@@ -226,7 +229,7 @@ wbk::WeightRef checked_weight(const Tensor& w, const std::optional<Tensor>& scal
   return {w.data_ptr(), kind, row_scale, N, K};
 }
 
-// -- shared-memory collectives -------------------------------------------------------------
+// shared-memory collectives
 
 wbk::ShmArgs shm_args(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
                       const char* fn) {
@@ -257,6 +260,8 @@ void check_probe_buffer(const Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+// -- what ops.h declares -------------------------------------------------------------------
 
 const char* engine_name(wbk::GemmEngine e) {
   return e == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16" : "fma";
