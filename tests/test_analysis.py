@@ -80,3 +80,9 @@ def test_spread_warnings_name_the_rows_the_table_cannot_rank():
     (line,) = spread_warnings(close)
     assert "flash / fp16 (24.0) and slim / int8 (tile) (30.0) overlap" in line
     assert spread_warnings([row("slim", "int8", 30.0, 30.0, 30.0, 1), row("flash", "fp16", 30.0, 30.0, 30.0, 1)]) == []
+    # a chain of neighbours that overlap is one line, not one per pair; a gap starts another
+    chain = [row("slim", "int8", 30.0, 28.0, 32.0), row("flash", "fp16", 27.0, 25.0, 29.0),
+             row("naive", "fp32", 24.0, 22.0, 26.0), row("sdpa", "fp32", 10.0, 9.0, 11.0), row("sdpa", "bf16", 11.0, 10.5, 12.0)]
+    first, second = spread_warnings(chain)
+    assert "sdpa / fp32 (10.0) and sdpa / bf16 (11.0) overlap" in first
+    assert "naive / fp32 (24.0), flash / fp16 (27.0), slim / int8 (tile) (30.0) overlap" in second

@@ -144,11 +144,13 @@ def run_ablation(model, attentions=tuple(ATTENTION_BACKENDS), kv_caches=KERNEL_F
 
 
 def spread_warnings(rows: list[AblationRow], metric: str = "decode_tokens_per_s") -> list[str]:
-    """One line per pair of configurations (same prompt length and batch) whose min-max
-    ranges of `metric` overlap: their difference is within the run-to-run spread, so the
-    table cannot rank them. Empty when every row has one sample (nothing to compare with)."""
+    """One line per run of configurations (same prompt length and batch) that the table cannot
+    rank: sorted by `metric`, neighbours whose min-max ranges overlap are within the run-to-run
+    spread of each other, and a chain of such neighbours is named once, slowest to fastest
+    (a noisy machine gives one line per prompt length, not one per pair). Empty when every
+    row has one sample (nothing to compare with)."""
     def name(r):
-        return f"{r.attention} / {kv_label(r.kv_cache, r.kv_kernel)}"
+        return f"{r.attention} / {kv_label(r.kv_cache, r.kv_kernel)} ({getattr(r, metric):.1f})"
 
     lines = []
     groups: dict[tuple, list[AblationRow]] = {}
@@ -156,11 +158,17 @@ def spread_warnings(rows: list[AblationRow], metric: str = "decode_tokens_per_s"
         groups.setdefault((r.prompt_len, r.batch), []).append(r)
     for (prompt_len, batch), group in groups.items():
         ranged = sorted((r for r in group if r.repeats > 1), key=lambda r: getattr(r, metric))
+        chains: list[list[AblationRow]] = []
         for lo, hi in zip(ranged, ranged[1:]):
             if getattr(hi, f"{metric}_min") <= getattr(lo, f"{metric}_max"):
-                lines.append(f"prompt {prompt_len}, batch {batch}: {name(lo)} ({getattr(lo, metric):.1f}) and "
-                             f"{name(hi)} ({getattr(hi, metric):.1f}) overlap in their min-max ranges: the "
-                             f"difference is within the run-to-run spread (more --repeats, a quieter machine)")
+                if chains and chains[-1][-1] is lo:
+                    chains[-1].append(hi)
+                else:
+                    chains.append([lo, hi])
+        for chain in chains:
+            who = " and ".join(map(name, chain)) if len(chain) == 2 else ", ".join(map(name, chain))
+            lines.append(f"prompt {prompt_len}, batch {batch}: {who} overlap in their min-max ranges, each with the "
+                         f"next: the differences are within the run-to-run spread (more --repeats, a quieter machine)")
     return lines
 
 
