@@ -62,6 +62,22 @@ def tp2(request):
     cluster.stop()
 
 
+def test_the_ablation_runs_zero_copy_only_where_the_fused_step_has_a_buffer():
+    """On the fused step only shm's all-reduce has a buffer o_proj / down_proj can write into;
+    gloo's and oneCCL's reduce the step's output in place, so "on" and "off" would be two rows
+    of the same code: the ablation runs one, labelled n/a."""
+    from workbench.analysis.tp_ablation import switch_settings
+    from workbench.distributed.backends import BACKENDS
+
+    assert [name for name, b in BACKENDS.items() if b.fused_zero_copy] == ["shm"]
+    shm = switch_settings("shm", ("ids", "embeddings"), ("topk", "gather"), (True, False))
+    assert len(shm) == 8 and {s[3] for s in shm} == {"on", "off"} and all((s[3] == "on") == s[2] for s in shm)
+    for backend in ("gloo", "ccl"):
+        settings = switch_settings(backend, ("ids", "embeddings"), ("topk", "gather"), (True, False))
+        assert len(settings) == 4 and {(s[2], s[3]) for s in settings} == {(True, "n/a")}
+    assert switch_settings("shm", ("ids",), ("topk",), (False,)) == [("ids", "topk", False, "off")]
+
+
 def test_plan_splits_heads_ffn_and_vocab_unevenly():
     cfg = wb.load_model("smollm2-135m", random=True, layers=1).config
     p0, p1 = plan(cfg, 0, 2), plan(cfg, 1, 2)

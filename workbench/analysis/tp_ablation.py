@@ -3,7 +3,9 @@ run on a real cluster (the all-reduce's own latency and fit are in
 workbench.distributed.allreduce).
 
 tp_ablation rows (decode phase, batch 1 unless given):
-    ranks, backend, token_broadcast, lm_head, zero_copy
+    ranks, backend, token_broadcast, lm_head, zero_copy ("n/a" where the backend's fused
+                                step has no buffer to write into, gloo and ccl: both settings
+                                would run the same code, so one runs; switch_settings)
     decode_ms_per_token         median (with min / max) over the repeats, wall time per step
     vs_tp1                      ranks > 1: decode time over the single process's in the same
                                 round, median and min / max over the rounds ({median, min,
@@ -69,6 +71,20 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
 ONE_RANK = "1 rank"  # the single process, as a case of the interleaved rounds
 
 
+def switch_settings(backend: str, token_broadcast, lm_head, zero_copy) -> list[tuple[str, str, bool, str]]:
+    """(token_broadcast, lm_head, zero_copy, its label) for every setting the ablation runs on
+    `backend`: all combinations, except that zero copy is one setting labelled "n/a" where the
+    fused step cannot write into the backend's buffer (Backend.fused_zero_copy), since there
+    "on" and "off" run the same code and a difference between them would be noise."""
+    from workbench.distributed.backends import backend as backend_record
+
+    if backend_record(backend).fused_zero_copy:
+        zero_copy = [(z, "on" if z else "off") for z in zero_copy]
+    else:
+        zero_copy = [(True, "n/a")]
+    return [(tb, lm, z, label) for tb, lm, (z, label) in itertools.product(token_broadcast, lm_head, zero_copy)]
+
+
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
                 backends=("gloo", "shm"), token_broadcast=("ids", "embeddings"), lm_head=("topk", "gather"),
                 zero_copy=(True, False), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
@@ -107,10 +123,10 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     one_config = {"ranks": 1, "backend": "-", "token_broadcast": "-", "lm_head": "-", "zero_copy": "-",
                   "threads": one_threads}
     rows = []
-    combos = list(itertools.product(token_broadcast, lm_head, zero_copy))
     order = random.Random(seed)
     for r in multi:
         for backend in backends:
+            combos = switch_settings(backend, token_broadcast, lm_head, zero_copy)
             cluster = Cluster(r, backend=backend, threads_per_rank=threads_per_rank, pin=True).start()
             try:
                 model = cluster.load_model(name, **load_kwargs)
@@ -131,7 +147,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
-                              "zero_copy": "on" if c[2] else "off", "threads": threads_per_rank}
+                              "zero_copy": c[3], "threads": threads_per_rank}
                     row = _summarize(config, [s for _, s in samples[c]], same[c])
                     if 1 in ranks:
                         ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
@@ -139,7 +155,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                             list(ms.values()), [s["decode_ms_per_token"] for s in one_samples])
                         row["tp1_interleaved"] = interleave
                     rows.append(row)
-                    say(f"ranks {r} {backend} {c}: {row['decode_ms_per_token']:.2f} ms/token, "
+                    say(f"ranks {r} {backend} {c[0]} / {c[1]} / zero copy {c[3]}: {row['decode_ms_per_token']:.2f} ms/token, "
                         f"comm {row['comm_ms_per_token']:.2f}"
                         + (f", {row['vs_tp1']['median']:.2f}x one process" if "vs_tp1" in row else ""))
             finally:

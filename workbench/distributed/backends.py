@@ -134,13 +134,17 @@ class Backend:
     unavailable: Callable[[], str | None] = _nothing
     launch_env: Callable = _no_env
     prepare: Callable[[], None] = _nothing
+    # The fused step's o_proj / down_proj can write straight into this backend's all-reduce
+    # buffer (its StepCollective has one). gloo and oneCCL reduce the step's own output in
+    # place, so there the zero-copy switch changes only the Python reference path.
+    fused_zero_copy: bool = False
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("gloo", "torch.distributed's gloo over TCP (any hosts; iface= picks the interface)",
             _gloo_rendezvous, _gloo_connect, _gloo_settings),
     Backend("shm", "our C++ all-reduce over one shared-memory segment (every rank on this host)",
-            _shm_rendezvous, _shm_connect, _shm_settings, one_host=True),
+            _shm_rendezvous, _shm_connect, _shm_settings, one_host=True, fused_zero_copy=True),
     Backend("ccl", "oneCCL's libraries through our binding (the ccl extra; any hosts)",
             _ccl_rendezvous, _ccl_connect, _ccl_settings, unavailable=_ccl_unavailable,
             launch_env=_ccl_launch_env, prepare=_ccl_prepare),

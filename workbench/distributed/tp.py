@@ -19,7 +19,10 @@ The paper's three communication optimizations, each a switch against its naive f
                       exactly, but the true best token may not be among them (approximate)
     zero_copy         on: o_proj / down_proj write their output straight into the buffer
                       the all-reduce reduces (linear(..., out=buffer)); off: they write a
-                      fresh tensor, which is then copied into it
+                      fresh tensor, which is then copied into it. On the fused C++ step only
+                      shm has such a buffer (Backend.fused_zero_copy): gloo and oneCCL reduce
+                      the step's own output in place, so there the switch changes only the
+                      Python reference path
 
 With check_topk, every step also gathers all logits and records whether the mode's top-1
 is the true top-1 and how much of the true top-k it found (`TensorParallel.topk_log`).
