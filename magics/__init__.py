@@ -309,7 +309,8 @@ class WorkbenchMagics(Magics):
         decode tokens/s, GB/s, % of the measured peak bandwidth, top-1 agreement with the
         naive / fp32-cache reference. With --ranks (and --backend, --token-broadcast,
         --lm-head, --zero-copy), a tensor-parallel grid instead: decode ms/token, comm
-        ms/token, % comm, bytes per token, whether the tokens equal one process's.
+        ms/token, % comm, bytes per token, whether the tokens equal one process's. Zero
+        copy applies to shm only on the fused step (gloo and ccl rows say n/a).
 
         Examples::
 
