@@ -310,7 +310,7 @@ class WorkbenchMagics(Magics):
         naive / fp32-cache reference. With --ranks (and --backend, --token-broadcast,
         --lm-head, --zero-copy), a tensor-parallel grid instead: decode ms/token, comm
         ms/token, % comm, bytes per token, whether the tokens equal one process's. Zero
-        copy applies to shm only on the fused step (gloo and ccl rows say n/a).
+        copy changes the fused decode step on shm only (gloo and ccl rows say n/a).
 
         Examples::
 

@@ -5,7 +5,7 @@ workbench.distributed.allreduce).
 tp_ablation rows (decode phase, batch 1 unless given):
     ranks, backend, token_broadcast, lm_head, zero_copy ("n/a" where the backend's fused
                                 step has no buffer to write into, gloo and ccl: both settings
-                                would run the same code, so one runs; switch_settings)
+                                would decode on the same code, so one runs; switch_settings)
     decode_ms_per_token         median (with min / max) over the repeats, wall time per step
     vs_tp1                      ranks > 1: decode time over the single process's in the same
                                 round, median and min / max over the rounds ({median, min,

@@ -136,7 +136,8 @@ class Backend:
     prepare: Callable[[], None] = _nothing
     # The fused step's o_proj / down_proj can write straight into this backend's all-reduce
     # buffer (its StepCollective has one). gloo and oneCCL reduce the step's own output in
-    # place, so there the zero-copy switch changes only the Python reference path.
+    # place, so there the zero-copy switch changes only the Python path (prefill, and decode
+    # with step="reference").
     fused_zero_copy: bool = False
 
 

@@ -22,7 +22,7 @@ The paper's three communication optimizations, each a switch against its naive f
                       fresh tensor, which is then copied into it. On the fused C++ step only
                       shm has such a buffer (Backend.fused_zero_copy): gloo and oneCCL reduce
                       the step's own output in place, so there the switch changes only the
-                      Python reference path
+                      Python path (prefill, and decode with step="reference")
 
 With check_topk, every step also gathers all logits and records whether the mode's top-1
 is the true top-1 and how much of the true top-k it found (`TensorParallel.topk_log`).
