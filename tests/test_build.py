@@ -100,13 +100,13 @@ def test_the_streaming_kernels_really_prefetch():
     contain all four prefetch instructions."""
     import shutil
 
-    from workbench.kernels._build import _build_dir, load_extension
+    from workbench.kernels._build import build_info
 
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed")
-    load_extension("native")  # built (or loaded) by the session already
+    build_dir = Path(build_info("native")["build_dir"])  # built (or loaded) by the session already
     for unit in ("decode_tiled", "decode_attention", "linear"):
-        obj = _build_dir("native") / f"{unit}.o"
+        obj = build_dir / f"{unit}.o"
         assert obj.is_file(), f"the native build has no {obj.name}"
         asm = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True).stdout
         for insn in ("prefetcht0", "prefetcht1", "prefetcht2", "prefetchnta"):

@@ -79,10 +79,10 @@ def switch_settings(backend: str, token_broadcast, lm_head, zero_copy) -> list[t
     from workbench.distributed.backends import backend as backend_record
 
     if backend_record(backend).fused_zero_copy:
-        zero_copy = [(z, "on" if z else "off") for z in zero_copy]
+        labelled = [(z, "on" if z else "off") for z in zero_copy]
     else:
-        zero_copy = [(True, "n/a")]
-    return [(tb, lm, z, label) for tb, lm, (z, label) in itertools.product(token_broadcast, lm_head, zero_copy)]
+        labelled = [(True, "n/a")]
+    return [(tb, lm, z, label) for tb, lm, (z, label) in itertools.product(token_broadcast, lm_head, labelled)]
 
 
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
