@@ -143,13 +143,9 @@ def test_the_attention_split_covers_every_head_and_never_loads_a_rank_more_than_
 
 def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
     cluster, model = tp2
-    # 64 tokens on the backends the fused step is measured on (shm, ccl). gloo's ranks sleep
-    # between messages and each collective waits for their wake-ups, the longest part of this
-    # module on a VM; 16 tokens x 3 prompts still put thousands of its collectives through.
-    new_tokens = 16 if cluster.backend == "gloo" else 64
     for prompt in PROMPTS:
-        ours = model.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
-        ref = single.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
+        ours = model.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        ref = single.generate(prompt, max_new_tokens=64, stop_at_eos=False)
         assert ours.token_ids == ref.token_ids, prompt
         ids = single.tokenizer.encode(prompt)
         a, b = model.logits(ids), single.logits(ids)
@@ -162,6 +158,23 @@ def test_the_fused_step_calls_shm_and_ccl_natively_and_gloo_through_python(tp2):
     kinds = cluster.run(eval, kind, what="reading the step's collective")[0]
     expected = {"shm": "ShmCollective", "ccl": "ForeignCollective", "gloo": "PyCollective"}[cluster.backend]
     assert kinds == [expected] * 2
+
+
+# (name, scheduling policy) of every thread of an engine, evaluated there (a function of this
+# module would be pickled by reference, and the engines cannot import the tests)
+THREADS = ("[(open(f'/proc/self/task/{t}/comm').read().strip(), __import__('os').sched_getscheduler(int(t)))"
+           " for t in __import__('os').listdir('/proc/self/task')]")
+
+
+def test_gloos_io_thread_never_preempts_its_rank(tp2):
+    """gloo's socket thread polls again at once while the rank's thread holds a pair's lock;
+    on a rank pinned to one core it used to preempt the rank mid-send and spin until the next
+    scheduler tick (about 4 ms per message). The communicator runs it at idle priority."""
+    cluster, _ = tp2
+    if cluster.backend != "gloo":
+        pytest.skip("only gloo has a socket thread of its own")
+    for threads in cluster.run(eval, THREADS, what="reading the engines' threads")[0]:
+        assert ("gloo_tcp_loop", os.SCHED_IDLE) in threads, threads
 
 
 def test_every_exact_switch_setting_gives_the_same_tokens(tp2, single):
