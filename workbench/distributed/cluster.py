@@ -39,12 +39,14 @@ from workbench.model.switches import SwitchProperties, Switches
 from workbench.model.timing import Timings
 
 LAUNCHERS = ("local", "mpi", "ssh", "slurm")
-HEARTBEAT_MS = 500  # the controller's heartbeat period (see Cluster.start)
+HEARTBEAT_MS = 200  # the controller's heartbeat period (see Cluster.start)
 # The hub accepts a registered engine only at its next heartbeat, two beats after it connects:
 # at ipyparallel's default 3 s period every start waited about 6 s for that. A 0.5 s beat with
 # 20 misses allowed still takes 10 s of silence to call an engine dead. (A misspelt option is
 # only a warning in the controller's log: tests/test_distributed_lifecycle.py checks the names.)
-CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", "--HeartMonitor.max_heartmonitor_misses=20")
+CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", "--HeartMonitor.max_heartmonitor_misses=50")
+# How long a local engine, started beside the controller, waits for its connection file.
+URL_FILE_WAIT_S = 120
 _running: Cluster | None = None
 
 
@@ -177,8 +179,20 @@ class Cluster:
                     ssh.remote_python = sys.executable
             if env:
                 config.BaseLauncher.environment = {**config.BaseLauncher.get("environment", {}), **env}
+            # Local engines start beside the controller, importing torch while it starts
+            # (engine_main), and read its connection file when it appears. Other launchers
+            # start theirs once the controller is up, and hand them its connection details in
+            # $IPP_CONNECTION_INFO (ipyparallel's 1 s pause before that is not needed: delay=0).
+            overlap = self.launcher == "local"
+            if overlap:
+                import sys
+
+                local = config.LocalEngineSetLauncher
+                local.engine_cmd = [sys.executable, "-m", "workbench.distributed.engine_main"]
+                local.engine_args = [*local.get("engine_args", []), f"--IPEngine.wait_for_url_file={URL_FILE_WAIT_S}"]
             self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40,
-                                           config=config, controller_args=list(CONTROLLER_ARGS))
+                                           config=config, controller_args=list(CONTROLLER_ARGS), delay=0,
+                                           send_engines_connection_env=not overlap)
             self.client = self.ipp_cluster.start_and_connect_sync(activate=False)
             self.client.wait_for_engines(self.n, timeout=120)
             try:  # %px / %%px on these engines, for power users in IPython
@@ -226,10 +240,14 @@ class Cluster:
              "--pids", ",".join(map(str, pids)), "--files", ",".join(map(str, files)), "--log", str(log)],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def stop(self) -> None:
-        """Stop the engines and the controller, also after a failure; idempotent."""
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the engines and the controller, also after a failure; idempotent. kill=True
+        (a rank died) SIGKILLs this host's engines first: the others may sit in a collective
+        waiting for the dead one, where no signal handler runs until the collective's timeout."""
         global _running
         pids = [e["pid"] for e in self.engines if _on_this_host(e)]
+        if kill:
+            watchdog.signal_all([p for p in pids if _alive(p)], signal.SIGKILL)
         if self._watchdog is not None:  # a clean stop: nothing for it to do
             self._watchdog.terminate()
             try:
@@ -238,8 +256,9 @@ class Cluster:
                 self._watchdog.kill()
             self._watchdog = None
         if self.client is not None:
-            self._close_communicators()
-            self._shut_engines_down()
+            if not kill:
+                self._close_communicators()
+                self._shut_engines_down()
             try:
                 self.client.close()
             except Exception:
@@ -329,7 +348,7 @@ class Cluster:
                 poll()
             dead = self._dead_ranks() if self.engines else []
             if dead:
-                self.stop()
+                self.stop(kill=True)
                 raise DistributedError(f"{', '.join(dead)} died while {what}; the cluster was stopped")
             time.sleep(0.02)
         if poll is not None:
