@@ -132,13 +132,13 @@ def test_kv_quality_magic_table_figure_report_and_every_format_generates(shell, 
     report.clear()
     text = tmp_path / "notes.txt"
     text.write_text(open("/usr/share/common-licenses/GPL-3").read())  # a file of the user's
-    _, err = run(shell, f"%kv_quality --formats fp32,int8,int8:dot,int8-kivi,int4-block32 --context 200,300 "
-                        f"--steps 16 --text {text} -o kvq")
+    _, err = run(shell, f"%kv_quality --formats fp32,int8,int8:dot,int8-kivi,int4-block32 --context 96,160 "
+                        f"--steps 8 --text {text} -o kvq")
     assert err is None, err
     out = capsys.readouterr().out
     assert "best per byte" in out and "int8-kivi" in out and str(text) in out
     df = shell.user_ns["kvq"]
-    assert len(df) == 5 * 2 and set(df.context) == {200, 300}
+    assert len(df) == 5 * 2 and set(df.context) == {96, 160}
     assert "int8 (tile)" in set(df.cache) and "int8 (dot)" in set(df.cache)
     assert set(df.columns) >= {"cache", "kv_cache", "kv_kernel", "bits", "bytes_per_element", "context", "perplexity", "kl_nats",
                                "top1_agreement_vs_fp32"}

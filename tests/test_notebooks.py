@@ -19,7 +19,7 @@ SMALL = {
     "01-quickstart": 'MODEL = "smollm2-135m"\nNEW_TOKENS = 4\nABLATE_PROMPT_LEN = "24"\nABLATE_NEW_TOKENS = 3',
     "02-slimattention-vs-flashattention": "NS = [128, 256]\nREPEATS = 1\nPROMPT_LEN = 32",
     "03-int8-kv-cache": "BATCH = 2\nLENGTH = 256\nREPEATS = 1\nCONTEXT = 128\nSTEPS = 8",
-    "04-kv-quality": 'CONTEXTS = [200, 300]\nSTEPS = 12\nFORMATS = ["fp32", "int8:widen", "int8:dot", "int8:tile", "int8-kivi", "int4-kivi"]',
+    "04-kv-quality": 'CONTEXTS = [96, 160]\nSTEPS = 8\nFORMATS = ["fp32", "int8:widen", "int8:dot", "int8:tile", "int8-kivi", "int4-kivi"]',
     "05-cost-model": "NEW_TOKENS = 6\nPROMPT_LEN = 16\nSEVEN_B_LAYERS = 1",
 }
 
