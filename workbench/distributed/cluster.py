@@ -40,11 +40,14 @@ from workbench.model.timing import Timings
 
 LAUNCHERS = ("local", "mpi", "ssh", "slurm")
 HEARTBEAT_MS = 200  # the controller's heartbeat period (see Cluster.start)
+DEAD_AFTER_S = 10  # the heartbeat silence after which the controller calls an engine dead
 # The hub accepts a registered engine only at its next heartbeat, two beats after it connects:
-# at ipyparallel's default 3 s period every start waited about 6 s for that. A 0.5 s beat with
-# 20 misses allowed still takes 10 s of silence to call an engine dead. (A misspelt option is
-# only a warning in the controller's log: tests/test_distributed_lifecycle.py checks the names.)
-CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", "--HeartMonitor.max_heartmonitor_misses=50")
+# at ipyparallel's default 3 s period every start waited about 6 s for that. A short beat with
+# enough misses allowed still takes DEAD_AFTER_S of silence to call an engine dead. (A misspelt
+# option is only a warning in the controller's log: tests/test_distributed_lifecycle.py checks
+# the names.)
+CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}",
+                   f"--HeartMonitor.max_heartmonitor_misses={DEAD_AFTER_S * 1000 // HEARTBEAT_MS}")
 # How long a local engine, started beside the controller, waits for its connection file.
 URL_FILE_WAIT_S = 120
 _running: Cluster | None = None
