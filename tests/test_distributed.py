@@ -143,9 +143,12 @@ def test_the_attention_split_covers_every_head_and_never_loads_a_rank_more_than_
 
 def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
     cluster, model = tp2
+    # 64 tokens on the backends the fused step is measured on (shm, ccl); gloo's 16 tokens x 3
+    # prompts still put thousands of its collectives through, in a quarter of the time.
+    new_tokens = 16 if cluster.backend == "gloo" else 64
     for prompt in PROMPTS:
-        ours = model.generate(prompt, max_new_tokens=64, stop_at_eos=False)
-        ref = single.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        ours = model.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
+        ref = single.generate(prompt, max_new_tokens=new_tokens, stop_at_eos=False)
         assert ours.token_ids == ref.token_ids, prompt
         ids = single.tokenizer.encode(prompt)
         a, b = model.logits(ids), single.logits(ids)
@@ -169,12 +172,13 @@ THREADS = ("[(open(f'/proc/self/task/{t}/comm').read().strip(), __import__('os')
 def test_gloos_io_thread_never_preempts_its_rank(tp2):
     """gloo's socket thread polls again at once while the rank's thread holds a pair's lock;
     on a rank pinned to one core it used to preempt the rank mid-send and spin until the next
-    scheduler tick (about 4 ms per message). The communicator runs it at idle priority."""
+    scheduler tick (about 4 ms per message). The communicator makes it a batch thread, which
+    a wake-up never schedules in over the rank's."""
     cluster, _ = tp2
     if cluster.backend != "gloo":
         pytest.skip("only gloo has a socket thread of its own")
     for threads in cluster.run(eval, THREADS, what="reading the engines' threads")[0]:
-        assert ("gloo_tcp_loop", os.SCHED_IDLE) in threads, threads
+        assert ("gloo_tcp_loop", os.SCHED_BATCH) in threads, threads
 
 
 def test_every_exact_switch_setting_gives_the_same_tokens(tp2, single):

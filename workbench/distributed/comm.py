@@ -109,23 +109,24 @@ class Communicator:
         return log
 
 
-def _yield_to_the_caller(thread_name: str) -> None:
-    """Run this process's threads called `thread_name` at idle priority (SCHED_IDLE).
+def _never_preempt_the_caller(thread_name: str) -> None:
+    """Schedule this process's threads called `thread_name` as batch work (SCHED_BATCH).
 
     gloo's TCP transport reads the socket on its own thread, which skips a pair whose lock
     another thread holds and polls again at once. The thread posting a send or a receive
-    holds that lock for a write to the socket; when the peer's answer wakes the I/O thread
-    on the same core (a rank pinned to one CPU), the kernel lets it preempt the poster, and
-    it spins against the lock until the scheduler's next tick. At idle priority it never
-    preempts the rank's own thread: it runs when that thread waits, which is when a reply
-    is needed."""
+    holds that lock while it writes to the socket; when the peer's answer wakes the I/O
+    thread on the same core (a rank pinned to one CPU), the kernel lets the woken thread
+    preempt the poster, and it spins against the lock until the scheduler's next tick. A
+    batch thread is never scheduled in by a wake-up, only when the core is free or at a
+    tick, with the same share of the CPU as before (SCHED_IDLE would also avoid the spin
+    but starve behind any other process on that core)."""
     import os
 
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() == thread_name:
-                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+                    os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
         except OSError:
             pass
 
@@ -143,7 +144,7 @@ class GlooComm(Communicator):
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         self.group = dist.group.WORLD
-        _yield_to_the_caller("gloo_tcp_loop")
+        _never_preempt_the_caller("gloo_tcp_loop")
 
     def _call(self, fn, *args, **kw):
         try:
