@@ -158,30 +158,25 @@ def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
-def test_the_fused_step_calls_shm_and_ccl_natively_and_gloo_through_python(tp2):
-    cluster, _ = tp2
-    kind = "type(__import__('workbench.distributed.engine', fromlist=['_model'])._model().llama.collective).__name__"
-    kinds = cluster.run(eval, kind, what="reading the step's collective")[0]
-    expected = {"shm": "ShmCollective", "ccl": "ForeignCollective", "gloo": "PyCollective"}[cluster.backend]
-    assert kinds == [expected] * 2
-
-
 # (name, scheduling policy) of every thread of an engine, evaluated there (a function of this
 # module would be pickled by reference, and the engines cannot import the tests)
 THREADS = ("[(open(f'/proc/self/task/{t}/comm').read().strip(), __import__('os').sched_getscheduler(int(t)))"
            " for t in __import__('os').listdir('/proc/self/task')]")
 
 
-def test_gloos_io_thread_never_preempts_its_rank(tp2):
-    """gloo's socket thread polls again at once while the rank's thread holds a pair's lock;
-    on a rank pinned to one core it used to preempt the rank mid-send and spin until the next
-    scheduler tick (about 4 ms per message). The communicator makes it a batch thread, which
-    a wake-up never schedules in over the rank's."""
+def test_the_fused_step_calls_shm_and_ccl_natively_and_gloo_through_python(tp2):
     cluster, _ = tp2
-    if cluster.backend != "gloo":
-        pytest.skip("only gloo has a socket thread of its own")
-    for threads in cluster.run(eval, THREADS, what="reading the engines' threads")[0]:
-        assert ("gloo_tcp_loop", os.SCHED_BATCH) in threads, threads
+    kind = "type(__import__('workbench.distributed.engine', fromlist=['_model'])._model().llama.collective).__name__"
+    kinds = cluster.run(eval, kind, what="reading the step's collective")[0]
+    expected = {"shm": "ShmCollective", "ccl": "ForeignCollective", "gloo": "PyCollective"}[cluster.backend]
+    assert kinds == [expected] * 2
+    if cluster.backend == "gloo":
+        # gloo's socket thread polls again at once while the rank's thread holds a pair's lock;
+        # on a rank pinned to one core it used to preempt the rank mid-send and spin until the
+        # next scheduler tick (about 4 ms per message). The communicator makes it a batch
+        # thread, which a wake-up never schedules in over the rank's.
+        for threads in cluster.run(eval, THREADS, what="reading the engines' threads")[0]:
+            assert ("gloo_tcp_loop", os.SCHED_BATCH) in threads, threads
 
 
 def test_every_exact_switch_setting_gives_the_same_tokens(tp2, single):

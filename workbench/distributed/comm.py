@@ -119,7 +119,8 @@ def _never_preempt_the_caller(thread_name: str) -> None:
     preempt the poster, and it spins against the lock until the scheduler's next tick. A
     batch thread is never scheduled in by a wake-up, only when the core is free or at a
     tick, with the same share of the CPU as before (SCHED_IDLE would also avoid the spin
-    but starve behind any other process on that core)."""
+    but starve behind any other process on that core). The price: where another process
+    keeps the rank's core busy while the rank waits, each message waits for a tick."""
     import os
 
     for tid in os.listdir("/proc/self/task"):
