@@ -106,8 +106,13 @@ Status probe_amx() {
   }
   const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
   const bool avx512 = b & (1u << 16);
-  if (!tile || !bf16 || !avx512) {
-    s.reason = "this CPU has no AMX bf16 tiles (CPUID: amx_tile and amx_bf16 not both set)";
+  if (!tile) {
+    s.reason = "this CPU has no AMX tiles (CPUID: amx_tile not set)";
+    return s;
+  }
+  if (!bf16 || !avx512) {
+    s.reason = !bf16 ? "this CPU has AMX tiles but no AMX bf16 (CPUID: amx_bf16 not set)"
+                     : "this CPU has AMX tiles but no AVX-512 (CPUID: avx512f not set)";
     return s;
   }
   unsigned a1, b1, c1, d1;
