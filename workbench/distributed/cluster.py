@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import asdict
 from typing import Callable
@@ -102,7 +103,6 @@ def mpi_defaults(iface: str | None) -> dict:
     """The MPI launcher on one host with the mpiexec of the ccl extra's impi-rt wheel (Intel
     MPI's hydra): processes forked locally, talking over `iface`. For several hosts, pass
     launcher_config={"MPIEngineSetLauncher": {"mpi_args": ["-hosts", "a,b", "-iface", "eth0"]}}."""
-    import sys
     from pathlib import Path
 
     mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
@@ -175,8 +175,6 @@ class Cluster:
                 # measured peaks, WORKBENCH_CACHE_DIR) travel with them.
                 env = {**{k: v for k, v in os.environ.items() if k.startswith("WORKBENCH_")}, **env}
             if self.launcher == "ssh":
-                import sys
-
                 ssh = config.SSHEngineSetLauncher
                 if "remote_python" not in ssh:  # the same interpreter, where the hosts share the install
                     ssh.remote_python = sys.executable
@@ -188,8 +186,6 @@ class Cluster:
             # $IPP_CONNECTION_INFO (ipyparallel's 1 s pause before that is not needed: delay=0).
             overlap = self.launcher == "local"
             if overlap:
-                import sys
-
                 local = config.LocalEngineSetLauncher
                 local.engine_cmd = [sys.executable, "-m", "workbench.distributed.engine_main"]
                 local.engine_args = [*local.get("engine_args", []), f"--IPEngine.wait_for_url_file={URL_FILE_WAIT_S}"]
@@ -224,7 +220,6 @@ class Cluster:
         """A process that stops this cluster and removes its files if this one dies by any
         signal (workbench.distributed.watchdog); stop() ends it first."""
         import subprocess
-        import sys
         from pathlib import Path
 
         from workbench.cache import cache_dir
