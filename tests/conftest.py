@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("default")
+
+# The processes the tests start (IPython, Jupyter kernels, engines) run this environment's
+# Python, and IPython adds $VIRTUAL_ENV's packages to its path: a shell that had activated
+# another checkout's environment gave them that checkout's workbench (its sources, built into
+# this run's cache). They get this environment, whichever one the shell had activated.
+if sys.prefix != sys.base_prefix:
+    os.environ["VIRTUAL_ENV"] = sys.prefix
+else:
+    os.environ.pop("VIRTUAL_ENV", None)
 
 
 @pytest.fixture(scope="session", params=runnable_variants())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp
 
-from workbench.kernels._build import SOURCE_DIR, SOURCES
+from workbench.kernels._build import SOURCE_DIR, SOURCES, runnable_variants, variant_isa
 
 KERNEL_UNITS = [s for s in SOURCES if s not in ("bindings.cpp", "ops.cpp")]  # those two: no ISA-specific code
 ISA_FLAGS = {
@@ -31,11 +31,21 @@ def compile_unit(path, out, flags):
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
+def test_each_build_runs_its_isa_path(kernels):
+    """Every build this host runs (the `kernels` fixture's: native, avx2 where it differs,
+    scalar) selected the code path its flags promise; the kernel tests then run on it."""
+    assert kernels.ext.isa() == variant_isa(kernels.variant)
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_every_isa_path_compiles(tmp_path, isa):
     """Each kernel translation unit compiles for the ISA, and selects that ISA's code path:
-    the AVX-512 build uses zmm registers, the others do not (AVX-512 is compiled even on
-    hosts that cannot run it)."""
+    the AVX-512 build uses zmm registers, the others do not. Compiled here for the ISAs this
+    host has no build of (AVX-512 even on hosts that cannot run it); the others are built
+    with -O3 and run by the kernel tests (test_each_build_runs_its_isa_path)."""
+    built = {variant_isa(v): v for v in runnable_variants()}
+    if isa in built:
+        pytest.skip(f"compiled, run and tested here as the {built[isa]!r} build")
     probe = tmp_path / "probe.cpp"
     probe.write_text(f'#include "simd.h"\n#ifndef {ISA_MACRO[isa]}\n#error "wrong ISA path"\n#endif\n')
     units = [probe] + [SOURCE_DIR / u for u in KERNEL_UNITS]
@@ -91,6 +101,24 @@ def test_processes_with_and_without_the_environment_on_path_share_one_build():
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=bare)
     assert again.returncode == 0, again.stderr[-2000:]
     assert {o.name: o.stat().st_mtime_ns for o in objects} == built
+
+
+def test_two_checkouts_sharing_a_cache_build_in_two_folders(tmp_path, monkeypatch):
+    """ninja's commands name the sources by path: a second checkout (or a shell whose
+    activated environment imports another one's workbench) with the same sources, built
+    into the same folder, rewrote the commands and recompiled everything at each switch.
+    Each folder of sources gets its own build folder; the same folder keeps its own."""
+    import shutil
+
+    from workbench.kernels import _build
+
+    here = _build._sources_key("native")
+    copy = tmp_path / "kernels"
+    shutil.copytree(_build.SOURCE_DIR, copy)
+    monkeypatch.setattr(_build, "SOURCE_DIR", copy)
+    assert _build._sources_key("native") != here
+    monkeypatch.undo()
+    assert _build._sources_key("native") == here
 
 
 def test_the_streaming_kernels_really_prefetch():

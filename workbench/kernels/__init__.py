@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants
+from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants, variant_isa
 from workbench.hw.machine import machine_info
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "quantize_weight_int8",
     "random_normal",
     "runnable_variants",
+    "variant_isa",
     "slim_attention",
 ]
 

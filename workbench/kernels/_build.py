@@ -94,13 +94,25 @@ def runnable_variants() -> list[str]:
     return variants
 
 
+def variant_isa(variant: str) -> str:
+    """The code path (kernels/simd.h: "avx512", "avx2" or "scalar") the `variant` build
+    compiles on this host, which its module's isa() must report."""
+    info = machine_info()
+    if not _X86 or variant == "scalar" or not info.has_avx2:
+        return "scalar"
+    return "avx512" if variant == "native" and info.has_avx512 else "avx2"
+
+
 def _sources_key(variant: str) -> str:
-    """A hash of every C++ source and header, the flags and torch's version: a build folder
-    holds one build of one set of sources, so a changed source never meets an old object or
-    an old module (torch's own check misses a source added to the list)."""
+    """A hash of every C++ source and header, where they are, the flags and torch's version:
+    a build folder holds one build of one set of sources, so a changed source never meets an
+    old object or an old module (torch's own check misses a source added to the list). The
+    folder the sources are in counts too: ninja's commands name them by path, so two
+    checkouts sharing one cache (a second clone, an environment activated from another)
+    would each find the other's commands in the folder and recompile everything in turn."""
     import torch
 
-    h = hashlib.sha1(f"{torch.__version__}|{BASE_FLAGS}|{VARIANT_FLAGS[variant]}|{SOURCES}".encode())
+    h = hashlib.sha1(f"{torch.__version__}|{BASE_FLAGS}|{VARIANT_FLAGS[variant]}|{SOURCES}|{SOURCE_DIR}".encode())
     for path in sorted(SOURCE_DIR.glob("*")):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode())
