@@ -9,8 +9,12 @@
               and every rank's: a rank with less to do waits at the all-reduce), bytes per
               token; switch settings and the one process (2 threads, in this process)
               interleaved within a cluster
+    prefetch  the ranks' software-prefetch choice (workbench/kernels/prefetch.py): measured
+              for one stream (each rank's own thread count) against measured for every
+              rank's threads at once (what a local cluster uses), on 2 ranks over shm with
+              the default switches, both interleaved with the one process round by round
 
-    python bench/distributed.py [--only latency,tp] [--repeats 3] [--models smollm2-135m,llama2-7b]
+    python bench/distributed.py [--only latency,tp,prefetch] [--repeats 3] [--models smollm2-135m,llama2-7b]
 """
 
 from __future__ import annotations
@@ -35,6 +39,71 @@ MODELS = {
 def _vs_one(row: dict) -> str:
     q = row.get("vs_tp1")
     return f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
+
+
+def _apply_prefetch(streams: int):
+    """On an engine: the prefetch choice measured for `streams` threads at once."""
+    from workbench.kernels import native, prefetch
+
+    if prefetch.apply(native.ext, measure_if_missing=False, threads=streams) is None:
+        raise RuntimeError(f"no prefetch choice measured for {streams} stream(s) on this host")
+    def said(name):
+        ahead, hint, _ = native.ext.get_matvec_prefetch(name)
+        return f"{ahead} B {prefetch.HINTS[hint]}" if ahead else "off"
+
+    return f"fp32 {said('float32')}, bf16 {said('bfloat16')}"
+
+
+def prefetch_ab(name: str, kwargs: dict, repeats: int, new_tokens: int) -> list[dict]:
+    """Rows: the one process, and TP=2 (shm, 1 thread per rank, pinned) with each choice."""
+    import statistics
+
+    import workbench as wb
+    from workbench.analysis.text import sample_prompts
+    from workbench.distributed.cluster import Cluster
+    from workbench.hw.rounds import interleaved_rounds, ratio_by_round
+    from workbench.kernels import native, prefetch
+    from workbench.runtime.threads import set_threads
+
+    import torch
+
+    before = torch.get_num_threads()
+    set_threads(2)
+    single = wb.load_model(name, **kwargs)
+    prompts = sample_prompts(single.tokenizer, 64, 1)
+    run = dict(max_new_tokens=new_tokens, stop_at_eos=False)
+    single.generate(prompts, **run)  # warm-up
+    cluster = Cluster(2, backend="shm", threads_per_rank=1, pin=True)
+    prefetch.tuned(native.ext, threads=1)  # each rank's own count, measured here if it never was
+    cluster.start()
+    ms: dict = {"one process": {}, 1: {}, 2: {}}
+    try:
+        model = cluster.load_model(name, **kwargs)
+        settings = {s: cluster.run(_apply_prefetch, s, what="setting the prefetch")[0][0] for s in (1, 2)}
+        model.generate(prompts, **run)  # warm-up
+        for round_, case in interleaved_rounds(list(ms), repeats):
+            if case == "one process":
+                set_threads(2)
+                out = single.generate(prompts, **run)
+            else:
+                cluster.run(_apply_prefetch, case, what="setting the prefetch")
+                out = model.generate(prompts, **run)
+            ms[case][round_] = 1e3 * out.timings.decode_s / out.timings.decode_tokens
+    finally:
+        cluster.stop()
+        set_threads(before)
+    rows = []
+    for case, by_round in ms.items():
+        v = list(by_round.values())
+        row = {"ranks": 1 if case == "one process" else 2,
+               "prefetch for": "2 threads (its own)" if case == "one process" else f"{case} stream(s)",
+               "matrix-vector prefetch": "-" if case == "one process" else settings[case],
+               "decode_ms_per_token": statistics.median(v), "decode_ms_min": min(v), "decode_ms_max": max(v),
+               "repeats": len(v)}
+        if case != "one process":
+            row["vs_tp1"] = ratio_by_round(by_round, ms["one process"])
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -77,6 +146,18 @@ def main() -> None:
                         title=f"Tensor parallel decode, {key}; time / 1 rank: "
                               + ("per round, the single process in the same rounds" if paired else
                                  "medians' ratio, worst and best pairing (the single process ran apart)"))
+    if "prefetch" in parts:
+        payload["prefetch"] = {}
+        for key in args.models.split(","):
+            name, kwargs = MODELS[key]
+            rows = prefetch_ab(name, kwargs, args.repeats, args.new_tokens)
+            payload["prefetch"][key] = rows
+            table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
+                      f"{r['decode_ms_max']:.2f})", "time / 1 rank (min-max)": _vs_one(r)} for r in rows]
+            print_table(table, ["ranks", "prefetch for", "matrix-vector prefetch", "decode ms/token (min-max)",
+                                "time / 1 rank (min-max)"],
+                        title=f"The ranks' prefetch choice, {key}, shm, ids / topk / zero copy on; time / 1 rank: "
+                              "per round, the single process in the same rounds")
     write_results("distributed", payload, args.out)
 
 

@@ -49,8 +49,10 @@ def demo_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("demo")
     # two measured runs per row (a median and a min-max, as with the default three), so the
-    # fixture's real process costs a quarter less
-    done = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--short-tokens", "8", "--long-tokens", "40",
+    # fixture's real process costs a quarter less; the model's first 6 layers (its real
+    # weights): what the tests read is the grid, the columns and the report, not the depth
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--layers", "6",
+                           "--short-tokens", "8", "--long-tokens", "40",
                            "--new-tokens", "4", "--repeats", "2", "--out", str(out / "demo.json")],
                           capture_output=True, text=True)
     return done, out

@@ -19,7 +19,7 @@ def test_generate_streams_text_and_reports_timings():
 
 
 def test_demo_writes_a_row_per_configuration(demo_run):
-    r, folder = demo_run  # workbench demo --short-tokens 8 --long-tokens 40 --new-tokens 4 --repeats 2 (conftest)
+    r, folder = demo_run  # workbench demo --layers 6 --short-tokens 8 --long-tokens 40 --new-tokens 4 --repeats 2 (conftest)
     out = folder / "demo.json"
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]

@@ -22,6 +22,28 @@ def test_the_native_build_runs_with_the_measured_choice():
     assert kernels.native.ext is ext and "prefetch" in kernels.build_info()
 
 
+def test_a_choice_for_other_streams_is_read_from_its_own_file_and_never_guessed(tmp_path, monkeypatch):
+    """A tensor-parallel rank asks for the choice measured for every rank's threads at once
+    (engine.prepare): found, it is applied; never measured, nothing changes (the rank keeps its
+    own thread count's choice) rather than borrowing another count's."""
+    ext = kernels.native.ext
+    mine = prefetch.tuned(ext)
+    before = (ext.get_prefetch(), ext.get_matvec_prefetch("float32"))
+    monkeypatch.setattr(prefetch, "cache_dir", lambda: tmp_path)
+    assert prefetch.cached(7) is None and prefetch.apply(ext, measure_if_missing=False, threads=7) is None
+    assert (ext.get_prefetch(), ext.get_matvec_prefetch("float32")) == before
+    other = json.loads(json.dumps(mine))
+    other["matvec"]["float32"].update(bytes=4096, hint=1, max_chunk_bytes=3072)
+    prefetch._path(7).write_text(json.dumps(other))
+    try:
+        assert prefetch.apply(ext, measure_if_missing=False, threads=7) == other
+        assert ext.get_matvec_prefetch("float32") == (4096, 1, 3072)
+    finally:
+        monkeypatch.undo()
+        prefetch.apply(ext, measure_if_missing=False)  # this process's own choice again
+    assert (ext.get_prefetch(), ext.get_matvec_prefetch("float32")) == before
+
+
 @pytest.mark.parametrize("bytes_ahead, hint, pipeline", prefetch.CANDIDATES)
 def test_results_do_not_depend_on_the_prefetch(bytes_ahead, hint, pipeline):
     """Both decode kernels, the tiled one with the pipelined streams on and off, ragged

@@ -1,8 +1,8 @@
 """The software-prefetch distance and hint the streaming kernels use, measured per host.
 
 Two choices, each timed with the kernel it is for over data twice the last-level cache (at
-least 256 MiB) on huge pages, the fastest kept, cached per CPU and thread count like the
-peaks:
+least 256 MiB) on huge pages, the fastest kept, cached per CPU and number of threads
+streaming memory at once (a tensor-parallel rank's are every rank's on the host):
   - decode attention (the tiled int8 kernel, Llama-2-7B head shapes): bytes ahead and hint;
   - the matrix-vector kernel at small K (SmolLM2's four layer shapes, one row of x), for each
     weight type (fp32, bf16, int8): bytes ahead, hint, and up to which row-chunk length to
@@ -60,8 +60,8 @@ def _fastest_seconds(candidates, apply, run, repeats: int) -> dict[str, float]:
     return best
 
 
-def _path():
-    return cache_dir() / f"prefetch-{cpu_key()}-{torch.get_num_threads()}threads.json"
+def _path(threads: int | None = None):
+    return cache_dir() / f"prefetch-{cpu_key()}-{threads or torch.get_num_threads()}threads.json"
 
 
 def measure(ext, repeats: int = 3) -> dict:
@@ -156,37 +156,47 @@ def _complete(found: dict) -> bool:
         return False
 
 
-def tuned(ext, refresh: bool = False) -> dict:
-    """The cached choices for this machine, measuring them (a few seconds) if needed."""
-    path = _path()
-    if not refresh and path.is_file():
-        try:
-            found = json.loads(path.read_text())
-            if _complete(found):
-                return found
-        except ValueError:
-            pass
-    found = measure(ext)
-    found["matvec"] = measure_matvec(ext)
+def cached(threads: int | None = None) -> dict | None:
+    """The choices measured for this machine with `threads` threads streaming at once
+    (default: this process's thread count), or None if they have not been measured."""
+    try:
+        found = json.loads(_path(threads).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if _complete(found) else None
+
+
+def tuned(ext, refresh: bool = False, threads: int | None = None) -> dict:
+    """The cached choices for this machine with `threads` threads streaming at once
+    (default: this process's count), measuring them (a few seconds, on that many threads)
+    if needed."""
+    found = None if refresh else cached(threads)
+    if found is not None:
+        return found
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        found = measure(ext)
+        found["matvec"] = measure_matvec(ext)
+    finally:
+        torch.set_num_threads(before)
     found["version"] = VERSION
+    path = _path(threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found, indent=2))
     return found
 
 
-def apply(ext, measure_if_missing: bool = True) -> dict | None:
-    """Set the tuned prefetch in a freshly loaded kernel module (workbench.kernels does this
-    for the native build; the avx2 and scalar test builds take the native build's choice if
-    there is one, and keep the default otherwise, rather than being timed themselves)."""
-    if measure_if_missing:
-        found = tuned(ext)
-    else:
-        try:
-            found = json.loads(_path().read_text())
-        except (OSError, ValueError):
-            return None
-        if not _complete(found):
-            return None
+def apply(ext, measure_if_missing: bool = True, threads: int | None = None) -> dict | None:
+    """Set the tuned prefetch in a kernel module (workbench.kernels does this for the native
+    build when it loads; the avx2 and scalar test builds take the native build's choice if
+    there is one, and keep the default otherwise, rather than being timed themselves).
+    threads: how many threads stream memory at once, if not this process's own count (a
+    tensor-parallel rank: its own threads and every other rank's on the host; the choice
+    that is fastest for one stream alone can be slower for each of two, see engine.prepare)."""
+    found = tuned(ext, threads=threads) if measure_if_missing else cached(threads)
+    if found is None:
+        return None
     ext.set_prefetch(found["bytes"], found["hint"], found["pipeline"])
     for name, mv in found["matvec"].items():
         ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
