@@ -9,10 +9,10 @@
               and every rank's: a rank with less to do waits at the all-reduce), bytes per
               token; switch settings and the one process (2 threads, in this process)
               interleaved within a cluster
-    prefetch  the ranks' software-prefetch choice (workbench/kernels/prefetch.py): measured
-              for one stream (each rank's own thread count) against measured for every
-              rank's threads at once (what a local cluster uses), on 2 ranks over shm with
-              the default switches, both interleaved with the one process round by round
+    prefetch  the ranks' software prefetch for fp32 / bf16 weights (workbench/kernels/
+              prefetch.py): the host's tuned choice against none and two fixed distances,
+              on 2 ranks over shm with the default switches, interleaved with the one
+              process round by round
 
     python bench/distributed.py [--only latency,tp,prefetch] [--repeats 3] [--models smollm2-135m,llama2-7b]
 """
@@ -41,12 +41,24 @@ def _vs_one(row: dict) -> str:
     return f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
 
 
-def _apply_prefetch(streams: int):
-    """On an engine: the prefetch choice measured for `streams` threads at once."""
+# The ranks' matrix-vector prefetch settings compared (bytes ahead, hint, longest row chunk
+# prefetched; workbench/kernels/prefetch.py): none, and two candidates the per-host tuning
+# once kept on a tie with none.
+PREFETCH_SETTINGS = {"off": (0, 0, 0), "8192 B prefetcht1": (8192, 2, 3072), "16384 B prefetcht0": (16384, 3, 3072)}
+
+
+def _apply_prefetch(setting) -> str:
+    """On an engine: fp32 and bf16 weights' matrix-vector prefetch set to `setting`, or
+    to this host's tuned choice (None); returns what is in force, in words."""
     from workbench.kernels import native, prefetch
 
-    if prefetch.apply(native.ext, measure_if_missing=False, threads=streams) is None:
-        raise RuntimeError(f"no prefetch choice measured for {streams} stream(s) on this host")
+    for name in ("float32", "bfloat16"):
+        if setting is None:
+            mv = prefetch.tuned(native.ext)["matvec"][name]
+            native.ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
+        else:
+            native.ext.set_matvec_prefetch(name, *setting)
+
     def said(name):
         ahead, hint, _ = native.ext.get_matvec_prefetch(name)
         return f"{ahead} B {prefetch.HINTS[hint]}" if ahead else "off"
@@ -55,17 +67,17 @@ def _apply_prefetch(streams: int):
 
 
 def prefetch_ab(name: str, kwargs: dict, repeats: int, new_tokens: int) -> list[dict]:
-    """Rows: the one process, and TP=2 (shm, 1 thread per rank, pinned) with each choice."""
+    """Rows: the one process (its own tuned choice), and TP=2 (shm, 1 thread per rank,
+    pinned, default switches) with the ranks' tuned choice and with each PREFETCH_SETTINGS."""
     import statistics
+
+    import torch
 
     import workbench as wb
     from workbench.analysis.text import sample_prompts
     from workbench.distributed.cluster import Cluster
     from workbench.hw.rounds import interleaved_rounds, ratio_by_round
-    from workbench.kernels import native, prefetch
     from workbench.runtime.threads import set_threads
-
-    import torch
 
     before = torch.get_num_threads()
     set_threads(2)
@@ -73,20 +85,20 @@ def prefetch_ab(name: str, kwargs: dict, repeats: int, new_tokens: int) -> list[
     prompts = sample_prompts(single.tokenizer, 64, 1)
     run = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     single.generate(prompts, **run)  # warm-up
-    cluster = Cluster(2, backend="shm", threads_per_rank=1, pin=True)
-    prefetch.tuned(native.ext, threads=1)  # each rank's own count, measured here if it never was
-    cluster.start()
-    ms: dict = {"one process": {}, 1: {}, 2: {}}
+    cluster = Cluster(2, backend="shm", threads_per_rank=1, pin=True).start()
+    settings = {"tuned": None, **PREFETCH_SETTINGS}
+    ms: dict = {"one process": {}, **{case: {} for case in settings}}
     try:
         model = cluster.load_model(name, **kwargs)
-        settings = {s: cluster.run(_apply_prefetch, s, what="setting the prefetch")[0][0] for s in (1, 2)}
+        said = {case: cluster.run(_apply_prefetch, setting, what="setting the prefetch")[0][0]
+                for case, setting in settings.items()}
         model.generate(prompts, **run)  # warm-up
         for round_, case in interleaved_rounds(list(ms), repeats):
             if case == "one process":
                 set_threads(2)
                 out = single.generate(prompts, **run)
             else:
-                cluster.run(_apply_prefetch, case, what="setting the prefetch")
+                cluster.run(_apply_prefetch, settings[case], what="setting the prefetch")
                 out = model.generate(prompts, **run)
             ms[case][round_] = 1e3 * out.timings.decode_s / out.timings.decode_tokens
     finally:
@@ -95,9 +107,8 @@ def prefetch_ab(name: str, kwargs: dict, repeats: int, new_tokens: int) -> list[
     rows = []
     for case, by_round in ms.items():
         v = list(by_round.values())
-        row = {"ranks": 1 if case == "one process" else 2,
-               "prefetch for": "2 threads (its own)" if case == "one process" else f"{case} stream(s)",
-               "matrix-vector prefetch": "-" if case == "one process" else settings[case],
+        row = {"ranks": 1 if case == "one process" else 2, "setting": case,
+               "matrix-vector prefetch": "its own tuned choice" if case == "one process" else said[case],
                "decode_ms_per_token": statistics.median(v), "decode_ms_min": min(v), "decode_ms_max": max(v),
                "repeats": len(v)}
         if case != "one process":
@@ -154,7 +165,7 @@ def main() -> None:
             payload["prefetch"][key] = rows
             table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
                       f"{r['decode_ms_max']:.2f})", "time / 1 rank (min-max)": _vs_one(r)} for r in rows]
-            print_table(table, ["ranks", "prefetch for", "matrix-vector prefetch", "decode ms/token (min-max)",
+            print_table(table, ["ranks", "setting", "matrix-vector prefetch", "decode ms/token (min-max)",
                                 "time / 1 rank (min-max)"],
                         title=f"The ranks' prefetch choice, {key}, shm, ids / topk / zero copy on; time / 1 rank: "
                               "per round, the single process in the same rounds")

@@ -732,8 +732,7 @@ def _cluster_status(cluster) -> str:
     lines = [repr(cluster), f"launcher {st['launcher']}, collective timeout {st['timeout_s']} s, "
                             f"backend settings {st['environment']}"]
     lines += [f"rank {e['rank']}: pid {e['pid']} on {e['host']}, {e['threads']} thread(s), cpus {e['cpus']}, "
-              f"NUMA node(s) {e['nodes']}, memory policy {e['memory_policy']}, "
-              f"prefetch tuned for {e.get('prefetch_streams')} stream(s)" for e in st["engines"]]
+              f"NUMA node(s) {e['nodes']}, memory policy {e['memory_policy']}" for e in st["engines"]]
     if cluster.model is not None:
         lines.append(repr(cluster.model))
         lines += [f"rank {sh['rank']}: KV heads {sh['kv_heads']}, query heads {sh['q_heads']}, FFN {sh['ffn']}, "

@@ -163,7 +163,6 @@ class Cluster:
 
         atexit.register(self.stop)  # a script or kernel that exits without stopping leaves no engines behind
         try:
-            self._tune_prefetch_for_ranks()
             from traitlets.config import Config
 
             config = Config(self.launcher_config)
@@ -205,8 +204,8 @@ class Cluster:
             ids = sorted(self.client.ids)[:self.n]
             self.engine_ids = ids
             self._gather([self.client[eid].apply_async(engine.prepare, self.threads_per_rank, self.cpus[rank],
-                                                       self.backend, self.nodes[rank], self.streams)
-                          for rank, eid in enumerate(ids)], "building the kernels")
+                                                       self.backend, self.nodes[rank]) for rank, eid in enumerate(ids)],
+                         "building the kernels")
             rendezvous = backend_record(self.backend).rendezvous(self, ids)
             ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)
                    for rank, eid in enumerate(ids)]
@@ -216,25 +215,6 @@ class Cluster:
             self.stop()
             raise
         return self
-
-    @property
-    def streams(self) -> int | None:
-        """How many threads stream memory at once on a rank's host while the ranks decode:
-        every rank's, where the launcher starts them all here ("local"); None where this
-        process cannot know which ranks share a host (each rank then counts its own)."""
-        return self.n * self.threads_per_rank if self.launcher == "local" else None
-
-    def _tune_prefetch_for_ranks(self) -> None:
-        """The kernels' prefetch choice for `streams` threads at once (workbench.kernels.
-        prefetch), measured here once per machine if it is not cached yet: the ranks read it
-        when they start (engine.prepare). Measured by this process, idle while the cluster
-        starts, rather than by every rank at once, each disturbing the others' timing."""
-        if self.streams is None:
-            return
-        from workbench.kernels import native, prefetch
-
-        if prefetch.cached(self.streams) is None:
-            prefetch.tuned(native.ext, threads=self.streams)
 
     def _start_watchdog(self) -> None:
         """A process that stops this cluster and removes its files if this one dies by any

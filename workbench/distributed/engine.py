@@ -48,15 +48,10 @@ def make_comm(backend: str, rank: int, world: int, timeout_s: float, rendezvous:
     return record(backend).connect(rank, world, timeout_s, rendezvous)
 
 
-def prepare(threads: int, cpus: list[int] | None, backend: str, node: int | None = None,
-            streams: int | None = None) -> None:
+def prepare(threads: int, cpus: list[int] | None, backend: str, node: int | None = None) -> None:
     """Pin (if asked): CPUs, and memory bound to their NUMA node (MPOL_BIND, before the thread
     pool starts, so its threads inherit it; a refusal is kept and shown by %distributed status,
-    not raised). Then the thread count, the kernels and the backend's binding.
-    streams: the threads of every rank on this host, which decode at the same time: the
-    kernels' software prefetch is the one measured for that many streams (Cluster.streams),
-    where it has been, since a distance that pays for one stream alone can cost each of two
-    sharing the memory bus (docs/distributed.md)."""
+    not raised). Then the thread count, the kernels and the backend's binding."""
     from workbench.hw.topology import bind_memory
 
     if cpus:
@@ -71,12 +66,6 @@ def prepare(threads: int, cpus: list[int] | None, backend: str, node: int | None
     from workbench.kernels import native
 
     native.ext  # compile (or load) the kernels before the collective's clock starts
-    STATE["prefetch_streams"] = threads
-    if streams and streams != threads:
-        from workbench.kernels import prefetch
-
-        if prefetch.apply(native.ext, measure_if_missing=False, threads=streams) is not None:
-            STATE["prefetch_streams"] = streams
     from workbench.distributed.backends import backend as record
 
     record(backend).prepare()
@@ -92,7 +81,7 @@ def setup(rank: int, world: int, backend: str, rendezvous: dict, timeout_s: floa
     """Join the collective (every rank at once)."""
     from workbench.hw.topology import memory_policy, read_topology
 
-    binding, streams = STATE.get("memory_binding"), STATE.get("prefetch_streams")
+    binding = STATE.get("memory_binding")
     STATE.clear()
     STATE.update(rank=rank, world=world, backend=backend,
                  comm=make_comm(backend, rank, world, timeout_s, rendezvous), model=None)
@@ -104,8 +93,7 @@ def setup(rank: int, world: int, backend: str, rendezvous: dict, timeout_s: floa
     except OSError as e:
         memory = f"unknown: {e}"
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "threads": torch.get_num_threads(),
-            "cpus": cpus, "nodes": sorted({topology.node_of(c) for c in cpus}), "memory_policy": memory,
-            "prefetch_streams": streams}
+            "cpus": cpus, "nodes": sorted({topology.node_of(c) for c in cpus}), "memory_policy": memory}
 
 
 def load(name: str, kwargs: dict, options: dict) -> dict:

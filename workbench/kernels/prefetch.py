@@ -1,8 +1,8 @@
 """The software-prefetch distance and hint the streaming kernels use, measured per host.
 
 Two choices, each timed with the kernel it is for over data twice the last-level cache (at
-least 256 MiB) on huge pages, the fastest kept, cached per CPU and number of threads
-streaming memory at once (a tensor-parallel rank's are every rank's on the host):
+least 256 MiB) on huge pages, and kept only if it beat no prefetch in every round (`choose`),
+cached per CPU and thread count like the peaks:
   - decode attention (the tiled int8 kernel, Llama-2-7B head shapes): bytes ahead and hint;
   - the matrix-vector kernel at small K (SmolLM2's four layer shapes, one row of x), for each
     weight type (fp32, bf16, int8): bytes ahead, hint, and up to which row-chunk length to
@@ -36,8 +36,9 @@ MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 
 # see kernels/prefetch.h; the matrix-vector choice; 3: one matrix-vector choice per weight
 # type; 4: decode attention's pipelined streams; 5: the tiled kernel's loops compiled per
 # hint, which made its prefetches cheaper; 6: the tiled kernel reads K and V block by block,
-# its pipelined prefetches run on into the next task), so a cached choice is measured again.
-VERSION = 6
+# its pipelined prefetches run on into the next task; 7: a candidate must beat no prefetch in
+# every round, see choose), so a cached choice is measured again.
+VERSION = 7
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
@@ -46,22 +47,34 @@ def _key(candidate: tuple[int, ...]) -> str:
     return ":".join(map(str, candidate))
 
 
-def _fastest_seconds(candidates, apply, run, repeats: int) -> dict[str, float]:
-    """Each candidate's best time for run(), after apply(*candidate): one warm-up (page
-    faults, thread pool), then `repeats` interleaved rounds over all candidates."""
+def _seconds_by_round(candidates, apply, run, repeats: int) -> dict[str, list[float]]:
+    """Each candidate's time for run() in each round, after apply(*candidate): one warm-up
+    (page faults, thread pool), then `repeats` interleaved rounds over all candidates."""
     run()
-    best: dict[str, float] = {}
+    seconds: dict[str, list[float]] = {_key(c): [] for c in candidates}
     for _, cand in interleaved_rounds(candidates, repeats):
         apply(*cand)
         t0 = time.perf_counter()
         run()
-        key = _key(cand)
-        best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
-    return best
+        seconds[_key(cand)].append(time.perf_counter() - t0)
+    return seconds
 
 
-def _path(threads: int | None = None):
-    return cache_dir() / f"prefetch-{cpu_key()}-{threads or torch.get_num_threads()}threads.json"
+def choose(seconds: dict[str, list[float]], off: str) -> str:
+    """The candidate to use: the fastest (by its best round) of those that were faster than
+    `off`, no software prefetch, in every round; `off` where none was. A prefetch costs
+    instructions and cache space, and pays only where the stream outruns the hardware
+    prefetcher: a candidate that only ties with off here (its best round ahead by chance)
+    is not kept, since a tie in this measurement was a loss elsewhere (two tensor-parallel
+    ranks streaming at once, docs/distributed.md)."""
+    base = seconds[off]
+    winners = [k for k, times in seconds.items()
+               if k != off and all(t < b for t, b in zip(times, base, strict=True))]
+    return min(winners, key=lambda k: min(seconds[k])) if winners else off
+
+
+def _path():
+    return cache_dir() / f"prefetch-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measure(ext, repeats: int = 3) -> dict:
@@ -88,21 +101,25 @@ def measure(ext, repeats: int = 3) -> dict:
                              int8_kernel="tile")
 
     try:
-        seconds = _fastest_seconds(CANDIDATES, lambda b, h, p: ext.set_prefetch(b, h, bool(p)), run, repeats)
+        seconds = _seconds_by_round(CANDIDATES, lambda b, h, p: ext.set_prefetch(b, h, bool(p)), run, repeats)
     finally:
         ext.set_prefetch(*before)
-    gbps = {key: B * per_seq / sec / 1e9 for key, sec in seconds.items()}
-    best = max(gbps, key=gbps.get)
-    b, h, p = (int(x) for x in best.split(":"))
-    return {"bytes": b, "hint": h, "pipeline": bool(p), "hint_name": HINTS[h], "gbps": gbps, "cache_bytes": B * per_seq,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    b, h, p = (int(x) for x in choose(seconds, _key(CANDIDATES[0])).split(":"))
+    return {"bytes": b, "hint": h, "pipeline": bool(p), "hint_name": HINTS[h], **_rates(seconds, B * per_seq),
+            "cache_bytes": B * per_seq, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _rates(seconds: dict[str, list[float]], nbytes: int) -> dict:
+    """GB/s of each candidate: its best round ("gbps") and every round ("rounds_gbps")."""
+    return {"gbps": {k: nbytes / min(t) / 1e9 for k, t in seconds.items()},
+            "rounds_gbps": {k: [nbytes / x / 1e9 for x in t] for k, t in seconds.items()}}
 
 
 def measure_matvec(ext, repeats: int = 3) -> dict:
     """Time every MATVEC_CANDIDATES entry on `ext` for each weight type of MATVEC_WEIGHTS:
     one row of x against SmolLM2's layer shapes, the weights rotated over at least twice the
     last-level cache (256 MiB or more, int8 with its scale per 32 weights) on huge pages.
-    Returns, per weight type, the fastest candidate and every candidate's GB/s: the best
+    Returns, per weight type, the candidate `choose` keeps and every candidate's GB/s: the
     choice differs with the type (the arithmetic per byte differs, so does how far ahead pays)."""
     from workbench.hw import memory
     from workbench.hw.machine import machine_info
@@ -133,11 +150,11 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
                 for w, scale in weights:
                     ext.linear(xs[w.shape[1]], w, 10, None, scale)
 
-            best = _fastest_seconds(MATVEC_CANDIDATES, lambda *cand: ext.set_matvec_prefetch(name, *cand), run, repeats)
-            choice = min(best, key=best.get)
-            b, h, c = (int(x) for x in choice.split(":"))
+            seconds = _seconds_by_round(MATVEC_CANDIDATES, lambda *cand: ext.set_matvec_prefetch(name, *cand), run,
+                                        repeats)
+            b, h, c = (int(x) for x in choose(seconds, _key(MATVEC_CANDIDATES[0])).split(":"))
             found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h],
-                           "gbps": {key: nbytes / sec / 1e9 for key, sec in best.items()}}
+                           **_rates(seconds, nbytes)}
             del run, weights, arena  # freed before the next type's arena is filled
     finally:
         for name, setting in before.items():
@@ -156,47 +173,37 @@ def _complete(found: dict) -> bool:
         return False
 
 
-def cached(threads: int | None = None) -> dict | None:
-    """The choices measured for this machine with `threads` threads streaming at once
-    (default: this process's thread count), or None if they have not been measured."""
-    try:
-        found = json.loads(_path(threads).read_text())
-    except (OSError, ValueError):
-        return None
-    return found if _complete(found) else None
-
-
-def tuned(ext, refresh: bool = False, threads: int | None = None) -> dict:
-    """The cached choices for this machine with `threads` threads streaming at once
-    (default: this process's count), measuring them (a few seconds, on that many threads)
-    if needed."""
-    found = None if refresh else cached(threads)
-    if found is not None:
-        return found
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        found = measure(ext)
-        found["matvec"] = measure_matvec(ext)
-    finally:
-        torch.set_num_threads(before)
+def tuned(ext, refresh: bool = False) -> dict:
+    """The cached choices for this machine, measuring them (a few seconds) if needed."""
+    path = _path()
+    if not refresh and path.is_file():
+        try:
+            found = json.loads(path.read_text())
+            if _complete(found):
+                return found
+        except ValueError:
+            pass
+    found = measure(ext)
+    found["matvec"] = measure_matvec(ext)
     found["version"] = VERSION
-    path = _path(threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found, indent=2))
     return found
 
 
-def apply(ext, measure_if_missing: bool = True, threads: int | None = None) -> dict | None:
-    """Set the tuned prefetch in a kernel module (workbench.kernels does this for the native
-    build when it loads; the avx2 and scalar test builds take the native build's choice if
-    there is one, and keep the default otherwise, rather than being timed themselves).
-    threads: how many threads stream memory at once, if not this process's own count (a
-    tensor-parallel rank: its own threads and every other rank's on the host; the choice
-    that is fastest for one stream alone can be slower for each of two, see engine.prepare)."""
-    found = tuned(ext, threads=threads) if measure_if_missing else cached(threads)
-    if found is None:
-        return None
+def apply(ext, measure_if_missing: bool = True) -> dict | None:
+    """Set the tuned prefetch in a freshly loaded kernel module (workbench.kernels does this
+    for the native build; the avx2 and scalar test builds take the native build's choice if
+    there is one, and keep the default otherwise, rather than being timed themselves)."""
+    if measure_if_missing:
+        found = tuned(ext)
+    else:
+        try:
+            found = json.loads(_path().read_text())
+        except (OSError, ValueError):
+            return None
+        if not _complete(found):
+            return None
     ext.set_prefetch(found["bytes"], found["hint"], found["pipeline"])
     for name, mv in found["matvec"].items():
         ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
