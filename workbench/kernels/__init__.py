@@ -34,8 +34,8 @@ __all__ = [
     "quantize_weight_int8",
     "random_normal",
     "runnable_variants",
-    "variant_isa",
     "slim_attention",
+    "variant_isa",
 ]
 
 # FlashAttention tile defaults: the best of the block sweep in bench/prefill_attention.py
