@@ -244,9 +244,12 @@ def test_comm_is_timed_and_its_bytes_are_the_ones_worked_out(tp2):
 
 def test_streaming_and_sampling(tp2):
     cluster, model = tp2
-    seen = []
-    out = model.generate(PROMPTS[0], max_new_tokens=8, stop_at_eos=False, on_token=lambda s, ids: seen.append(ids[0]))
-    assert seen == out.token_ids  # every token streamed back while it ran, in order
+    seen, steps, at = [], [], []
+    out = model.generate(PROMPTS[0], max_new_tokens=24, stop_at_eos=False,
+                         on_token=lambda s, ids: (seen.append(ids[0]), at.append(s)),
+                         on_step=lambda rec, live: steps.append(rec.phase))
+    assert seen == out.token_ids and at == list(range(24))  # every token streamed back while it ran, in order
+    assert steps == [rec.phase for rec in out.timings.steps]  # and every step's record (published in chunks)
     a = model.generate(PROMPTS[0], max_new_tokens=8, temperature=0.8, top_k=5, seed=3)
     b = model.generate(PROMPTS[0], max_new_tokens=8, temperature=0.8, top_k=5, seed=3)
     assert a.token_ids == b.token_ids

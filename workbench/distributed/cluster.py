@@ -447,24 +447,25 @@ class DistributedModel(SwitchProperties):
         kwargs = dict(max_new_tokens=max_new_tokens, attention=sw.attention, kv_cache=sw.kv_cache,
                       kv_kernel=sw.kv_kernel, step=sw.step, temperature=temperature, top_k=top_k, top_p=top_p,
                       seed=seed, stop_at_eos=stop_at_eos, record=record)
-        seen = {"ids": 0, "steps": 0}
+        seen = {"ids": 0, "chunks": 0}
         live = Timings()
         ars: list = []
 
         def poll():
             if not ars:
                 return
-            data = ars[0].data or {}
-            ids, steps = data.get("ids", []), data.get("steps", [])
-            for i in range(seen["ids"], len(ids)):
-                if on_token:
-                    on_token(i, ids[i])
-            seen["ids"] = len(ids)
-            for rec in steps[seen["steps"]:]:
-                live.steps.append(rec)
-                if on_step:
-                    on_step(rec, live)
-            seen["steps"] = len(steps)
+            data = ars[0].data or {}  # rank 0's published chunks (engine.generate), merged
+            count = data.get("chunks", 0)  # a chunk's keys arrive in the message that counts it
+            for n in range(seen["chunks"], count):
+                for token_ids in data[f"ids{n}"]:
+                    if on_token:
+                        on_token(seen["ids"], token_ids)
+                    seen["ids"] += 1
+                for rec in data[f"steps{n}"]:
+                    live.steps.append(rec)
+                    if on_step:
+                        on_step(rec, live)
+            seen["chunks"] = max(seen["chunks"], count)
 
         self.cluster._require()
         ars.extend(self.cluster.client[eid].apply_async(engine.generate, prompt, kwargs, check_topk)

@@ -148,13 +148,19 @@ def generate(prompt, kwargs: dict, check_topk: bool):
     if rank == 0:
         from ipyparallel.datapub import publish_data
 
-        state = {"ids": [], "last": 0.0, "steps": []}
+        state = {"ids": [], "last": 0.0, "steps": [], "chunks": 0}
 
-        def publish(now_or_never: bool = False) -> None:  # the client merges what is published (dict.update)
+        def publish(now_or_never: bool = False) -> None:
+            """What is new since the last publish, as chunk n of each list: the client merges
+            what is published into one dict (dict.update), so the chunks accumulate there
+            and each message carries only its own (resending the lists whole made every
+            message longer than the last: a long generation's records, again and again)."""
             now = time.perf_counter()
             if now_or_never or now - state["last"] >= PUBLISH_EVERY_S:
                 state["last"] = now
-                publish_data({"ids": state["ids"], "steps": state["steps"]})
+                n = state["chunks"]
+                publish_data({f"ids{n}": state["ids"], f"steps{n}": state["steps"], "chunks": n + 1})
+                state.update(ids=[], steps=[], chunks=n + 1)
 
         def on_token(step, ids):
             state["ids"].append(list(ids))
