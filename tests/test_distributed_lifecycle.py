@@ -299,3 +299,32 @@ def test_a_distributed_session_in_a_real_kernel_logs_nothing_alarming(tmp_path):
     assert not [m for m in outputs if m["msg_type"] == "error"]
     for alarming in ("Traceback", "unhandled iopub", "Event loop stopped", "Error"):
         assert alarming not in said, (alarming, said[-3000:])
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_a_waiting_client_wakes_when_an_engine_exits(monkeypatch, pidfd):
+    """Cluster._gather sleeps in ExitWatch.wait: it returns False after its timeout while the
+    processes live, and True at once when one exits (also as an unreaped zombie), on pidfds
+    or, where the OS has none, by looking after each sleep."""
+    import subprocess
+    import sys
+    import time
+
+    from workbench.distributed import watchdog
+
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    short = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        with watchdog.ExitWatch([live.pid, short.pid]) as exits:
+            assert (exits.fds is None) != pidfd
+            assert exits.wait(0.05) is False
+            t0 = time.monotonic()
+            while not exits.wait(0.2):
+                assert time.monotonic() - t0 < 30, "the exit was never seen"
+            assert not watchdog.alive(short.pid) and watchdog.alive(live.pid)  # short: a zombie, unreaped
+    finally:
+        live.kill()
+        live.wait()
+        short.wait()

@@ -51,6 +51,10 @@ CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}",
                    f"--HeartMonitor.max_heartmonitor_misses={DEAD_AFTER_S * 1000 // HEARTBEAT_MS}")
 # How long a local engine, started beside the controller, waits for its connection file.
 URL_FILE_WAIT_S = 120
+# How often a waiting client looks for results and rank 0's published progress (which comes
+# at most every engine.PUBLISH_EVERY_S): the client runs on the cores the ranks decode on, and
+# each look is work taken from them. A dying engine ends the wait at once (ExitWatch).
+POLL_S = 0.05
 _running: Cluster | None = None
 
 
@@ -340,15 +344,16 @@ class Cluster:
 
     def _gather(self, ars, what: str, poll: Callable[[], None] | None = None) -> list:
         """Wait for every engine's result; a dead engine or a failed rank stops the cluster and
-        raises DistributedError naming the rank."""
-        while not all(ar.ready() for ar in ars):
-            if poll is not None:
-                poll()
-            dead = self._dead_ranks() if self.engines else []
-            if dead:
-                self.stop(kill=True)
-                raise DistributedError(f"{', '.join(dead)} died while {what}; the cluster was stopped")
-            time.sleep(0.02)
+        raises DistributedError naming the rank. Results and published progress are looked
+        at every POLL_S; an engine of this host that exits ends the wait at once."""
+        with watchdog.ExitWatch([e["pid"] for e in self.engines if _on_this_host(e)]) as exits:
+            while not all(ar.ready() for ar in ars):
+                if poll is not None:
+                    poll()
+                if exits.wait(POLL_S):
+                    dead = self._dead_ranks()
+                    self.stop(kill=True)
+                    raise DistributedError(f"{', '.join(dead)} died while {what}; the cluster was stopped")
         if poll is not None:
             poll()
         results, failures = [], []

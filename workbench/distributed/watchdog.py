@@ -38,6 +38,42 @@ def alive(pid: int) -> bool:
         return False
 
 
+class ExitWatch:
+    """Sleeps that end early when one of `pids` exits: wait(seconds) returns True then. On
+    pidfds (Linux 5.3 and later), so a waiting client reads nothing in /proc and wakes the
+    moment an engine dies; where there are none, a plain sleep followed by `alive` on each."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.fds = list(pids), []
+        try:
+            self.fds = [os.pidfd_open(pid) for pid in self.pids]
+        except (AttributeError, OSError):  # no pidfd here, or a pid already gone
+            self.close()
+            self.fds = None
+
+    def wait(self, seconds: float) -> bool:
+        if self.fds is None:
+            time.sleep(seconds)
+            return not all(alive(pid) for pid in self.pids)
+        if not self.fds:
+            time.sleep(seconds)
+            return False
+        import select
+
+        return bool(select.select(self.fds, [], [], seconds)[0])
+
+    def close(self) -> None:
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = []
+
+    def __enter__(self) -> ExitWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def signal_all(pids: list[int], sig: int) -> None:
     for p in pids:
         try:
