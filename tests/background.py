@@ -53,14 +53,18 @@ _go.set()
 
 def run(cmd, **kw) -> subprocess.CompletedProcess:
     """Run a command at nice 19 (killed if the session ends first); fail with its output."""
-    _go.wait()  # not while paused()
-    with _lock:
-        if _stopping:
-            raise RuntimeError("the test session ended")
-        proc = subprocess.Popen(NICE + [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True, **kw)
-        _lowest_group_priority(proc.pid)
-        _procs.append(proc)
+    while True:
+        _go.wait()  # not while paused()
+        with _lock:  # the lock paused() takes its list of running commands under
+            if _stopping:
+                raise RuntimeError("the test session ended")
+            if not _go.is_set():
+                continue  # paused() began since: its list has no place for this one, wait again
+            proc = subprocess.Popen(NICE + [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True, **kw)
+            _lowest_group_priority(proc.pid)
+            _procs.append(proc)
+            break
     out, err = proc.communicate()
     with _lock:
         _procs.remove(proc)
@@ -90,10 +94,30 @@ def paused():
 
 
 def _signal_session(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # each command leads a session of its own (start_new_session)
-    except ProcessLookupError:
-        pass
+    """`sig` to every process of the session `pid` leads (each command leads one of its own,
+    start_new_session). Not to its process group alone: ninja starts each compiler in a
+    group of its own, so a SIGSTOP to the group stopped ninja and left its compilers running
+    beside gloo's ranks."""
+    for member in _session_members(pid):
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == sid:
+            members.append(int(entry))
+    return members
 
 
 def start(job: Callable) -> None:

@@ -47,7 +47,7 @@ def single():
     return wb.load_model("smollm2-135m")
 
 
-@pytest.fixture(scope="module", params=["shm", "gloo", "ccl"])
+@pytest.fixture(scope="module", params=["shm", "ccl", "gloo"])  # gloo last: see tp2
 def tp2(request):
     from workbench.distributed import ccl
 
@@ -57,7 +57,8 @@ def tp2(request):
                 pytest.fail("CI installs the ccl extra (scripts/bootstrap): " + ccl.INSTALL_HINT)
             pytest.skip(ccl.INSTALL_HINT)
         background.result(prepare_in_background)  # one builder of the binding, never two
-    # the background compiles wait while gloo's ranks run (background.paused says why)
+    # the background compiles wait while gloo's ranks run (background.paused says why); gloo's
+    # cluster comes last, once the oneCCL binding that ccl's waits for has been built
     with background.paused() if request.param == "gloo" else contextlib.nullcontext():
         cluster = Cluster(2, backend=request.param, pin=True, timeout_s=20).start()
         model = cluster.load_model("smollm2-135m")
