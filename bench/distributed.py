@@ -36,6 +36,10 @@ MODELS = {
 }
 
 
+def _ms(row: dict) -> str:
+    return f"{row['decode_ms_per_token']:.2f} ({row['decode_ms_min']:.2f}-{row['decode_ms_max']:.2f})"
+
+
 def _vs_one(row: dict) -> str:
     q = row.get("vs_tp1")
     return f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
@@ -52,11 +56,10 @@ def _apply_prefetch(setting) -> str:
     to this host's tuned choice (None); returns what is in force, in words."""
     from workbench.kernels import native, prefetch
 
-    for name in ("float32", "bfloat16"):
-        if setting is None:
-            mv = prefetch.tuned(native.ext)["matvec"][name]
-            native.ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
-        else:
+    if setting is None:
+        prefetch.apply(native.ext)
+    else:
+        for name in ("float32", "bfloat16"):
             native.ext.set_matvec_prefetch(name, *setting)
 
     def said(name):
@@ -143,8 +146,7 @@ def main() -> None:
             rows = tp_ablation(name, kwargs, backends=backends, repeats=args.repeats, new_tokens=args.new_tokens,
                                progress=lambda msg: print("  " + msg, flush=True))
             payload["tp"][key] = rows
-            table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
-                      f"{r['decode_ms_max']:.2f})", "comm ms": f"{r['comm_ms_per_token']:.2f}",
+            table = [{**r, "decode ms/token (min-max)": _ms(r), "comm ms": f"{r['comm_ms_per_token']:.2f}",
                       "% comm": f"{r['pct_comm']:.0f}",
                       "% comm by rank": " / ".join(f"{100 * c / r['decode_ms_per_token']:.0f}"
                                                    for c in r.get("comm_ms_by_rank", [])) or "-", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}",
@@ -163,8 +165,7 @@ def main() -> None:
             name, kwargs = MODELS[key]
             rows = prefetch_ab(name, kwargs, args.repeats, args.new_tokens)
             payload["prefetch"][key] = rows
-            table = [{**r, "decode ms/token (min-max)": f"{r['decode_ms_per_token']:.2f} ({r['decode_ms_min']:.2f}-"
-                      f"{r['decode_ms_max']:.2f})", "time / 1 rank (min-max)": _vs_one(r)} for r in rows]
+            table = [{**r, "decode ms/token (min-max)": _ms(r), "time / 1 rank (min-max)": _vs_one(r)} for r in rows]
             print_table(table, ["ranks", "setting", "matrix-vector prefetch", "decode ms/token (min-max)",
                                 "time / 1 rank (min-max)"],
                         title=f"The ranks' prefetch choice, {key}, shm, ids / topk / zero copy on; time / 1 rank: "

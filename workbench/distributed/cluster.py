@@ -470,7 +470,7 @@ class DistributedModel(SwitchProperties):
                     live.steps.append(rec)
                     if on_step:
                         on_step(rec, live)
-            seen["chunks"] = max(seen["chunks"], count)
+            seen["chunks"] = count
 
         self.cluster._require()
         ars.extend(self.cluster.client[eid].apply_async(engine.generate, prompt, kwargs, check_topk)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import sys
 import time
@@ -46,7 +47,8 @@ class ExitWatch:
     def __init__(self, pids: list[int]):
         self.pids, self.fds = list(pids), []
         try:
-            self.fds = [os.pidfd_open(pid) for pid in self.pids]
+            for pid in self.pids:
+                self.fds.append(os.pidfd_open(pid))
         except (AttributeError, OSError):  # no pidfd here, or a pid already gone
             self.close()
             self.fds = None
@@ -55,12 +57,7 @@ class ExitWatch:
         if self.fds is None:
             time.sleep(seconds)
             return not all(alive(pid) for pid in self.pids)
-        if not self.fds:
-            time.sleep(seconds)
-            return False
-        import select
-
-        return bool(select.select(self.fds, [], [], seconds)[0])
+        return bool(select.select(self.fds, [], [], seconds)[0])  # with no fds: a sleep
 
     def close(self) -> None:
         for fd in self.fds or ():
