@@ -15,7 +15,8 @@
 // linear_gemm, for more rows (batched decode, prefill): compute-bound. It computes
 //   y^T = W x^T with a register-blocked micro-kernel whose broadcast operand is W and whose
 //   vector operand is x^T, so W never needs transposing, only widening:
-//   - x is transposed once per call into blocks xt [K][MC] of up to MC tokens (zero padded);
+//   - x is transposed once per call into blocks of up to MC tokens (zero padded), each cut
+//     into panels [K][2 W] of tokens, so a micro-tile's vector operand is contiguous;
 //   - K is cut into panels whose block of x^T fits the L2 (panel_length), one parallel pass
 //     over all tasks each: the first pass writes y, the later ones add to it;
 //   - a task owns NB rows of W and one block of tokens; for each KC-long slice of K it
@@ -330,19 +331,35 @@ struct TokenBlocks {
   int64_t padded() const { return start(count); }
 };
 
-// xt holds block b of x^T at xt + start(b) K: [K][width(b)], xt[k][j] = x[start(b) + j][k],
-// zero past M; cache-blocked (16 tokens x 64 k at a time), in parallel when there is enough.
+// xt holds block b of x^T at xt + start(b) K, in panels of kXtPanel tokens (the last one of a
+// block narrower when the block is not whole panels): panel q of the block is [K][its width],
+// so xt_at(...)[k][j] = x[start(b) + q kXtPanel + j][k], zero past M. A micro-tile then reads
+// its tokens' values of one k as one contiguous piece; with the block's rows of x^T a whole
+// block wide apart (a multiple of 1 KB at 256 tokens), the kc rows a tile reads fell into a
+// few L1 sets and came from L2 again for every tile.
+constexpr int64_t kXtPanel = 2 * W;
+
+// The panel of x^T holding token j (a multiple of kXtPanel) of a block of mc tokens, and its width.
+inline const float* xt_panel(const float* xblock, int64_t K, int64_t mc, int64_t j, int64_t* width) {
+  *width = std::min(kXtPanel, mc - j);
+  return xblock + j * K;
+}
+
+// Cache-blocked (16 tokens x 64 k at a time), in parallel when there is enough.
 void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, float* xt) {
   const int64_t blocks = tb.count;
   const int64_t kchunks = (K + 63) / 64;
   const int64_t grain = M * K >= (int64_t{1} << 16) ? 1 : blocks * kchunks;
+  static_assert(kXtPanel % 16 == 0 || 16 % kXtPanel == 0, "16-token steps and panels must nest");
   at::parallel_for(0, blocks * kchunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t blk = t / kchunks, k0 = (t % kchunks) * 64, k1 = std::min(K, k0 + 64);
       const int64_t m0 = tb.start(blk), mc = tb.width(blk), valid = std::min(mc, M - m0);
-      float* dst = xt + m0 * K;
+      float* block = xt + m0 * K;
 #if defined(WBK_ISA_AVX512)  // 16 tokens x 16 k at a time, transposed in registers (mc: whole vectors)
       for (int64_t j0 = 0; j0 < mc; j0 += 16) {
+        const int64_t q = j0 / kXtPanel * kXtPanel, pw = std::min(kXtPanel, mc - q);
+        float* dst = block + q * K + (j0 - q);
         for (int64_t k = k0; k < k1; k += 16) {
           const int64_t kt = std::min<int64_t>(16, k1 - k);
           const __mmask16 mask = static_cast<__mmask16>((1u << kt) - 1);
@@ -350,15 +367,17 @@ void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, fl
           for (int64_t i = 0; i < 16; ++i)
             r[i] = j0 + i < valid ? _mm512_maskz_loadu_epi32(mask, x + (m0 + j0 + i) * K + k) : _mm512_setzero_si512();
           transpose16(r);
-          for (int64_t p = 0; p < kt; ++p) _mm512_storeu_si512(dst + (k + p) * mc + j0, r[p]);
+          for (int64_t p = 0; p < kt; ++p) _mm512_storeu_si512(dst + (k + p) * pw, r[p]);
         }
       }
 #else
       for (int64_t j0 = 0; j0 < mc; j0 += 16) {
         const int64_t j1 = std::min(mc, j0 + 16);
         for (int64_t k = k0; k < k1; ++k) {
-          float* out = dst + k * mc;
-          for (int64_t j = j0; j < j1; ++j) out[j] = j < valid ? x[(m0 + j) * K + k] : 0.0f;
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t q = j / kXtPanel * kXtPanel, pw = std::min(kXtPanel, mc - q);
+            block[q * K + k * pw + (j - q)] = j < valid ? x[(m0 + j) * K + k] : 0.0f;
+          }
         }
       }
 #endif
@@ -438,14 +457,15 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
             const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
             prefetch_w_slice(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
           }
-          const float* b = xblock + k0 * mc;
-          for (int64_t j = 0; j < width; j += 2 * W) {
+          for (int64_t j = 0; j < width; j += kXtPanel) {
+            int64_t ldb;
+            const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
             if (width - j >= 2 * W) {
               for (int64_t r = 0; r < kTaskRows; r += kWideMR)
-                gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b + j, mc, ct.data() + r * mc + j, mc, k0 > kp0);
+                gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct.data() + r * mc + j, mc, k0 > kp0);
             } else {
               for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
-                gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b + j, mc, ct.data() + r * mc + j, mc, k0 > kp0);
+                gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct.data() + r * mc + j, mc, k0 > kp0);
             }
           }
         }
