@@ -1,6 +1,7 @@
 """This checkout against an earlier commit on the same machine, interleaved in one run: time
 to first token and batch-1 decode on the bundled model, per weight format, and the linear
-kernel alone (GFLOP/s) at the bundled model's shapes, one row (decode) and 256 rows (prefill).
+kernel alone (GFLOP/s) at the bundled model's shapes, one row (decode) and 256 rows (prefill),
+and with --llama-shapes at Llama-2-7B's (q/k/v/o, gate/up, down) with 512 rows.
 
 "No slower than before" is a claim about two builds of the kernels, so it is measured as one:
 the earlier commit is checked out into a git worktree (kept under .cache/revisions/, its
@@ -11,7 +12,7 @@ ratio is this checkout's figure over the earlier one's within each round (> 1: t
 is faster), median and min-max over rounds. The linear kernel's rows (kernels.linear, which
 both commits have) take the median of 15 calls per process.
 
-    python bench/revisions.py --base f77e44c [--dtypes fp32,bf16,int8] [--repeats 3]
+    python bench/revisions.py --base f77e44c [--dtypes fp32,bf16,int8] [--repeats 3] [--llama-shapes]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from workbench.hw.rounds import interleaved_rounds, ratio_by_round  # noqa: E402
 WORKER = """
 import json, sys
 import workbench as wb
-dtype, words, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dtype, words, new, llama = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 model = wb.load_model("smollm2-135m", dtype=dtype)
 prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * (words // 9 + 1)).split()[:words]
 model.generate(" ".join(prompt[:16]), max_new_tokens=4, stop_at_eos=False)
@@ -44,15 +45,18 @@ if dtype in ("fp32", "bf16"):  # the linear kernel alone, on weights of the mode
     from workbench.kernels import KernelSet
     ks, cfg = KernelSet("native"), model.config
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    for n, k in ((qkv, cfg.dim), (2 * cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim)):
+    cases = [(n, k, rows) for n, k in ((qkv, cfg.dim), (2 * cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim))
+             for rows in (1, 256)]
+    if llama:
+        cases += [(4096, 4096, 512), (11008, 4096, 512), (4096, 11008, 512)]
+    for n, k, rows in cases:
         w = (torch.randn(n, k) * 0.02).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
-        for rows in (1, 256):
-            x, times = torch.randn(rows, k), []
-            for i in range(18):
-                t = time.perf_counter()
-                ks.linear(x, w, matvec_max_rows=10 if rows == 1 else 0)
-                times.append(time.perf_counter() - t)
-            out[f"linear M={rows} {n}x{k}"] = 2 * rows * n * k / statistics.median(times[3:]) / 1e9
+        x, times = torch.randn(rows, k), []
+        for i in range(18):
+            t = time.perf_counter()
+            ks.linear(x, w, matvec_max_rows=10 if rows == 1 else 0)
+            times.append(time.perf_counter() - t)
+        out[f"linear M={rows} {n}x{k}"] = 2 * rows * n * k / statistics.median(times[3:]) / 1e9
 print(json.dumps(out))
 """
 
@@ -70,9 +74,9 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def run_once(checkout: Path, dtype: str, words: int, new_tokens: int) -> dict:
+def run_once(checkout: Path, dtype: str, words: int, new_tokens: int, llama: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout), WORKBENCH_CACHE_DIR=str(checkout / ".cache" / "workbench"))
-    done = subprocess.run([sys.executable, "-c", WORKER, dtype, str(words), str(new_tokens)], cwd=checkout, env=env,
+    done = subprocess.run([sys.executable, "-c", WORKER, dtype, str(words), str(new_tokens), str(int(llama))], cwd=checkout, env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{checkout} ({dtype}) failed:\n{done.stderr[-3000:]}")
@@ -86,6 +90,9 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-shapes", action="store_true",
+                    help="also time the GEMM at Llama-2-7B's linear shapes with 512 rows")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default results/)")
     args = ap.parse_args()
     checkouts = {"this": ROOT, "base": worktree(args.base)}
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -94,7 +101,8 @@ def main() -> None:
         run_once(checkouts[rev], dtypes[0], 16, 2)
     runs: dict[tuple[str, str], dict[int, dict]] = {(r, d): {} for r in checkouts for d in dtypes}
     for round_, case in interleaved_rounds(list(runs), args.repeats, seed=1):
-        runs[case][round_] = run_once(checkouts[case[0]], case[1], args.prompt_words, args.new_tokens)
+        runs[case][round_] = run_once(checkouts[case[0]], case[1], args.prompt_words, args.new_tokens,
+                                      args.llama_shapes)
         print(f"round {round_} {case[0]:>4} {case[1]:>5}: {runs[case][round_]}", flush=True)
     def compare(dtype: str, key: str, label: str, lower_is_better: bool = False) -> dict:
         """The two revisions' median (min-max) of `key`, and this one's speed over the base's
@@ -116,10 +124,11 @@ def main() -> None:
     if gemm_rows:
         print_table(gemm_rows, ["weights", "shape", "GFLOP/s this", "GFLOP/s base", "GFLOP/s speed this/base"],
                     title=f"the linear kernel alone (kernels.linear), this checkout against {args.base}: "
-                          f"M=1 the matrix-vector kernel, M=256 the GEMM")
+                          f"M=1 the matrix-vector kernel, M=256 and 512 the GEMM")
     write_results("revisions", {"base": args.base, "prompt_words": args.prompt_words, "new_tokens": args.new_tokens,
                                 "runs": [{"revision": r, "weights": d, "round": k, **v}
-                                         for (r, d), by_round in runs.items() for k, v in by_round.items()]})
+                                         for (r, d), by_round in runs.items() for k, v in by_round.items()]},
+                  args.out)
 
 
 if __name__ == "__main__":
