@@ -255,6 +255,9 @@ constexpr int64_t kTaskRows = 2 * kNarrowMR;  // rows of W per task: whole tiles
 constexpr int64_t kKC = 128;                  // most K elements per packed slice of W
 constexpr int64_t kTokensPerBlock = 256;      // MC: most tokens per block of x^T (a multiple of 2 W)
 constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
+// The task's y^T tile has rows a block of tokens plus one cache line apart: a whole block apart
+// (a multiple of 1 KB), its rows fell into a few L1 sets.
+constexpr int64_t kCtPad = 64 / sizeof(float);
 
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
 // of a packed W slice (rows kKC apart) and kc rows of x^T (ldb apart); c is [MR][ldc].
@@ -427,12 +430,13 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
     // cut into one contiguous range per thread: they cost the same, and a thread then knows
     // which rows of W it reads next and can prefetch them.
     at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) {
-      Scratch wp(0, kTaskRows * kKC), ct(1, kTaskRows * tb.width(0));
+      Scratch wp(0, kTaskRows * kKC), ct(1, kTaskRows * (tb.width(0) + kCtPad));
       for (int64_t t = begin; t < end; ++t) {
         const int64_t nb = t % n_blocks, mb = t / n_blocks;
         const int64_t n0 = nb * kTaskRows, rows = std::min(kTaskRows, N - n0);
         const int64_t m0 = tb.start(mb), mc = tb.width(mb), tokens = std::min(mc, M - m0);
         const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
+        const int64_t ldct = mc + kCtPad;
         const float* xblock = xt + m0 * K;
         const bool in_place = std::is_same_v<T, float> && rows == kTaskRows && rows_fit;
         for (int64_t k0 = kp0; k0 < kp1; k0 += slice) {
@@ -462,20 +466,23 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
             const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
             if (width - j >= 2 * W) {
               for (int64_t r = 0; r < kTaskRows; r += kWideMR)
-                gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct.data() + r * mc + j, mc, k0 > kp0);
+                gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
             } else {
               for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
-                gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct.data() + r * mc + j, mc, k0 > kp0);
+                gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
             }
           }
         }
 #if defined(WBK_ISA_AVX512)
         static_assert(kTaskRows % 16 == 0, "store_transposed reads whole 16-row blocks of ct");
-        store_transposed(ct.data(), mc, rows, tokens, y + m0 * N + n0, N, false, kp0 > 0);  // in registers
+        store_transposed(ct.data(), ldct, rows, tokens, y + m0 * N + n0, N, false, kp0 > 0);  // in registers
+#elif defined(WBK_ISA_AVX2)
+        static_assert(kTaskRows % 8 == 0, "store_transposed8 reads whole 8-row blocks of ct");
+        store_transposed8(ct.data(), ldct, rows, tokens, y + m0 * N + n0, N, kp0 > 0);  // in registers
 #else
         for (int64_t m = 0; m < tokens; ++m) {
           float* out = y + (m0 + m) * N + n0;
-          for (int64_t r = 0; r < rows; ++r) out[r] = (kp0 > 0 ? out[r] : 0.0f) + ct[r * mc + m];
+          for (int64_t r = 0; r < rows; ++r) out[r] = (kp0 > 0 ? out[r] : 0.0f) + ct[r * ldct + m];
         }
 #endif
       }
