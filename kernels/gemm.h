@@ -10,8 +10,13 @@
 // Causal support without a materialised mask: with `diag`, row i of C may only
 // see columns j <= i + diag. `gemm_packed_limit_n` stops each MR-row panel at the last
 // column any of its rows can see (S = Q K^T: invisible keys are never computed,
-// except inside the panel's own MR-wide triangle); `gemm_limit_k` stops the
+// except inside the panel's own MR-wide triangle); `gemm_packed_limit_k` stops the
 // reduction the same way (O = P V: P is zero beyond each row's limit).
+//
+// Both read B packed in NR-wide column panels (pack_b_panel, pack_b_columns), so each step
+// of K loads one contiguous piece of B: rows of a plain row-major B a power of two apart
+// (V's rows are D floats apart) fall into a few L1 sets, and every row panel of A then
+// fetched the same block of B from L2 again.
 #pragma once
 
 #include <algorithm>
@@ -150,22 +155,39 @@ inline void pack_b_panel(const T* src, int64_t rows, int64_t K, int64_t panel, f
   }
 }
 
-// C = A . B (or C += A . B), each row panel's reduction stopping at the last index its rows may see.
-// The reduction is cut into kGemmKC-long blocks so the block of B in use (kGemmKC x N)
-// stays in L2 while every row panel and column chunk passes over it.
+// Pack row-major src [K][N] (e.g. values [Nk, D]) into NR-wide column panels:
+// dst[p][k][j] = src[k][p NR + j], panel p at dst + p * panel_stride, zero padded past N.
+template <typename T, typename ToFloat>
+inline void pack_b_columns(const T* src, int64_t K, int64_t N, int64_t panel, int64_t panel_stride, float* dst,
+                           ToFloat to_float) {
+  const int64_t j_begin = panel * kGemmNR;
+  const int64_t n = std::min<int64_t>(kGemmNR, N - j_begin);
+  float* out = dst + panel * panel_stride;
+  for (int64_t k = 0; k < K; ++k) {
+    const T* row = src + k * N + j_begin;
+    for (int64_t j = 0; j < n; ++j) out[k * kGemmNR + j] = to_float(row[j]);
+    for (int64_t j = n; j < kGemmNR; ++j) out[k * kGemmNR + j] = 0.0f;
+  }
+}
+
+// C = A . B (or C += A . B) with B packed by pack_b_columns (panel p of columns at
+// Bp + p * panel_stride, its row k at + k NR), each row panel's reduction stopping at the
+// last index its rows may see. The reduction is cut into kGemmKC-long blocks so the block
+// of B in use (kGemmKC x N) stays in L2 while every row panel and column chunk passes over it.
 inline constexpr int64_t kGemmKC = 256;
 
-inline void gemm_limit_k(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                         int64_t ldb, float* C, int64_t ldc, int64_t diag, bool accumulate) {
+inline void gemm_packed_limit_k(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bp,
+                                int64_t panel_stride, float* C, int64_t ldc, int64_t diag, bool accumulate) {
   for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kGemmKC) {
     for (int64_t j0 = 0; j0 < N; j0 += kGemmNR) {
       int ncols = static_cast<int>(std::min<int64_t>(kGemmNR, N - j0));
+      const float* panel = Bp + (j0 / kGemmNR) * panel_stride + k0 * kGemmNR;
       for (int64_t i0 = 0; i0 < M; i0 += kGemmMR) {
         int mr = static_cast<int>(std::min<int64_t>(kGemmMR, M - i0));
         int64_t k_end = std::min({k0 + kGemmKC, K, std::max<int64_t>(0, i0 + mr + diag)});
         if (k_end <= k0 && k0 > 0) continue;  // nothing visible in this block; C already written
-        tile(mr, std::max<int64_t>(0, k_end - k0), A + i0 * lda + k0, lda, B + k0 * ldb + j0, ldb,
-             C + i0 * ldc + j0, ldc, ncols, accumulate || k0 > 0);
+        tile(mr, std::max<int64_t>(0, k_end - k0), A + i0 * lda + k0, lda, panel, kGemmNR, C + i0 * ldc + j0, ldc,
+             ncols, accumulate || k0 > 0);
       }
     }
   }

@@ -9,13 +9,14 @@
 namespace wbk {
 
 // Prefill attention over contiguous fp32 tensors.
-//   q [B, H, N, D], kp: keys packed by pack_keys, v [B, Hkv, Nk, D], out [B, H, N, D].
+//   q [B, H, N, D], kp: keys packed by pack_keys, vp: values packed by pack_values,
+//   out [B, H, N, D].
 // With `causal`, query row i (0-based) sees keys 0 .. i + (Nk - N): the queries are the
 // last N of Nk positions, so Nk == N is ordinary causal prefill.
 struct PrefillArgs {
   const float* q;
   const float* kp;
-  const float* v;
+  const float* vp;
   float* out;
   int64_t B, H, Hkv, N, Nk, D;
   bool causal;
@@ -28,6 +29,10 @@ struct PrefillArgs {
 // micro-kernel's NR-wide panels of K^T: [ceil(Nk / NR)][D][NR], zero padded.
 int64_t packed_keys_floats(int64_t Nk, int64_t D);  // per KV head
 void pack_keys(const void* k, bool bf16, float* kp, int64_t BHkv, int64_t Nk, int64_t D);
+// Values v [B*Hkv, Nk, D] (fp32, or bf16 bits when `bf16`) -> vp, per KV head the
+// micro-kernel's NR-wide panels of V: [ceil(D / NR)][Nk][NR], zero padded.
+int64_t packed_values_floats(int64_t Nk, int64_t D);  // per KV head
+void pack_values(const void* v, bool bf16, float* vp, int64_t BHkv, int64_t Nk, int64_t D);
 
 void slim_attention(const PrefillArgs& a);
 void flash_attention(const PrefillArgs& a);

@@ -75,14 +75,14 @@ Tensor checked_positions(const Tensor& t, const char* fn, const char* name, int6
   return r;
 }
 
-// The packed keys of one call live in a buffer kept by the calling thread, so repeated
-// calls do not page-fault tens of megabytes in each time (profiled: first-touch page
+// The packed keys and values of one call live in a buffer kept by the calling thread, so
+// repeated calls do not page-fault tens of megabytes in each time (profiled: first-touch page
 // clearing took a sixth of a decode benchmark's time). The cap holds a 4096-token prompt of
-// 32 KV heads of 128 (K and V in bf16 tiles, or K alone in fp32); buffers above it are
+// 32 KV heads of 128 (K and V in bf16 tiles, or in fp32 panels); buffers above it are
 // allocated per call.
 constexpr int64_t kWorkspaceCapFloats = int64_t{32} << 20;  // 128 MiB
 
-float* packed_keys_workspace(int64_t floats, Tensor& fallback) {
+float* packed_kv_workspace(int64_t floats, Tensor& fallback) {
   thread_local std::unique_ptr<float[]> buffer;
   thread_local int64_t size = 0;
   if (floats > kWorkspaceCapFloats) {
@@ -131,7 +131,7 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
     Tensor qb = q.contiguous(), kb = k.contiguous(), vb = v.contiguous();
     const int64_t per_head = wbk::packed_kv_tile_elems(Nk, D);
     Tensor fallback;
-    auto* kp = reinterpret_cast<uint16_t*>(packed_keys_workspace(B * Hkv * per_head, fallback));  // K, then V
+    auto* kp = reinterpret_cast<uint16_t*>(packed_kv_workspace(B * Hkv * per_head, fallback));  // K, then V
     uint16_t* vp = kp + B * Hkv * per_head;
     const auto bits = [](const Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
     wbk::pack_kv_tiles(bits(kb), bits(vb), kp, vp, B * Hkv, Nk, D);
@@ -144,16 +144,20 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
     return out16;
   }
   Tensor out = at::empty({B, H, N, D}, q.options().dtype(at::kFloat));
-  // bf16 is widened once up front: O(N D) work against the O(N^2 D) of attention.
-  // Keys are packed into the micro-kernel's panels of K^T (and widened) in one pass.
+  // bf16 is widened once up front: O(N D) work against the O(N^2 D) of attention. Keys and
+  // values are packed into the micro-kernel's panels (and widened) in one pass each.
   Tensor qf = q.to(at::kFloat).contiguous();
-  Tensor vf = v.to(at::kFloat).contiguous();
+  Tensor kc = k.contiguous(), vc = v.contiguous();
   Tensor fallback;
-  float* kp = packed_keys_workspace(B * Hkv * wbk::packed_keys_floats(Nk, D), fallback);
-  wbk::pack_keys(k.data_ptr(), k.scalar_type() == at::kBFloat16, kp, B * Hkv, Nk, D);
+  const int64_t key_floats = B * Hkv * wbk::packed_keys_floats(Nk, D);
+  float* kp = packed_kv_workspace(key_floats + B * Hkv * wbk::packed_values_floats(Nk, D), fallback);
+  float* vp = kp + key_floats;
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  wbk::pack_keys(kc.data_ptr(), bf16, kp, B * Hkv, Nk, D);
+  wbk::pack_values(vc.data_ptr(), bf16, vp, B * Hkv, Nk, D);
   // Key tiles start on micro-kernel panels: block_n rounds up to a multiple of gemm_nr().
   const int64_t nr = wbk::gemm_nr();
-  wbk::PrefillArgs a{qf.data_ptr<float>(), kp, vf.data_ptr<float>(), out.data_ptr<float>(),
+  wbk::PrefillArgs a{qf.data_ptr<float>(), kp, vp, out.data_ptr<float>(),
                      B, H, Hkv, N, Nk, D, causal, s, std::min(block_m, N), (block_n + nr - 1) / nr * nr};
   if (slim) {
     wbk::slim_attention(a);

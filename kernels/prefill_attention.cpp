@@ -1,7 +1,8 @@
 // Prefill attention: SlimAttention and the FlashAttention-2 baseline.
 //
 // Layout: q [B, H, N, D], kp [B, Hkv] x packed keys (pack_keys: NR-wide panels of K^T, so
-// that S = Q K^T streams them sequentially), v [B, Hkv, Nk, D], all fp32.
+// that S = Q K^T streams them sequentially), vp [B, Hkv] x packed values (pack_values:
+// NR-wide panels of V, so that O = P V streams them too), all fp32.
 // GQA: query head h reads KV head h / (H / Hkv).
 //
 // Parallel split (both): one task per (batch, head, block of block_m query rows),
@@ -53,7 +54,7 @@ struct TaskMap {
 struct HeadView {
   const float* q;   // [m, D] rows of this block
   const float* kp;  // packed K^T of this KV head
-  const float* v;   // [Nk, D]
+  const float* vp;  // packed V of this KV head
   float* out;       // [m, D]
   int64_t i0, m;    // first query row, rows in block
   int64_t kvis;     // keys visible to the block's last row
@@ -69,7 +70,7 @@ HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
   hv.q = a.q + (bh * a.N + hv.i0) * a.D;
   hv.out = a.out + (bh * a.N + hv.i0) * a.D;
   hv.kp = a.kp + kvh * packed_keys_floats(a.Nk, a.D);
-  hv.v = a.v + kvh * a.Nk * a.D;
+  hv.vp = a.vp + kvh * packed_values_floats(a.Nk, a.D);
   hv.diag = a.causal ? hv.i0 + (a.Nk - a.N) : kNoLimit;
   hv.kvis = a.causal ? std::min(a.Nk, hv.i0 + hv.m + (a.Nk - a.N)) : a.Nk;
   return hv;
@@ -91,6 +92,24 @@ void pack_keys(const void* k, bool bf16, float* kp, int64_t BHkv, int64_t Nk, in
       } else {
         const auto* src = static_cast<const float*>(k) + bh * Nk * D;
         pack_b_panel(src, Nk, D, p, dst, [](float x) { return x; });
+      }
+    }
+  });
+}
+
+int64_t packed_values_floats(int64_t Nk, int64_t D) { return (D + kGemmNR - 1) / kGemmNR * kGemmNR * Nk; }
+
+void pack_values(const void* v, bool bf16, float* vp, int64_t BHkv, int64_t Nk, int64_t D) {
+  const int64_t panels = (D + kGemmNR - 1) / kGemmNR;
+  at::parallel_for(0, BHkv * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / panels, p = t % panels;
+      float* dst = vp + bh * packed_values_floats(Nk, D);
+      if (bf16) {
+        pack_b_columns(static_cast<const uint16_t*>(v) + bh * Nk * D, Nk, D, p, Nk * kGemmNR, dst, bf16_to_float);
+      } else {
+        pack_b_columns(static_cast<const float*>(v) + bh * Nk * D, Nk, D, p, Nk * kGemmNR, dst,
+                       [](float x) { return x; });
       }
     }
   });
@@ -124,7 +143,7 @@ void slim_attention(const PrefillArgs& a) {
       }
 
       // O_blk = P V, then normalise each row.
-      gemm_limit_k(hv.m, a.D, hv.kvis, S, ld_s, hv.v, a.D, hv.out, a.D, hv.diag, false);
+      gemm_packed_limit_k(hv.m, a.D, hv.kvis, S, ld_s, hv.vp, a.Nk * kGemmNR, hv.out, a.D, hv.diag, false);
       for (int64_t r = 0; r < hv.m; ++r) scale_row(hv.out + r * a.D, a.D, inv_sum[r]);
     };
   });
@@ -174,7 +193,7 @@ void flash_attention(const PrefillArgs& a) {
         }
 
         // O += P_tile V_tile
-        gemm_limit_k(hv.m, a.D, n, S, ld_s, hv.v + j0 * a.D, a.D, hv.out, a.D, diag, true);
+        gemm_packed_limit_k(hv.m, a.D, n, S, ld_s, hv.vp + j0 * kGemmNR, a.Nk * kGemmNR, hv.out, a.D, diag, true);
       }
       for (int64_t r = 0; r < hv.m; ++r) scale_row(hv.out + r * a.D, a.D, 1.0f / row_l[r]);
     };
