@@ -36,7 +36,8 @@ def prefill_case(draw):
     ratio = draw(st.sampled_from([1, 3, 4, 8]))
     hkv = draw(st.integers(1, 2))
     batch = draw(st.integers(1, 4))
-    d = draw(st.sampled_from([64, 128, 80]))
+    # 72: a head dim that is not whole micro-kernel panels (NR = 16 or 32) on any build
+    d = draw(st.sampled_from([64, 128, 80, 72]))
     # Keep the float64 reference affordable: long prompts get fewer heads and sequences.
     n = draw(st.integers(1, 600))
     if n > 200:
