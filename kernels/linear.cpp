@@ -348,7 +348,7 @@ inline const float* xt_panel(const float* xblock, int64_t K, int64_t mc, int64_t
   return xblock + j * K;
 }
 
-// Cache-blocked (16 tokens x 64 k at a time), in parallel when there is enough.
+// Cache-blocked (16 tokens x 64 k at a time; 8 x 8 or 16 x 16 blocks in registers), in parallel when there is enough.
 void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, float* xt) {
   const int64_t blocks = tb.count;
   const int64_t kchunks = (K + 63) / 64;
@@ -371,6 +371,20 @@ void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, fl
             r[i] = j0 + i < valid ? _mm512_maskz_loadu_epi32(mask, x + (m0 + j0 + i) * K + k) : _mm512_setzero_si512();
           transpose16(r);
           for (int64_t p = 0; p < kt; ++p) _mm512_storeu_si512(dst + (k + p) * pw, r[p]);
+        }
+      }
+#elif defined(WBK_ISA_AVX2)  // 8 tokens x 8 k at a time, transposed in registers (mc: whole vectors)
+      for (int64_t j0 = 0; j0 < mc; j0 += 8) {
+        const int64_t q = j0 / kXtPanel * kXtPanel, pw = std::min(kXtPanel, mc - q);
+        float* dst = block + q * K + (j0 - q);
+        for (int64_t k = k0; k < k1; k += 8) {
+          const int kt = static_cast<int>(std::min<int64_t>(8, k1 - k));
+          const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(kt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          __m256 r[8];
+          for (int64_t i = 0; i < 8; ++i)
+            r[i] = j0 + i < valid ? _mm256_maskload_ps(x + (m0 + j0 + i) * K + k, mask) : _mm256_setzero_ps();
+          transpose8(r);
+          for (int p = 0; p < kt; ++p) _mm256_storeu_ps(dst + (k + p) * pw, r[p]);
         }
       }
 #else
