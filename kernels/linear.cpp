@@ -335,11 +335,11 @@ struct TokenBlocks {
 };
 
 // xt holds block b of x^T at xt + start(b) K, in panels of kXtPanel tokens (the last one of a
-// block narrower when the block is not whole panels): panel q of the block is [K][its width],
-// so xt_at(...)[k][j] = x[start(b) + q kXtPanel + j][k], zero past M. A micro-tile then reads
-// its tokens' values of one k as one contiguous piece; with the block's rows of x^T a whole
-// block wide apart (a multiple of 1 KB at 256 tokens), the kc rows a tile reads fell into a
-// few L1 sets and came from L2 again for every tile.
+// block narrower when the block is not whole panels): the panel starting at token j of the
+// block is [K][its width] at xt + (start(b) + j) K, holding x[start(b) + j + i][k] at
+// [k][i], zero past M. A micro-tile then reads its tokens' values of one k as one contiguous
+// piece; with the block's rows of x^T a whole block wide apart (a multiple of 1 KB at 256
+// tokens), the kc rows a tile reads fell into a few L1 sets and came from L2 for every tile.
 constexpr int64_t kXtPanel = 2 * W;
 
 // The panel of x^T holding token j (a multiple of kXtPanel) of a block of mc tokens, and its width.
@@ -348,7 +348,8 @@ inline const float* xt_panel(const float* xblock, int64_t K, int64_t mc, int64_t
   return xblock + j * K;
 }
 
-// Cache-blocked (16 tokens x 64 k at a time; 8 x 8 or 16 x 16 blocks in registers), in parallel when there is enough.
+// Cache-blocked (16 tokens x 64 k at a time, in 8 x 8 or 16 x 16 blocks in registers where
+// the build has the vectors), in parallel when there is enough.
 void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, float* xt) {
   const int64_t blocks = tb.count;
   const int64_t kchunks = (K + 63) / 64;
