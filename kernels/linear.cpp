@@ -259,6 +259,9 @@ constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 // (a multiple of 1 KB), its rows fell into a few L1 sets.
 constexpr int64_t kCtPad = 64 / sizeof(float);
 
+// Token blocks up to this wide spread their prefetches of W over the micro-kernels' steps.
+constexpr int64_t kSpreadTokens = 64;
+
 // The cache lines of the next slice of W (rows `stride` bytes apart, `row_bytes` each),
 // prefetched a few at a time while the micro-tiles of this slice run. Issued all at once, a
 // slice's prefetches filled the core's miss buffers and held the arithmetic up behind them,
@@ -503,11 +506,14 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
           if (!in_place)
             pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
           // Fetch the next slice of W (this task's, or the next task's first) while the
-          // micro-kernels run, spread over all their steps: the packing loop otherwise waits
-          // on memory latency.
+          // micro-kernels run: the packing loop otherwise waits on memory latency. For a few
+          // tokens (batched decode) the prefetches are spread over all the micro-kernels'
+          // steps, since reading W takes about as long as the arithmetic; for more, they are
+          // issued at once, which measured faster there (prefill).
           const int64_t wide = width / (2 * W), narrow = width % (2 * W) ? 1 : 0;
-          const int64_t groups = (wide * (kTaskRows / kWideMR) + narrow * (kTaskRows / kNarrowMR)) *
-                                 ((kc + SliceFetch::kStep - 1) / SliceFetch::kStep);
+          const int64_t groups = width > kSpreadTokens ? 1
+                                 : (wide * (kTaskRows / kWideMR) + narrow * (kTaskRows / kNarrowMR)) *
+                                       ((kc + SliceFetch::kStep - 1) / SliceFetch::kStep);
           SliceFetch fetch;
           if (k0 + slice < kp1) {
             fetch = fetch_w_slice(w + n0 * K, K, k0 + slice, std::min(slice, kp1 - k0 - slice), rows, groups);
