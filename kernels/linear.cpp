@@ -259,60 +259,26 @@ constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 // (a multiple of 1 KB), its rows fell into a few L1 sets.
 constexpr int64_t kCtPad = 64 / sizeof(float);
 
-// Token blocks up to this wide spread their prefetches of W over the micro-kernels' steps.
-constexpr int64_t kSpreadTokens = 64;
-
-// The cache lines of the next slice of W (rows `stride` bytes apart, `row_bytes` each),
-// prefetched a few at a time while the micro-tiles of this slice run. Issued all at once, a
-// slice's prefetches filled the core's miss buffers and held the arithmetic up behind them,
-// so that reading W and computing took turns instead of overlapping.
-struct SliceFetch {
-  static constexpr int64_t kStep = 16;  // steps of K between two groups of prefetches
-  const char* base = nullptr;
-  int64_t stride = 0, row_bytes = 0, rows = 0;
-  int64_t per_group = 0;  // lines per group
-  int64_t row = 0, off = 0;
-
-  void issue(int64_t lines) {
-    for (; lines > 0 && row < rows; --lines) {
-      __builtin_prefetch(base + row * stride + off, 0, 2);
-      off += 64;
-      if (off >= row_bytes) {
-        off = 0;
-        ++row;
-      }
-    }
-  }
-  void finish() { issue(INT64_MAX); }
-};
-
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
 // of a packed W slice (rows kKC apart) and kc rows of x^T (ldb apart); c is [MR][ldc].
-// With Spread, every SliceFetch::kStep steps it issues the next group of `fetch`'s prefetches
-// (without, the steps run as one loop: splitting it cost 3-10% where nothing is spread).
-template <int MR, int NV, bool Spread>
+template <int MR, int NV>
 inline void gemm_tile(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-                      bool accumulate, SliceFetch& fetch) {
+                      bool accumulate) {
   // Every loop over r and v is unrolled (GCC otherwise keeps a 24-row tile in memory).
   VecF acc[MR][NV];
 #pragma GCC unroll 32
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? VecF::load(c + r * ldc + v * W) : VecF::zero();
-  const int64_t step = Spread ? SliceFetch::kStep : kc;
-  for (int64_t p0 = 0; p0 < kc; p0 += step) {
-    if constexpr (Spread) fetch.issue(fetch.per_group);
-    const int64_t p1 = std::min(kc, p0 + step);
-    for (int64_t p = p0; p < p1; ++p) {
-      VecF bv[NV];
+  for (int64_t p = 0; p < kc; ++p) {
+    VecF bv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = VecF::load(b + p * ldb + v * W);
+    for (int v = 0; v < NV; ++v) bv[v] = VecF::load(b + p * ldb + v * W);
 #pragma GCC unroll 32
-      for (int r = 0; r < MR; ++r) {
-        const VecF av = VecF::set1(a[r * lda + p]);
+    for (int r = 0; r < MR; ++r) {
+      const VecF av = VecF::set1(a[r * lda + p]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(av, bv[v], acc[r][v]);
-      }
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(av, bv[v], acc[r][v]);
     }
   }
 #pragma GCC unroll 32
@@ -343,17 +309,12 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
   }
 }
 
-// The prefetches of rows [0, nrows) of w over [k0, k0 + kc), to be spread over `groups` groups.
 template <typename T>
-inline SliceFetch fetch_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, int64_t groups) {
-  SliceFetch f;
-  f.base = reinterpret_cast<const char*>(w + k0);
-  f.stride = K * static_cast<int64_t>(sizeof(T));
-  f.row_bytes = kc * static_cast<int64_t>(sizeof(T));
-  f.rows = nrows;
-  const int64_t lines = nrows * ((f.row_bytes + 63) / 64);
-  f.per_group = (lines + groups - 1) / std::max<int64_t>(1, groups);
-  return f;
+inline void prefetch_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    const char* row = reinterpret_cast<const char*>(w + r * K + k0);
+    for (int64_t off = 0; off < kc * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off, 0, 2);
+  }
 }
 
 // M tokens as blocks of whole vectors, as few as hold them at kTokensPerBlock each and as
@@ -508,44 +469,23 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
           if (!in_place)
             pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
           // Fetch the next slice of W (this task's, or the next task's first) while the
-          // micro-kernels run: the packing loop otherwise waits on memory latency. For a few
-          // tokens (batched decode) the prefetches are spread over all the micro-kernels'
-          // steps, since reading W takes about as long as the arithmetic; for more, they are
-          // issued at once, which measured faster there (prefill).
-          const int64_t wide = width / (2 * W), narrow = width % (2 * W) ? 1 : 0;
-          const int64_t groups = width > kSpreadTokens ? 1
-                                 : (wide * (kTaskRows / kWideMR) + narrow * (kTaskRows / kNarrowMR)) *
-                                       ((kc + SliceFetch::kStep - 1) / SliceFetch::kStep);
-          SliceFetch fetch;
+          // micro-kernels run: the packing loop otherwise waits on memory latency.
           if (k0 + slice < kp1) {
-            fetch = fetch_w_slice(w + n0 * K, K, k0 + slice, std::min(slice, kp1 - k0 - slice), rows, groups);
+            prefetch_w_slice(w + n0 * K, K, k0 + slice, std::min(slice, kp1 - k0 - slice), rows);
           } else if (t + 1 < end) {
             const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
-            fetch = fetch_w_slice(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next),
-                                  groups);
+            prefetch_w_slice(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
           }
-          auto tiles = [&](auto spread) {
-            constexpr bool kSpread = decltype(spread)::value;
-            for (int64_t j = 0; j < width; j += kXtPanel) {
-              int64_t ldb;
-              const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
-              if (width - j >= 2 * W) {
-                for (int64_t r = 0; r < kTaskRows; r += kWideMR)
-                  gemm_tile<kWideMR, 2, kSpread>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct,
-                                                 k0 > kp0, fetch);
-              } else {
-                for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
-                  gemm_tile<kNarrowMR, 1, kSpread>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct,
-                                                   k0 > kp0, fetch);
-              }
+          for (int64_t j = 0; j < width; j += kXtPanel) {
+            int64_t ldb;
+            const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
+            if (width - j >= 2 * W) {
+              for (int64_t r = 0; r < kTaskRows; r += kWideMR)
+                gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
+            } else {
+              for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
+                gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
             }
-          };
-          if (groups > 1) {
-            tiles(std::true_type{});
-            fetch.finish();
-          } else {
-            fetch.finish();  // all at once, before the arithmetic
-            tiles(std::false_type{});
           }
         }
 #if defined(WBK_ISA_AVX512)
