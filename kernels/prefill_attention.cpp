@@ -78,22 +78,32 @@ HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
 
 }  // namespace
 
+namespace {
+
+// fn(bh, p, head, widen) for every KV head bh and panel p, in parallel: head is the KV head's
+// data as stored (fp32, or bf16 bits when `bf16`), widen its conversion to fp32.
+template <typename Fn>
+void for_each_panel(const void* src, bool bf16, int64_t BHkv, int64_t panels, int64_t head_elems, Fn&& fn) {
+  at::parallel_for(0, BHkv * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / panels, p = t % panels;
+      if (bf16) {
+        fn(bh, p, static_cast<const uint16_t*>(src) + bh * head_elems, bf16_to_float);
+      } else {
+        fn(bh, p, static_cast<const float*>(src) + bh * head_elems, [](float x) { return x; });
+      }
+    }
+  });
+}
+
+}  // namespace
+
 int64_t packed_keys_floats(int64_t Nk, int64_t D) { return (Nk + kGemmNR - 1) / kGemmNR * kGemmNR * D; }
 
 void pack_keys(const void* k, bool bf16, float* kp, int64_t BHkv, int64_t Nk, int64_t D) {
   const int64_t panels = (Nk + kGemmNR - 1) / kGemmNR;
-  at::parallel_for(0, BHkv * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bh = t / panels, p = t % panels;
-      float* dst = kp + bh * packed_keys_floats(Nk, D) + p * D * kGemmNR;
-      if (bf16) {
-        const auto* src = static_cast<const uint16_t*>(k) + bh * Nk * D;
-        pack_b_panel(src, Nk, D, p, dst, bf16_to_float);
-      } else {
-        const auto* src = static_cast<const float*>(k) + bh * Nk * D;
-        pack_b_panel(src, Nk, D, p, dst, [](float x) { return x; });
-      }
-    }
+  for_each_panel(k, bf16, BHkv, panels, Nk * D, [&](int64_t bh, int64_t p, auto* head, auto widen) {
+    pack_b_panel(head, Nk, D, p, kp + bh * packed_keys_floats(Nk, D) + p * D * kGemmNR, widen);
   });
 }
 
@@ -101,17 +111,8 @@ int64_t packed_values_floats(int64_t Nk, int64_t D) { return (D + kGemmNR - 1) /
 
 void pack_values(const void* v, bool bf16, float* vp, int64_t BHkv, int64_t Nk, int64_t D) {
   const int64_t panels = (D + kGemmNR - 1) / kGemmNR;
-  at::parallel_for(0, BHkv * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bh = t / panels, p = t % panels;
-      float* dst = vp + bh * packed_values_floats(Nk, D);
-      if (bf16) {
-        pack_b_columns(static_cast<const uint16_t*>(v) + bh * Nk * D, Nk, D, p, Nk * kGemmNR, dst, bf16_to_float);
-      } else {
-        pack_b_columns(static_cast<const float*>(v) + bh * Nk * D, Nk, D, p, Nk * kGemmNR, dst,
-                       [](float x) { return x; });
-      }
-    }
+  for_each_panel(v, bf16, BHkv, panels, Nk * D, [&](int64_t bh, int64_t p, auto* head, auto widen) {
+    pack_b_columns(head, Nk, D, p, Nk * kGemmNR, vp + bh * packed_values_floats(Nk, D), widen);
   });
 }
 
