@@ -77,8 +77,8 @@ def worktree(commit: str) -> Path:
 
 def run_once(checkout: Path, dtype: str, words: int, new_tokens: int, llama: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout), WORKBENCH_CACHE_DIR=str(checkout / ".cache" / "workbench"))
-    done = subprocess.run([sys.executable, "-c", WORKER, dtype, str(words), str(new_tokens), str(int(llama))], cwd=checkout, env=env,
-                          capture_output=True, text=True)
+    args = [dtype, str(words), str(new_tokens), str(int(llama))]
+    done = subprocess.run([sys.executable, "-c", WORKER, *args], cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{checkout} ({dtype}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

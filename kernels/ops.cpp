@@ -147,14 +147,13 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
   // bf16 is widened once up front: O(N D) work against the O(N^2 D) of attention. Keys and
   // values are packed into the micro-kernel's panels (and widened) in one pass each.
   Tensor qf = q.to(at::kFloat).contiguous();
-  Tensor kc = k.contiguous(), vc = v.contiguous();
   Tensor fallback;
   const int64_t key_floats = B * Hkv * wbk::packed_keys_floats(Nk, D);
   float* kp = packed_kv_workspace(key_floats + B * Hkv * wbk::packed_values_floats(Nk, D), fallback);
   float* vp = kp + key_floats;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  wbk::pack_keys(kc.data_ptr(), bf16, kp, B * Hkv, Nk, D);
-  wbk::pack_values(vc.data_ptr(), bf16, vp, B * Hkv, Nk, D);
+  wbk::pack_keys(k.data_ptr(), bf16, kp, B * Hkv, Nk, D);  // k and v: checked contiguous above
+  wbk::pack_values(v.data_ptr(), bf16, vp, B * Hkv, Nk, D);
   // Key tiles start on micro-kernel panels: block_n rounds up to a multiple of gemm_nr().
   const int64_t nr = wbk::gemm_nr();
   wbk::PrefillArgs a{qf.data_ptr<float>(), kp, vp, out.data_ptr<float>(),

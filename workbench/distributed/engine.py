@@ -3,10 +3,11 @@
 request per generation, never one per token; the state of the rank lives in STATE.
 
 Rank 0 streams its progress while a generation runs through ipyparallel's datapub: the
-token ids so far at every step, the steps recorded so far at most every PUBLISH_EVERY_S and
-once at the end (the client's live figures draw those; it merges what arrives, dict.update).
-Publishing every record at every token pickled a list growing with the generation on the
-ranks' critical path.
+token ids and step records that are new since its last message, as numbered chunks, at most
+every PUBLISH_EVERY_S (the first token at once) and once at the end; the client merges what
+arrives (dict.update) and reads the chunks in order (the client's live figures draw the
+records). Publishing every record at every token pickled a list growing with the generation
+on the ranks' critical path.
 """
 
 from __future__ import annotations

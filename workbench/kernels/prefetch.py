@@ -173,16 +173,22 @@ def _complete(found: dict) -> bool:
         return False
 
 
+def cached() -> dict | None:
+    """The choices measured for this machine and thread count, or None if there are none
+    (never measured, unreadable, or from an older VERSION)."""
+    try:
+        found = json.loads(_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return found if _complete(found) else None
+
+
 def tuned(ext, refresh: bool = False) -> dict:
     """The cached choices for this machine, measuring them (a few seconds) if needed."""
+    found = None if refresh else cached()
+    if found is not None:
+        return found
     path = _path()
-    if not refresh and path.is_file():
-        try:
-            found = json.loads(path.read_text())
-            if _complete(found):
-                return found
-        except ValueError:
-            pass
     found = measure(ext)
     found["matvec"] = measure_matvec(ext)
     found["version"] = VERSION
@@ -195,15 +201,9 @@ def apply(ext, measure_if_missing: bool = True) -> dict | None:
     """Set the tuned prefetch in a freshly loaded kernel module (workbench.kernels does this
     for the native build; the avx2 and scalar test builds take the native build's choice if
     there is one, and keep the default otherwise, rather than being timed themselves)."""
-    if measure_if_missing:
-        found = tuned(ext)
-    else:
-        try:
-            found = json.loads(_path().read_text())
-        except (OSError, ValueError):
-            return None
-        if not _complete(found):
-            return None
+    found = tuned(ext) if measure_if_missing else cached()
+    if found is None:
+        return None
     ext.set_prefetch(found["bytes"], found["hint"], found["pipeline"])
     for name, mv in found["matvec"].items():
         ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
