@@ -309,13 +309,30 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
   }
 }
 
+// The next slice of W (rows of kc values, K apart), prefetched a share at a time: a slice's
+// lines (up to kTaskRows x kKC values) outnumber the misses a core keeps in flight, so issued
+// at once the prefetches stall the micro-tiles they were meant to overlap, and with few tokens
+// (batched decode) reading W and the arithmetic took turns. The driver spreads them evenly
+// over the slice's micro-tiles.
 template <typename T>
-inline void prefetch_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows) {
-  for (int64_t r = 0; r < nrows; ++r) {
-    const char* row = reinterpret_cast<const char*>(w + r * K + k0);
-    for (int64_t off = 0; off < kc * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off, 0, 2);
+class SlicePrefetch {
+ public:
+  SlicePrefetch() = default;
+  SlicePrefetch(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t rows)
+      : base_(reinterpret_cast<const char*>(w + k0)),
+        pitch_(K * static_cast<int64_t>(sizeof(T))),
+        per_row_((kc * static_cast<int64_t>(sizeof(T)) + 63) / 64),
+        lines_(rows * per_row_) {}
+  // Issue the lines up to the i-th of n equal shares (i = 1 .. n).
+  void through(int64_t i, int64_t n) {
+    for (const int64_t end = lines_ * i / n; done_ < end; ++done_)
+      __builtin_prefetch(base_ + (done_ / per_row_) * pitch_ + (done_ % per_row_) * 64, 0, 2);
   }
-}
+
+ private:
+  const char* base_ = nullptr;
+  int64_t pitch_ = 0, per_row_ = 1, lines_ = 0, done_ = 0;
+};
 
 // M tokens as blocks of whole vectors, as few as hold them at kTokensPerBlock each and as
 // equal as whole vectors allow (the first ones one vector wider): threads take whole tasks,
@@ -470,21 +487,29 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
             pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
           // Fetch the next slice of W (this task's, or the next task's first) while the
           // micro-kernels run: the packing loop otherwise waits on memory latency.
+          SlicePrefetch<T> ahead;
           if (k0 + slice < kp1) {
-            prefetch_w_slice(w + n0 * K, K, k0 + slice, std::min(slice, kp1 - k0 - slice), rows);
+            ahead = SlicePrefetch<T>(w + n0 * K, K, k0 + slice, std::min(slice, kp1 - k0 - slice), rows);
           } else if (t + 1 < end) {
             const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
-            prefetch_w_slice(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
+            ahead = SlicePrefetch<T>(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
           }
+          const int64_t wide = width / (2 * W), narrow = (width % (2 * W)) / W;  // panels of each tile shape
+          const int64_t tiles = wide * (kTaskRows / kWideMR) + narrow * (kTaskRows / kNarrowMR);
+          int64_t tile = 0;
           for (int64_t j = 0; j < width; j += kXtPanel) {
             int64_t ldb;
             const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
             if (width - j >= 2 * W) {
-              for (int64_t r = 0; r < kTaskRows; r += kWideMR)
+              for (int64_t r = 0; r < kTaskRows; r += kWideMR) {
+                ahead.through(++tile, tiles);
                 gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
+              }
             } else {
-              for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
+              for (int64_t r = 0; r < kTaskRows; r += kNarrowMR) {
+                ahead.through(++tile, tiles);
                 gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
+              }
             }
           }
         }
