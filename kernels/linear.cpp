@@ -259,11 +259,47 @@ constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 // (a multiple of 1 KB), its rows fell into a few L1 sets.
 constexpr int64_t kCtPad = 64 / sizeof(float);
 
+// The next slice of W (rows of kc values, K apart), prefetched a line at a time. Issued at
+// once, a slice's lines (up to kTaskRows x kKC values) outnumber the misses a core keeps in
+// flight and the prefetches stall the work they were meant to overlap: with few tokens
+// (batched decode) reading W and the arithmetic took turns. Where the block's slice of x^T
+// fits in L1 (spread_prefetch), the micro-tiles issue one line every kSpreadSteps steps of k.
+// With more tokens the tiles read x^T from L2, spread prefetches' misses compete with theirs
+// (measured slower), and the slice is issued at once before them.
+constexpr int kSpreadSteps = 2;
+inline bool spread_prefetch(int64_t tokens, int64_t kc) {
+  return tokens * kc * static_cast<int64_t>(sizeof(float)) <= l1d_bytes();
+}
+template <typename T>
+class SlicePrefetch {
+ public:
+  SlicePrefetch() = default;
+  SlicePrefetch(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t rows)
+      : row_(reinterpret_cast<const char*>(w + k0)), pitch_(K * static_cast<int64_t>(sizeof(T))),
+        row_bytes_(kc * static_cast<int64_t>(sizeof(T))), rows_left_(rows) {}
+  void one() {
+    if (rows_left_ == 0) return;
+    __builtin_prefetch(row_ + off_, 0, 2);
+    if ((off_ += 64) >= row_bytes_) {
+      off_ = 0;
+      row_ += pitch_;
+      --rows_left_;
+    }
+  }
+  void rest() {
+    while (rows_left_ > 0) one();
+  }
+
+ private:
+  const char* row_ = nullptr;
+  int64_t pitch_ = 0, row_bytes_ = 0, off_ = 0, rows_left_ = 0;
+};
+
 // acc (MR x NV vectors) = or += sum_p a[r][p] * b[p][0 : NV W] over p < kc, for the MR rows
 // of a packed W slice (rows kKC apart) and kc rows of x^T (ldb apart); c is [MR][ldc].
-template <int MR, int NV>
+template <int MR, int NV, typename Prefetch = void>
 inline void gemm_tile(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-                      bool accumulate) {
+                      bool accumulate, Prefetch* ahead = nullptr) {
   // Every loop over r and v is unrolled (GCC otherwise keeps a 24-row tile in memory).
   VecF acc[MR][NV];
 #pragma GCC unroll 32
@@ -271,6 +307,9 @@ inline void gemm_tile(int64_t kc, const float* a, int64_t lda, const float* b, i
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? VecF::load(c + r * ldc + v * W) : VecF::zero();
   for (int64_t p = 0; p < kc; ++p) {
+    if constexpr (!std::is_void_v<Prefetch>) {
+      if (p % kSpreadSteps == 0) ahead->one();
+    }
     VecF bv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bv[v] = VecF::load(b + p * ldb + v * W);
@@ -308,31 +347,6 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
     }
   }
 }
-
-// The next slice of W (rows of kc values, K apart), prefetched a share at a time: a slice's
-// lines (up to kTaskRows x kKC values) outnumber the misses a core keeps in flight, so issued
-// at once the prefetches stall the micro-tiles they were meant to overlap, and with few tokens
-// (batched decode) reading W and the arithmetic took turns. The driver spreads them evenly
-// over the slice's micro-tiles.
-template <typename T>
-class SlicePrefetch {
- public:
-  SlicePrefetch() = default;
-  SlicePrefetch(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t rows)
-      : base_(reinterpret_cast<const char*>(w + k0)),
-        pitch_(K * static_cast<int64_t>(sizeof(T))),
-        per_row_((kc * static_cast<int64_t>(sizeof(T)) + 63) / 64),
-        lines_(rows * per_row_) {}
-  // Issue the lines up to the i-th of n equal shares (i = 1 .. n).
-  void through(int64_t i, int64_t n) {
-    for (const int64_t end = lines_ * i / n; done_ < end; ++done_)
-      __builtin_prefetch(base_ + (done_ / per_row_) * pitch_ + (done_ % per_row_) * 64, 0, 2);
-  }
-
- private:
-  const char* base_ = nullptr;
-  int64_t pitch_ = 0, per_row_ = 1, lines_ = 0, done_ = 0;
-};
 
 // M tokens as blocks of whole vectors, as few as hold them at kTokensPerBlock each and as
 // equal as whole vectors allow (the first ones one vector wider): threads take whole tasks,
@@ -434,6 +448,24 @@ int64_t panel_length(int64_t K, int64_t slice, int64_t tokens) {
   return std::min(K, std::max<int64_t>(1, fit / slice) * slice);
 }
 
+// One slice of a task: every micro-tile of the task's kTaskRows rows of W (a, lda apart) by
+// the block's panels of x^T (block of mc tokens, from k0), into the y^T tile ct.
+template <typename Prefetch>
+inline void task_tiles(int64_t kc, const float* a, int64_t lda, const float* xblock, int64_t K, int64_t mc, int64_t k0,
+                       float* ct, int64_t ldct, int64_t width, bool accumulate, Prefetch* ahead) {
+  for (int64_t j = 0; j < width; j += kXtPanel) {
+    int64_t ldb;
+    const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
+    if (width - j >= 2 * W) {
+      for (int64_t r = 0; r < kTaskRows; r += kWideMR)
+        gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct + r * ldct + j, ldct, accumulate, ahead);
+    } else {
+      for (int64_t r = 0; r < kTaskRows; r += kNarrowMR)
+        gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct + r * ldct + j, ldct, accumulate, ahead);
+    }
+  }
+}
+
 template <typename T>
 void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
   const int64_t groups = (K + kGroup - 1) / kGroup;
@@ -455,6 +487,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
   transpose_x(x, M, K, tb, xt);  // writes every element
   const bool rows_fit = in_place_fits(K);
   const int64_t panel = panel_length(K, slice, tb.width(0));
+  const bool spread = m_blocks == 1 && spread_prefetch(tb.width(0), slice);  // see SlicePrefetch
 
   for (int64_t kp0 = 0; kp0 < K; kp0 += panel) {
     const int64_t kp1 = std::min(K, kp0 + panel);
@@ -494,24 +527,13 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
             const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
             ahead = SlicePrefetch<T>(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
           }
-          const int64_t wide = width / (2 * W), narrow = (width % (2 * W)) / W;  // panels of each tile shape
-          const int64_t tiles = wide * (kTaskRows / kWideMR) + narrow * (kTaskRows / kNarrowMR);
-          int64_t tile = 0;
-          for (int64_t j = 0; j < width; j += kXtPanel) {
-            int64_t ldb;
-            const float* b = xt_panel(xblock, K, mc, j, &ldb) + k0 * ldb;
-            if (width - j >= 2 * W) {
-              for (int64_t r = 0; r < kTaskRows; r += kWideMR) {
-                ahead.through(++tile, tiles);
-                gemm_tile<kWideMR, 2>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
-              }
-            } else {
-              for (int64_t r = 0; r < kTaskRows; r += kNarrowMR) {
-                ahead.through(++tile, tiles);
-                gemm_tile<kNarrowMR, 1>(kc, a + r * lda, lda, b, ldb, ct.data() + r * ldct + j, ldct, k0 > kp0);
-              }
-            }
+          if (spread) {
+            task_tiles(kc, a, lda, xblock, K, mc, k0, ct.data(), ldct, width, k0 > kp0, &ahead);
+          } else {
+            ahead.rest();
+            task_tiles<void>(kc, a, lda, xblock, K, mc, k0, ct.data(), ldct, width, k0 > kp0, nullptr);
           }
+          ahead.rest();
         }
 #if defined(WBK_ISA_AVX512)
         static_assert(kTaskRows % 16 == 0, "store_transposed reads whole 16-row blocks of ct");

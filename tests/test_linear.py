@@ -4,7 +4,8 @@ and the packed GEMM (more rows: batched decode, prefill), whose shapes here cove
 partial block of W rows (N not a multiple of the 48-row task), several K slices of unequal
 length, one- and two-vector token tiles, and several 256-token blocks (M > 256). fp32 rows
 of W are read where they are, except at K = 1024, whose rows are a whole number of L1 ways
-apart: there the GEMM copies each slice first (both paths are drawn).
+apart: there the GEMM copies each slice first (both paths are drawn). Up to 40 rows the
+micro-tiles prefetch the next slice of W a line at a time, past 255 all at once before them.
 
 Tolerance: the weights are exactly representable in both dtypes (bf16 weights are
 compared against their own fp32 value), so only fp32 accumulation over K terms differs:
