@@ -527,13 +527,13 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
             const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
             ahead = SlicePrefetch<T>(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
           }
-          if (spread) {
+          if (spread) {  // a line every kSpreadSteps steps of the tiles, then what they left
             task_tiles(kc, a, lda, xblock, K, mc, k0, ct.data(), ldct, width, k0 > kp0, &ahead);
-          } else {
+            ahead.rest();
+          } else {  // all at once, before the tiles
             ahead.rest();
             task_tiles<void>(kc, a, lda, xblock, K, mc, k0, ct.data(), ldct, width, k0 > kp0, nullptr);
           }
-          ahead.rest();
         }
 #if defined(WBK_ISA_AVX512)
         static_assert(kTaskRows % 16 == 0, "store_transposed reads whole 16-row blocks of ct");
