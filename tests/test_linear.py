@@ -4,8 +4,9 @@ and the packed GEMM (more rows: batched decode, prefill), whose shapes here cove
 partial block of W rows (N not a multiple of the 48-row task), several K slices of unequal
 length, one- and two-vector token tiles, and several 256-token blocks (M > 256). fp32 rows
 of W are read where they are, except at K = 1024, whose rows are a whole number of L1 ways
-apart: there the GEMM copies each slice first (both paths are drawn). Up to 40 rows the
-micro-tiles prefetch the next slice of W a line at a time, past 255 all at once before them.
+apart: there the GEMM copies each slice first (both paths are drawn). Where a block's slice of
+x^T fits in L1d (up to 40 rows at any K here) the micro-tiles prefetch the next slice of W a
+line at a time, elsewhere (255 rows and more at K >= 64) it is prefetched all at once.
 
 Tolerance: the weights are exactly representable in both dtypes (bf16 weights are
 compared against their own fp32 value), so only fp32 accumulation over K terms differs:
