@@ -279,7 +279,7 @@ class SlicePrefetch {
         row_bytes_(kc * static_cast<int64_t>(sizeof(T))), rows_left_(rows) {}
   void one() {
     if (rows_left_ == 0) return;
-    __builtin_prefetch(row_ + off_, 0, 2);
+    prefetch_line<2>(row_ + off_);  // prefetcht1, as before the spread
     if ((off_ += 64) >= row_bytes_) {
       off_ = 0;
       row_ += pitch_;
@@ -411,7 +411,7 @@ void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, fl
         float* dst = block + q * K + (j0 - q);
         for (int64_t k = k0; k < k1; k += 8) {
           const int kt = static_cast<int>(std::min<int64_t>(8, k1 - k));
-          const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(kt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          const __m256i mask = VecF::mask(kt);
           __m256 r[8];
           for (int64_t i = 0; i < 8; ++i)
             r[i] = j0 + i < valid ? _mm256_maskload_ps(x + (m0 + j0 + i) * K + k, mask) : _mm256_setzero_ps();
