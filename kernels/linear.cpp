@@ -253,6 +253,7 @@ constexpr int kWideMR = kGemmMR;      // rows of W per tile when the tile is 2 v
 constexpr int kNarrowMR = 2 * kGemmMR;  // ... and when it is one vector wide
 constexpr int64_t kTaskRows = 2 * kNarrowMR;  // rows of W per task: whole tiles of either shape
 constexpr int64_t kKC = 128;                  // most K elements per packed slice of W
+static_assert(kKC % W == 0, "slices are whole vectors (pack_w_slice stores whole vectors)");
 constexpr int64_t kTokensPerBlock = 256;      // MC: most tokens per block of x^T (a multiple of 2 W)
 constexpr int64_t kXtScratchFloats = int64_t{1} << 22;
 // The task's y^T tile has rows a block of tokens plus one cache line apart: a whole block apart
@@ -340,7 +341,9 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
     const T* row = w + r * K + k0;
     int64_t k = 0;
     for (; k + W <= kc; k += W) Load<T>::full(row + k).store(out + k);
-    if (k < kc) Load<T>::part(row + k, static_cast<int>(kc - k)).store(out + k, static_cast<int>(kc - k));
+    // The tail (K not whole vectors, last slice only): a whole vector stored, zeros past kc
+    // (rows are kKC >= kc rounded up to a vector apart; the tiles read only p < kc).
+    if (k < kc) Load<T>::part(row + k, static_cast<int>(kc - k)).store(out + k);
     if (gscale) {  // grouped int8: each value times its group's scale (slices need not start on a group)
       const float* s = gscale + r * groups;
       for (int64_t i = 0; i < kc; ++i) out[i] *= s[(k0 + i) / kGroup];
@@ -472,7 +475,10 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
   const TokenBlocks tb(M);  // a batch of 16 decodes as one block of 16
   const int64_t m_blocks = tb.count;
   const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
-  const int64_t slices = (K + kKC - 1) / kKC, slice = (K + slices - 1) / slices;  // equal slices <= kKC
+  // Slices of at most kKC, as equal as whole vectors allow: a slice of K = 576 is 120 (AVX2)
+  // or 128, not 115.2 rounded up, so packing a slice of bf16 / int8 rows needs no masked tail
+  // (masked stores cost a fifth of packing on AVX2).
+  const int64_t slices = (K + kKC - 1) / kKC, slice = ((K + slices - 1) / slices + W - 1) / W * W;
   // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
   // prefill's is allocated for this call only, not held for the thread's lifetime.
   const int64_t xt_size = tb.padded() * K;
