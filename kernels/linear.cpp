@@ -327,7 +327,10 @@ inline void gemm_tile(int64_t kc, const float* a, int64_t lda, const float* b, i
     for (int v = 0; v < NV; ++v) acc[r][v].store(c + r * ldc + v * W);
 }
 
-// dst[r][0:kc] = fp32(w[r][k0 : k0 + kc]) for rows < nrows, zero rows up to kTaskRows.
+// dst[r][0:kc] = fp32(w[r][k0 : k0 + kc]) for rows < nrows, zero rows up to kTaskRows; grouped
+// int8 (gscale: [N][groups]) times each value's group scale. k0 is a multiple of W (slices are
+// whole vectors) and W divides kGroup, so every vector lies in one group: one scale per vector.
+static_assert(kGroup % W == 0, "a vector of a slice must not straddle two weight groups");
 template <typename T>
 void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, float* dst,
                   const float* gscale = nullptr) {
@@ -339,14 +342,18 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
       continue;
     }
     const T* row = w + r * K + k0;
-    int64_t k = 0;
-    for (; k + W <= kc; k += W) Load<T>::full(row + k).store(out + k);
+    const int64_t full = kc / W * W;
+    if (gscale) {
+      const float* s = gscale + r * groups;
+      for (int64_t k = 0; k < full; k += W) (Load<T>::full(row + k) * VecF::set1(s[(k0 + k) / kGroup])).store(out + k);
+    } else {
+      for (int64_t k = 0; k < full; k += W) Load<T>::full(row + k).store(out + k);
+    }
     // The tail (K not whole vectors, last slice only): a whole vector stored, zeros past kc
     // (rows are kKC >= kc rounded up to a vector apart; the tiles read only p < kc).
-    if (k < kc) Load<T>::part(row + k, static_cast<int>(kc - k)).store(out + k);
-    if (gscale) {  // grouped int8: each value times its group's scale (slices need not start on a group)
-      const float* s = gscale + r * groups;
-      for (int64_t i = 0; i < kc; ++i) out[i] *= s[(k0 + i) / kGroup];
+    if (full < kc) {
+      const VecF v = Load<T>::part(row + full, static_cast<int>(kc - full));
+      (gscale ? v * VecF::set1(gscale[r * groups + (k0 + full) / kGroup]) : v).store(out + full);
     }
   }
 }
