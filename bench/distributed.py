@@ -5,10 +5,11 @@
               t = alpha + bytes / beta, which the cost model and reports reuse
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
-              decode ms/token, time over one process's, comm ms/token, % comm (rank 0's,
-              and every rank's: a rank with less to do waits at the all-reduce), bytes per
-              token; switch settings and the one process (2 threads, in this process)
-              interleaved within a cluster
+              decode ms/token, time over one process's and the floor the cost model puts
+              under it (roofline / 1 rank, with the fits just measured), comm ms/token,
+              % comm (rank 0's, and every rank's: a rank with less to do waits at the
+              all-reduce), bytes per token; switch settings and the one process (2 threads,
+              in this process) interleaved within a cluster
     prefetch  the ranks' software prefetch for fp32 / bf16 weights (workbench/kernels/
               prefetch.py): the host's tuned choice against none and two fixed distances,
               on 2 ranks over shm with the default switches, interleaved with the one
@@ -139,22 +140,25 @@ def main() -> None:
         print_table(rows, ["backend", "bytes", "median us (min-max)"], title="All-reduce latency, 2 ranks")
         print_table([{"backend": b, "alpha us": f"{v['alpha_us']:.1f}", "beta GB/s": f"{v['beta_gbps']:.2f}"}
                      for b, v in lat.items()], ["backend", "alpha us", "beta GB/s"], title="alpha-beta fit")
+    fits = {b: (v["alpha_us"], v["beta_gbps"]) for b, v in payload.get("allreduce_latency", {}).items()}
     if "tp" in parts:
         payload["tp"] = {}
         for key in args.models.split(","):
             name, kwargs = MODELS[key]
             rows = tp_ablation(name, kwargs, backends=backends, repeats=args.repeats, new_tokens=args.new_tokens,
-                               progress=lambda msg: print("  " + msg, flush=True))
+                               comm=fits, progress=lambda msg: print("  " + msg, flush=True))
             payload["tp"][key] = rows
             table = [{**r, "decode ms/token (min-max)": _ms(r), "comm ms": f"{r['comm_ms_per_token']:.2f}",
                       "% comm": f"{r['pct_comm']:.0f}",
                       "% comm by rank": " / ".join(f"{100 * c / r['decode_ms_per_token']:.0f}"
                                                    for c in r.get("comm_ms_by_rank", [])) or "-", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}",
-                      "time / 1 rank (min-max)": _vs_one(r)}
+                      "time / 1 rank (min-max)": _vs_one(r),
+                      "roofline / 1 rank": "-" if r.get("roofline_vs_tp1") is None else f"{r['roofline_vs_tp1']:.3f}"}
                      for r in rows]
             paired = all(r.get("tp1_interleaved", True) for r in rows)
             print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy",
-                                "decode ms/token (min-max)", "time / 1 rank (min-max)", "comm ms", "% comm", "% comm by rank",
+                                "decode ms/token (min-max)", "time / 1 rank (min-max)", "roofline / 1 rank", "comm ms",
+                                "% comm", "% comm by rank",
                                 "comm KB/token", "same_tokens_as_tp1"],
                         title=f"Tensor parallel decode, {key}; time / 1 rank: "
                               + ("per round, the single process in the same rounds" if paired else

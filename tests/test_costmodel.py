@@ -152,3 +152,23 @@ def test_this_machine_uses_the_measured_peaks():
     assert hw.bandwidth_gbps == pytest.approx(peaks.triad_gbps / 2) and hw.fma_gflops == pytest.approx(
         peaks.fma_gflops / 2)
     assert hw.comm_alpha_us == 4.0 and not math.isinf(hw.comm_beta_gbps)
+
+
+def test_the_tp_roofline_ratio_is_the_busiest_ranks_share_plus_the_collectives():
+    """tp_roofline_ratio: one rank's predicted decode step on a 1 / ranks share of the machine
+    over one process's on all of it. Llama-2-7B's 32 heads split evenly, so with free
+    collectives 2 ranks cost what one process does; the bundled model's 5 + 4 query heads
+    (rank 0 reading 2 of the 3 KV heads) leave rank 0 14 of the 24 attention units and half
+    the FFN and vocabulary, about 3% more than half the bytes, which no backend can win back."""
+    from workbench.analysis.costmodel import tp_roofline_ratio
+
+    free = (0.0, math.inf)
+    assert tp_roofline_ratio("llama2-7b", 2, comm=free, weight_dtype="bf16") == pytest.approx(1.0, rel=1e-3)
+    d, hd, L, ffn, vocab = 576, 64, 30, 1536, 49152
+    rank0 = L * ((2 * 5 + 2 * 2) * hd * d + 3 * (ffn // 2) * d) + vocab // 2 * d
+    one = L * ((2 * 9 + 2 * 3) * hd * d + 3 * ffn * d) + vocab * d
+    floor = tp_roofline_ratio("smollm2-135m", 2, comm=free, weight_dtype="bf16")
+    assert floor == pytest.approx(2 * rank0 / one, rel=0.01) and floor > 1.02
+    assert tp_roofline_ratio("smollm2-135m", 2, comm=(5.0, 8.0), weight_dtype="bf16") > floor
+    with pytest.raises(ValueError, match="backend"):
+        tp_roofline_ratio("smollm2-135m", 2)

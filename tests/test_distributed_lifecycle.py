@@ -144,6 +144,11 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert "rank 1: KV heads (1, 3), query heads (5, 9)" in out and "segment" in out  # a group cut: shard.py
         assert out.count("memory policy bind [") == 2  # --pin: each rank's memory bound to its node
         assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
+        # The shm all-reduce's fit, measured on these engines and cached: %ablate's roofline column reads it.
+        from workbench.distributed.allreduce import measure_allreduce
+
+        fit = measure_allreduce("shm", 2, cluster=running(), repeats=3)
+        assert fit["alpha_us"] > 0
     finally:
         out, err = run("%distributed stop")
     assert err is None and "cluster stopped" in out
@@ -177,6 +182,9 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert len(row.comm_ms_by_rank) == 2 and row.comm_ms_by_rank[0] == pytest.approx(row.comm_ms_per_token)
         assert row.comm_ms_by_rank[1] > 0  # rank 1's own all-reduces, from its own records
         assert row.vs_tp1["median"] == pytest.approx(row.decode_ms_per_token / one.decode_ms_per_token)
+        # The floor under vs_tp1 from the cost model and the fit measured above: the 5 + 4 query-head
+        # split leaves rank 0 about 3% more than half the bytes, and the all-reduces add to that.
+        assert 1.03 < row.roofline_vs_tp1 < 1.5
 
 
 def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():

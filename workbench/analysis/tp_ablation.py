@@ -19,6 +19,12 @@ tp_ablation rows (decode phase, batch 1 unless given):
                                 layer is smaller (uneven head splits) waits at the all-reduce
                                 that ends it, and the wait counts as its communication
     comm_bytes_per_token        payload this rank sent per decode step
+    roofline_vs_tp1             ranks > 1: the cost model's decode step on the ranks over one
+                                process's (costmodel.tp_roofline_ratio: each rank on 1 / ranks
+                                of the measured triad, the busiest rank's share of the weights,
+                                the backend's all-reduce fit), the floor vs_tp1 can reach; None
+                                where no fit of the backend is known (`comm`, else the cache of
+                                wb.measure_allreduce)
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     path                        which decode path ran ("fused": the C++ step, with the
                                 all-reduces inside on the ranks; "reference": Python)
@@ -89,8 +95,13 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 backends=("gloo", "shm"), token_broadcast=("ids", "embeddings"), lm_head=("topk", "gather"),
                 zero_copy=(True, False), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
                 threads_per_rank: int = 1, batch: int = 1, seed: int = 0,
+                comm: dict[str, tuple[float, float]] | None = None,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
+    """The rows above. comm: {backend: (alpha_us, beta_gbps)} all-reduce fits for the
+    roofline column (bench/distributed.py passes the ones it just measured)."""
     import workbench as wb
+    from workbench.analysis.costmodel import tp_roofline_ratio
+    from workbench.distributed.allreduce import cached_fit
     from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
 
@@ -104,6 +115,18 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     run = dict(max_new_tokens=new_tokens, stop_at_eos=False)
     ref = single.generate(prompts, **run)  # also the warm-up
     set_threads(before)
+    cfg, weight_dtype, kv_cache = single.config, single.weight_dtype, single.switches.kv_cache
+    comm = dict(comm or {})
+
+    def roofline(r: int, backend: str) -> float | None:
+        fit = comm.get(backend)
+        if fit is None:
+            cached = cached_fit(backend, r)
+            if cached is None:
+                return None
+            fit = (cached["alpha_us"], cached["beta_gbps"])
+        return tp_roofline_ratio(cfg, r, comm=fit, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                                 kv_cache=kv_cache, weight_dtype=weight_dtype)
 
     def one_rank() -> dict:
         set_threads(one_threads)
@@ -149,6 +172,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": c[3], "threads": threads_per_rank}
                     row = _summarize(config, [s for _, s in samples[c]], same[c])
+                    row["roofline_vs_tp1"] = roofline(r, backend)
                     if 1 in ranks:
                         ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
                         row["vs_tp1"] = ratio_by_round(ms, one_ms) if interleave else ratio_of_runs(
