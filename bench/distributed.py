@@ -5,8 +5,8 @@
               t = alpha + bytes / beta, which the cost model and reports reuse
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
-              decode ms/token, time over one process's and the floor the cost model puts
-              under it (roofline / 1 rank, with the fits just measured), comm ms/token,
+              decode ms/token, time over one process's and what the cost model predicts for
+              it (roofline / 1 rank, with the fits just measured), comm ms/token,
               % comm (rank 0's, and every rank's: a rank with less to do waits at the
               all-reduce), bytes per token; switch settings and the one process (2 threads,
               in this process) interleaved within a cluster

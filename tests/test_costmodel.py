@@ -159,7 +159,7 @@ def test_the_tp_roofline_ratio_is_the_busiest_ranks_share_plus_the_collectives()
     over one process's on all of it. Llama-2-7B's 32 heads split evenly, so with free
     collectives 2 ranks cost what one process does; the bundled model's 5 + 4 query heads
     (rank 0 reading 2 of the 3 KV heads) leave rank 0 14 of the 24 attention units and half
-    the FFN and vocabulary, about 3% more than half the bytes, which no backend can win back."""
+    the FFN and vocabulary, about 3% more than half the bytes, charged whatever the backend."""
     from workbench.analysis.costmodel import tp_roofline_ratio
 
     free = (0.0, math.inf)

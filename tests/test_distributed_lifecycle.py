@@ -182,7 +182,7 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert len(row.comm_ms_by_rank) == 2 and row.comm_ms_by_rank[0] == pytest.approx(row.comm_ms_per_token)
         assert row.comm_ms_by_rank[1] > 0  # rank 1's own all-reduces, from its own records
         assert row.vs_tp1["median"] == pytest.approx(row.decode_ms_per_token / one.decode_ms_per_token)
-        # The floor under vs_tp1 from the cost model and the fit measured above: the 5 + 4 query-head
+        # What the cost model predicts for vs_tp1 with the fit measured above: the 5 + 4 query-head
         # split leaves rank 0 about 3% more than half the bytes, and the all-reduces add to that.
         assert 1.03 < row.roofline_vs_tp1 < 1.5
 

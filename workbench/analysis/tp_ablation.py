@@ -22,9 +22,9 @@ tp_ablation rows (decode phase, batch 1 unless given):
     roofline_vs_tp1             ranks > 1: the cost model's decode step on the ranks over one
                                 process's (costmodel.tp_roofline_ratio: each rank on 1 / ranks
                                 of the measured triad, the busiest rank's share of the weights,
-                                the backend's all-reduce fit), the floor vs_tp1 can reach; None
-                                where no fit of the backend is known (`comm`, else the cache of
-                                wb.measure_allreduce)
+                                the backend's all-reduce fit), what vs_tp1 would be at the
+                                roofs (a prediction, not a bound); None where no fit of the
+                                backend is known (`comm`, else the cache of wb.measure_allreduce)
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     path                        which decode path ran ("fused": the C++ step, with the
                                 all-reduces inside on the ranks; "reference": Python)
