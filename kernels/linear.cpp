@@ -483,8 +483,8 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
   const int64_t m_blocks = tb.count;
   const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
   // Slices of at most kKC, as equal as whole vectors allow: a slice of K = 576 is 120 (AVX2)
-  // or 128, not 115.2 rounded up, so packing a slice of bf16 / int8 rows needs no masked tail
-  // (masked stores cost a fifth of packing on AVX2).
+  // or 128, not 115.2 rounded up, so packing a slice of bf16 / int8 rows ends no row with a
+  // masked store (slow on AVX2: perf put one per row above the widening itself).
   const int64_t slices = (K + kKC - 1) / kKC, slice = ((K + slices - 1) / slices + W - 1) / W * W;
   // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
   // prefill's is allocated for this call only, not held for the thread's lifetime.
