@@ -1,6 +1,7 @@
 """This checkout against an earlier commit on the same machine, interleaved in one run: time
 to first token and batch-1 decode on the bundled model, per weight format, and the linear
-kernel alone (GFLOP/s) at the bundled model's shapes, one row (decode), 64 rows (a short
+kernel alone (GFLOP/s, in each weight format asked for: fp32, bf16, int8 and int8-g32 weights
+of random values) at the bundled model's shapes, one row (decode), 64 rows (a short
 prompt, or batched decode) and 256 (prefill), and with --llama-shapes at Llama-2-7B's
 (q/k/v/o, gate/up, down) with 16 and 64 rows (batched decode) and 512 (prefill).
 
@@ -30,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, print_table, ratio_text, spread, write_results  # noqa: E402
 from workbench.hw.rounds import interleaved_rounds, ratio_by_round  # noqa: E402
 
-# Runs inside either checkout, so it uses only what both have: load_model, generate and the
-# timings' summary.
+# Runs inside either checkout, so it uses only what both have: load_model, generate, the
+# timings' summary, KernelSet.linear and quantize_weight_int8.
 WORKER = """
 import json, sys
 import workbench as wb
@@ -41,9 +42,9 @@ prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * (words // 9 
 model.generate(" ".join(prompt[:16]), max_new_tokens=4, stop_at_eos=False)
 s = model.generate(" ".join(prompt), max_new_tokens=new, stop_at_eos=False).timings.summary()
 out = {"ttft_ms": s["time_to_first_token_ms"], "decode_tokens_per_s": s["decode_tokens_per_s"]}
-if dtype in ("fp32", "bf16"):  # the linear kernel alone, on weights of the model's shapes
+if dtype in ("fp32", "bf16", "int8", "int8-g32"):  # the linear kernel alone, on weights of the model's shapes
     import statistics, time, torch
-    from workbench.kernels import KernelSet
+    from workbench.kernels import KernelSet, quantize_weight_int8
     ks, cfg = KernelSet("native"), model.config
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     cases = [(n, k, rows) for n, k in ((qkv, cfg.dim), (2 * cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim))
@@ -51,11 +52,15 @@ if dtype in ("fp32", "bf16"):  # the linear kernel alone, on weights of the mode
     if llama:
         cases += [(n, k, rows) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)) for rows in (16, 64, 512)]
     for n, k, rows in cases:
-        w = (torch.randn(n, k) * 0.02).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
+        w, scale = torch.randn(n, k) * 0.02, None
+        if dtype.startswith("int8"):  # weight-only int8: a scale per row, or per 32 weights of a row
+            w, scale = quantize_weight_int8(w, 32 if dtype == "int8-g32" else None)
+        else:
+            w = w.to(torch.float32 if dtype == "fp32" else torch.bfloat16)
         x, times = torch.randn(rows, k), []
         for i in range(18):
             t = time.perf_counter()
-            ks.linear(x, w, matvec_max_rows=10 if rows == 1 else 0)
+            ks.linear(x, w, matvec_max_rows=10 if rows == 1 else 0, scale=scale)
             times.append(time.perf_counter() - t)
         out[f"linear M={rows} {n}x{k}"] = 2 * rows * n * k / statistics.median(times[3:]) / 1e9
 print(json.dumps(out))
