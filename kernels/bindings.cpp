@@ -184,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["tile_tokens"] = wbk::kTileTokens;
     d["v_group_tokens"] = wbk::kVGroupTokens;
     d["matvec_max_rows_default"] = wbk::kMatvecMaxRowsDefault;
+    d["gemm_panel_bytes"] = wbk::gemm_panel_bytes();
     d["shm_header_bytes"] = wbk::kShmHeaderBytes;
     weights["float32"] = static_cast<int>(wbk::WeightDtype::kFloat32);
     weights["bfloat16"] = static_cast<int>(wbk::WeightDtype::kBFloat16);

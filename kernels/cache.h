@@ -5,7 +5,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <string>
 
 namespace wbk {
 
@@ -33,6 +37,32 @@ inline int64_t l2_bytes() {
   static const int64_t bytes = [] {
     const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
     return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
+// The L3's bytes per CPU that shares it, from sysfs (glibc's sysconf can report a whole
+// package's L3 where a core shares only its complex's); 0 where the OS does not say.
+inline int64_t l3_bytes_per_cpu() {
+  static const int64_t bytes = [] {
+    for (int i = 0; i < 8; ++i) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+      int level = 0;
+      if (!(std::ifstream(dir + "level") >> level) || level != 3) continue;
+      std::string size, cpus;
+      if (!(std::ifstream(dir + "size") >> size) || !(std::ifstream(dir + "shared_cpu_list") >> cpus)) return int64_t{0};
+      int64_t kb = std::atoll(size.c_str()), count = 0;  // "32768K"
+      if (size.back() == 'M') kb <<= 10;
+      for (size_t at = 0; at < cpus.size();) {  // "0-7,16-23"
+        const size_t end = std::min(cpus.find(',', at), cpus.size());
+        const std::string range = cpus.substr(at, end - at);
+        const size_t dash = range.find('-');
+        count += dash == std::string::npos ? 1 : std::atoll(range.c_str() + dash + 1) - std::atoll(range.c_str()) + 1;
+        at = end + 1;
+      }
+      return count > 0 ? (kb << 10) / count : int64_t{0};
+    }
+    return int64_t{0};
   }();
   return bytes;
 }

@@ -219,6 +219,8 @@ void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D
 // holds until then (and in a build nobody measured). Batch-1 decode is always the matrix-vector
 // kernel (at least 1).
 inline constexpr int64_t kMatvecMaxRowsDefault = 10;
+// The FMA GEMM's budget for one block of x^T over a panel of K (linear.cpp, panel_length).
+int64_t gemm_panel_bytes();
 int64_t matvec_max_rows(WeightDtype dtype);
 void set_matvec_max_rows(WeightDtype dtype, int64_t rows);
 

@@ -448,13 +448,16 @@ void transpose_x(const float* x, int64_t M, int64_t K, const TokenBlocks& tb, fl
 // of L1 ways: all of the task's rows then share the same few sets of L1.
 bool in_place_fits(int64_t K) { return (K * static_cast<int64_t>(sizeof(float))) % l1_way_bytes() != 0; }
 
-// K in panels of whole slices, so that a task's block of x^T over one panel fits in the L2:
-// there it stays while the task's rows of W pass, instead of coming from L3 or memory once per
-// task (measured up to 1.8x on Llama-2-7B's down projection, K = 11008, at 1024 tokens; half
-// the L2 measured slower at the bundled model's shapes). Each panel is one parallel pass over
-// all tasks; the first writes y, the later ones add to it.
+// K in panels of whole slices, so that a thread's block of x^T over one panel stays in its
+// caches while its tasks' rows of W pass, instead of coming from memory once per task (measured
+// up to 1.8x on Llama-2-7B's down projection, K = 11008, at 1024 tokens). Each panel is one
+// parallel pass over all tasks, the first writing y and the later ones adding to it, so every
+// panel more reads and writes y once more. The budget is a quarter of the thread's share of the
+// L3 (the rest for W streaming past, y and the other threads' blocks), or the L2 where that is
+// more or the OS gives no L3: held to the L2, the passes over y cost Llama-2-7B's shapes 6-8%
+// at 1024 tokens on Zen 3 (K = 4096 ran as 8 panels, where 1 was faster).
 int64_t panel_length(int64_t K, int64_t slice, int64_t tokens) {
-  const int64_t fit = l2_bytes() / (tokens * static_cast<int64_t>(sizeof(float)));  // K values of x^T that fit
+  const int64_t fit = gemm_panel_bytes() / (tokens * static_cast<int64_t>(sizeof(float)));  // K values of x^T that fit
   return std::min(K, std::max<int64_t>(1, fit / slice) * slice);
 }
 
@@ -566,6 +569,11 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
 }
 
 }  // namespace
+
+int64_t gemm_panel_bytes() {
+  static const int64_t bytes = std::max(l2_bytes(), l3_bytes_per_cpu() / 4);
+  return bytes;
+}
 
 namespace {
 

@@ -130,13 +130,15 @@ def test_linear_bad_input(kernels):
 
 @pytest.mark.parametrize("N", [50, 96])  # a partial 48-row task; whole tasks (fp32 rows read in place)
 def test_gemm_over_several_panels_of_k(kernels, N):
-    """K long enough that a block of x^T over all of it exceeds any L2 up to 2 MB: the FMA GEMM
-    then runs K in panels, the first writing y and the later ones adding to it. fp32, bf16
-    and int8 weights (per row and per 32) on the FMA engine, against float64."""
-    from workbench.kernels import quantize_weight_int8
+    """K long enough that a block of x^T over all of it (300 tokens: two blocks of at least 144)
+    exceeds this host's budget (constants()["gemm_panel_bytes"], from its caches) more than
+    twice: the FMA GEMM then runs K in panels, the first writing y and the later ones adding to
+    it, the last a partial one. fp32, bf16 and int8 weights (per row and per 32) on the FMA
+    engine, against float64."""
+    from workbench.kernels import constants, quantize_weight_int8
 
     gen = torch.Generator().manual_seed(7)
-    M, K = 300, 4100
+    M, K = 300, 2 * constants()["gemm_panel_bytes"] // (144 * 4) + 100
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen)
     q_row, s_row = quantize_weight_int8(w)

@@ -349,7 +349,9 @@ def constants() -> dict:
     """The constants the C++ side defines and Python needs (kernels.h, exported by the
     extension's constants(); read, never copied): weight_group (grouped int8 weights per
     scale), tiled_align / tile_tokens / v_group_tokens (the tiled int8 KV layout),
-    matvec_max_rows_default (the matrix-vector / GEMM crossover before it is measured), tile_max_block_m (the most query rows
+    matvec_max_rows_default (the matrix-vector / GEMM crossover before it is measured),
+    gemm_panel_bytes (the FMA GEMM's budget for a block of x^T over a panel of K, from this
+    host's caches), tile_max_block_m (the most query rows
     of a prefill task on the bf16 engines), shm_header_bytes, weight_kernels
     (the WeightDtype enumerators), timer_parts (the fused step's timer columns), int8_kernels
     (the ways a decode kernel reads an int8 cache, Int8Kernel's order)."""
