@@ -8,6 +8,9 @@
 
 namespace wbk {
 
+// x rounded up to a multiple of m.
+inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 // Prefill attention over contiguous fp32 tensors.
 //   q [B, H, N, D], kp: keys packed by pack_keys, vp: values packed by pack_values,
 //   out [B, H, N, D].

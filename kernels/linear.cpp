@@ -343,8 +343,8 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
     }
     const T* row = w + r * K + k0;
     const int64_t full = kc / W * W;
-    if (gscale) {
-      const float* s = gscale + r * groups;
+    const float* s = gscale ? gscale + r * groups : nullptr;  // this row's group scales
+    if (s) {
       for (int64_t k = 0; k < full; k += W) (Load<T>::full(row + k) * VecF::set1(s[(k0 + k) / kGroup])).store(out + k);
     } else {
       for (int64_t k = 0; k < full; k += W) Load<T>::full(row + k).store(out + k);
@@ -353,7 +353,7 @@ void pack_w_slice(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t nrows, 
     // (rows are kKC >= kc rounded up to a vector apart; the tiles read only p < kc).
     if (full < kc) {
       const VecF v = Load<T>::part(row + full, static_cast<int>(kc - full));
-      (gscale ? v * VecF::set1(gscale[r * groups + (k0 + full) / kGroup]) : v).store(out + full);
+      (s ? v * VecF::set1(s[(k0 + full) / kGroup]) : v).store(out + full);
     }
   }
 }
@@ -488,7 +488,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
   // Slices of at most kKC, as equal as whole vectors allow: a slice of K = 576 is 120 (AVX2)
   // or 128, not 115.2 rounded up, so packing a slice of bf16 / int8 rows ends no row with a
   // masked store (slow on AVX2: perf put one per row above the widening itself).
-  const int64_t slices = (K + kKC - 1) / kKC, slice = ((K + slices - 1) / slices + W - 1) / W * W;
+  const int64_t slices = (K + kKC - 1) / kKC, slice = round_up((K + slices - 1) / slices, W);
   // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
   // prefill's is allocated for this call only, not held for the thread's lifetime.
   const int64_t xt_size = tb.padded() * K;
@@ -570,10 +570,7 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
 
 }  // namespace
 
-int64_t gemm_panel_bytes() {
-  static const int64_t bytes = std::max(l2_bytes(), l3_bytes_per_cpu() / 4);
-  return bytes;
-}
+int64_t gemm_panel_bytes() { return std::max(l2_bytes(), l3_bytes_per_cpu() / 4); }  // both read once
 
 namespace {
 

@@ -34,8 +34,6 @@
 namespace wbk {
 namespace {
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 // Packed elements of one KV head's keys (and, the same count, its values).
 int64_t head_elems(int64_t Nk, int64_t D) { return round_up(Nk, 32) * round_up(D, 32); }
 

@@ -168,11 +168,12 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                     same[c] = same[c] and out.token_ids == ref.token_ids
                 one_samples.extend(one_here.values())
                 one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
+                roof = roofline(r, backend)  # one per cluster: the switches do not enter it
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": c[3], "threads": threads_per_rank}
                     row = _summarize(config, [s for _, s in samples[c]], same[c])
-                    row["roofline_vs_tp1"] = roofline(r, backend)
+                    row["roofline_vs_tp1"] = roof
                     if 1 in ranks:
                         ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
                         row["vs_tp1"] = ratio_by_round(ms, one_ms) if interleave else ratio_of_runs(
