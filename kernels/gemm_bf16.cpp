@@ -7,6 +7,8 @@
 // own target attributes, so a build for a CPU without AMX still compiles and links them, and
 // gemm_engine_status() decides at run time, from CPUID, the OS's enabled state (XCR0) and the
 // kernel's permission (arch_prctl), whether they may run. Nothing here runs unless it said yes.
+// The test build "emulated" runs them on any AVX2 CPU, their AVX-512 and AMX instructions
+// written out in C++ (emulate_isa.h), so the tests check this code even where no CPU can.
 //
 // Layout. The product is computed transposed, y^T = w x^T, as linear.cpp's FMA GEMM does:
 //   - the A operand is w itself: a tile is 16 rows of w by 32 values of K (64 bytes a row),
@@ -92,6 +94,10 @@ void probe_avx512_bf16(Status& s) {
 Status probe_amx();
 
 Status probe() {
+#if defined(WBK_EMULATE_ISA)  // the test build whose AVX-512 and AMX instructions are C++ (emulate_isa.h)
+  return Status{true, "AMX bf16 tiles emulated in software (the 'emulated' test build)", true,
+                "AVX512-BF16 emulated in software (the 'emulated' test build)"};
+#endif
   Status s = probe_amx();
   probe_avx512_bf16(s);
   return s;
@@ -597,8 +603,10 @@ void linear_gemm_int8_bf16(GemmEngine engine, const float* x, const int8_t* w, c
 
 // The matrix engine's peak: independent tdpbf16ps on tiles already loaded, on every thread.
 namespace {
+#ifndef WBK_AMX_INT8_TARGET  // (the emulated test build defines it empty: emulate_isa.h)
 #define WBK_AMX_INT8_TARGET \
   __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
 
 // Four independent tile products per iteration on tiles already loaded (zeros): tdpbssd
 // (int8 x int8 -> int32) with Int8, else tdpbf16ps. The matrix engine's peak on one thread.
@@ -671,6 +679,9 @@ double avx512_bf16_loop(int64_t iterations_per_thread) {
 
 namespace {
 bool amx_int8_cpu() {
+#if defined(WBK_EMULATE_ISA)
+  return true;
+#endif
   unsigned a, b, c, d;
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
 }

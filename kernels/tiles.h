@@ -14,7 +14,9 @@
 
 #include "transpose.h"
 
+#ifndef WBK_AMX_TARGET  // (the emulated test build defines it empty: emulate_isa.h)
 #define WBK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
 
 namespace wbk {
 

@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#ifndef WBK_AVX512_TARGET  // (the emulated test build defines it empty: emulate_isa.h)
 #define WBK_AVX512_TARGET __attribute__((target("avx512f")))
+#endif
 #define WBK_AVX2_TARGET __attribute__((target("avx2")))
 
 namespace wbk {

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, settings
 
 import background
 from workbench.kernels import KernelSet, runnable_variants
+from workbench.kernels._build import emulation_runs_here
 
 # Hypothesis: no per-example deadline (the scalar build and the float64 references are
 # slow by design); the example count is a profile so CI and a developer can differ.
@@ -28,10 +29,22 @@ else:
     os.environ.pop("VIRTUAL_ENV", None)
 
 
-@pytest.fixture(scope="session", params=runnable_variants())
+def pytest_generate_tests(metafunc):
+    """Tests of the kernel API (the `kernels` fixture) run on every distinct build this host
+    can execute: native, avx2 (where it differs from native) and scalar. A module that sets
+    ALSO_EMULATED = True (the bf16 engines' tests) runs on the "emulated" build too, where
+    the AMX and AVX512-BF16 engines run their own code with those instructions written out in
+    C++ (kernels/emulate_isa.h): on a CPU without them, the only way that code runs at all."""
+    if "kernels" in metafunc.fixturenames:
+        variants = runnable_variants()
+        if getattr(metafunc.module, "ALSO_EMULATED", False) and emulation_runs_here():
+            variants = [*variants, "emulated"]
+        metafunc.parametrize("kernels", variants, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
 def kernels(request) -> KernelSet:
-    """The kernel API on every distinct build this host can execute: native, avx2 (where it
-    differs from native) and scalar."""
+    """The kernel API on one build (pytest_generate_tests says which)."""
     ks = KernelSet(request.param)
     if request.param != "native":
         background.result(_build_variants)  # usually compiled by now, in the background

@@ -8,6 +8,9 @@ host can execute:
     native   -march=native            (AVX-512 on hosts that have it, else AVX2, ...)
     avx2     -march=native -mno-avx512f  (the AVX2 path on an AVX-512 host)
     scalar   -march=x86-64            (the portable fallback)
+    emulated -march=x86-64-v3 with kernels/emulate_isa.h forced in: the bf16 engines' AVX-512,
+             AVX512-BF16 and AMX instructions as plain C++, so tests run the engines' code
+             on any AVX2 CPU (correctness only; a test build, never a user's)
 
 Builds live under $WORKBENCH_CACHE_DIR (default ~/.cache/workbench)/kernels, one folder
 per variant and CPU, so a home directory shared by different machines stays correct.
@@ -62,6 +65,10 @@ VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
     # the AVX2 hosts we target (Zen 3) have no AVX-VNNI either: its int8 path is pmaddubsw
     "avx2": ("-march=native", "-mno-avx512f", "-mno-avxvnni"),
     "scalar": ("-march=x86-64", "-mtune=generic") if _X86 else (),
+    # -Wno-psabi: the emulations pass 64-byte vectors by value outside AVX-512 code, a
+    # calling convention GCC warns about; they are all inline in one build
+    "emulated": ("-march=x86-64-v3", "-mtune=generic", "-DWBK_EMULATE_ISA", "-Wno-psabi",
+                 "-include", str(SOURCE_DIR / "emulate_isa.h")),
 }
 
 
@@ -92,6 +99,12 @@ def runnable_variants() -> list[str]:
     if _X86:
         variants.append("scalar")
     return variants
+
+
+def emulation_runs_here() -> bool:
+    """Whether this host can run the "emulated" build (x86-64-v3: AVX2, FMA, F16C, BMI2, ...)."""
+    info = machine_info()
+    return _X86 and info.has_avx2 and {"fma", "f16c", "bmi2", "movbe"} <= set(info.flags)
 
 
 def variant_isa(variant: str) -> str:

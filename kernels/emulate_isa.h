@@ -1,0 +1,456 @@
+// The AVX-512, AVX512-BF16 and AMX instructions of the bf16 engines (gemm_bf16.cpp, tiles.h,
+// prefill_tiles.cpp, transpose.h's 16 x 16 transpose), written out in plain C++ from their
+// definitions in Intel's SDM, so that the test build "emulated" (workbench/kernels/_build.py)
+// runs those engines' own code on any x86 CPU with AVX2, including the many that have no AMX.
+//
+// That build forces this header into every unit (-include) and defines WBK_EMULATE_ISA; it
+// is never part of a build that a user runs. After <immintrin.h> each intrinsic the engines
+// use becomes a function-like macro calling its emulation below, and the target attributes
+// that would let the compiler emit AVX-512 / AMX instructions are defined empty, so those
+// functions compile for the build's AVX2. What the tests then check is the engines' logic
+// (packing, tiling, edges, masks, the tile configuration) against float64; their speed means
+// nothing here.
+//
+// Faithful where it decides a result: bf16 rounding is to nearest even with denormal inputs
+// read as zero (VCVTNE*PS2BF16), the bf16 dot products add their two exact products in the
+// SDM's order with denormals flushed (VDPBF16PS, TDPBF16PS), masked loads never touch a
+// masked-off element (the CPU suppresses their faults), aligned accesses must be aligned, and
+// a tile instruction checks what the CPU checks: a configuration loaded, shapes that agree.
+// Where the CPU would fault (#UD, #GP) the emulation throws std::runtime_error instead.
+#pragma once
+
+#ifndef WBK_EMULATE_ISA
+#error "emulate_isa.h belongs to the 'emulated' test build, which defines WBK_EMULATE_ISA"
+#endif
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+// The engines' functions compile for the build's ISA (their intrinsics are emulated below).
+#define WBK_AMX_TARGET
+#define WBK_AMX_INT8_TARGET
+#define WBK_AVX512_TARGET
+
+namespace wbk_emu {
+
+// A vector's lanes as an array (and back): the emulations work lane by lane.
+template <typename E, int N>
+struct Lanes {
+  E v[N];
+  E& operator[](int i) { return v[i]; }
+  const E& operator[](int i) const { return v[i]; }
+};
+
+template <typename E, int N, typename V>
+inline Lanes<E, N> lanes(const V& x) {
+  static_assert(sizeof(Lanes<E, N>) == sizeof(V), "lanes must cover the vector exactly");
+  Lanes<E, N> l;
+  std::memcpy(&l, &x, sizeof(V));
+  return l;
+}
+
+template <typename V, typename E, int N>
+inline V vec(const Lanes<E, N>& l) {
+  static_assert(sizeof(Lanes<E, N>) == sizeof(V), "lanes must cover the vector exactly");
+  V x;
+  std::memcpy(&x, &l, sizeof(V));
+  return x;
+}
+
+[[noreturn]] inline void fault(const std::string& what) {
+  throw std::runtime_error("emulated instruction: " + what + " (a real CPU would fault)");
+}
+
+inline void check_aligned(const void* p, const char* fn) {
+  if (reinterpret_cast<uintptr_t>(p) % 64) fault(std::string(fn) + " on an address not 64-byte aligned");
+}
+
+// -- bf16 --------------------------------------------------------------------------------
+
+inline float flush_denormal(float f) {  // DAZ / FTZ: a denormal becomes a zero of its sign
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return flush_denormal(f);
+}
+
+inline uint16_t to_bf16(float f) {  // nearest even; NaN stays a (quiet) NaN
+  f = flush_denormal(f);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// acc + a0 b0 + a1 b1 as VDPBF16PS / TDPBF16PS define it: each product exact in fp32, added
+// one at a time (the SDM adds the odd pair first for vdpbf16ps, the even one for the tiles).
+inline float dot_pair(float acc, uint16_t a_first, uint16_t b_first, uint16_t a_second, uint16_t b_second) {
+  acc = flush_denormal(acc + from_bf16(a_first) * from_bf16(b_first));
+  return flush_denormal(acc + from_bf16(a_second) * from_bf16(b_second));
+}
+
+// -- loads and stores ----------------------------------------------------------------------
+
+template <typename V>
+inline V load(const void* p) {
+  V x;
+  std::memcpy(&x, p, sizeof(V));
+  return x;
+}
+
+template <typename V>
+inline void store(void* p, const V& x) {
+  std::memcpy(p, &x, sizeof(V));
+}
+
+// Elements whose mask bit is set are read; the others are zero and never touched.
+template <typename V, typename E, int N>
+inline V maskz_load(uint64_t mask, const void* p) {
+  Lanes<E, N> l{};
+  const E* src = static_cast<const E*>(p);
+  for (int i = 0; i < N; ++i)
+    if ((mask >> i) & 1) std::memcpy(&l[i], src + i, sizeof(E));
+  return vec<V>(l);
+}
+
+template <typename E, int N, typename V>
+inline void mask_store(void* p, uint64_t mask, const V& x) {
+  const Lanes<E, N> l = lanes<E, N>(x);
+  E* dst = static_cast<E*>(p);
+  for (int i = 0; i < N; ++i)
+    if ((mask >> i) & 1) std::memcpy(dst + i, &l[i], sizeof(E));
+}
+
+inline __m512 mm512_loadu_ps(const void* p) { return load<__m512>(p); }
+inline __m512i mm512_loadu_si512(const void* p) { return load<__m512i>(p); }
+inline __m512i mm512_load_si512(const void* p) {
+  check_aligned(p, "_mm512_load_si512");
+  return load<__m512i>(p);
+}
+inline __m512 mm512_maskz_loadu_ps(__mmask16 k, const void* p) { return maskz_load<__m512, float, 16>(k, p); }
+inline __m512i mm512_maskz_loadu_epi16(__mmask32 k, const void* p) { return maskz_load<__m512i, uint16_t, 32>(k, p); }
+inline __m256i mm256_maskz_loadu_epi16(__mmask16 k, const void* p) { return maskz_load<__m256i, uint16_t, 16>(k, p); }
+inline __m128i mm_maskz_loadu_epi8(__mmask16 k, const void* p) { return maskz_load<__m128i, int8_t, 16>(k, p); }
+
+inline void mm512_storeu_ps(void* p, __m512 a) { store(p, a); }
+inline void mm512_storeu_si512(void* p, __m512i a) { store(p, a); }
+inline void mm512_stream_ps(void* p, __m512 a) {
+  check_aligned(p, "_mm512_stream_ps");
+  store(p, a);
+}
+inline void mm512_mask_storeu_ps(void* p, __mmask16 k, __m512 a) { mask_store<float, 16>(p, k, a); }
+inline void mm256_mask_storeu_epi16(void* p, __mmask16 k, __m256i a) { mask_store<uint16_t, 16>(p, k, a); }
+inline void mm_mask_storeu_epi16(void* p, __mmask8 k, __m128i a) { mask_store<uint16_t, 8>(p, k, a); }
+
+// -- arithmetic and conversions ------------------------------------------------------------
+
+inline __m512 mm512_setzero_ps() { return vec<__m512>(Lanes<float, 16>{}); }
+inline __m512i mm512_setzero_si512() { return vec<__m512i>(Lanes<int32_t, 16>{}); }
+
+inline __m512 mm512_set1_ps(float f) {
+  Lanes<float, 16> l;
+  for (int i = 0; i < 16; ++i) l[i] = f;
+  return vec<__m512>(l);
+}
+
+inline __m512i mm512_set1_epi32(int v) {
+  Lanes<int32_t, 16> l;
+  for (int i = 0; i < 16; ++i) l[i] = v;
+  return vec<__m512i>(l);
+}
+
+template <typename Op>
+inline __m512 lanewise(__m512 a, __m512 b, Op op) {
+  Lanes<float, 16> x = lanes<float, 16>(a);
+  const Lanes<float, 16> y = lanes<float, 16>(b);
+  for (int i = 0; i < 16; ++i) x[i] = op(x[i], y[i]);
+  return vec<__m512>(x);
+}
+
+inline __m512 mm512_add_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x + y; }); }
+inline __m512 mm512_mul_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x * y; }); }
+
+inline float mm512_reduce_add_ps(__m512 a) {
+  Lanes<float, 16> l = lanes<float, 16>(a);
+  for (int width = 8; width >= 1; width /= 2)  // halves added pairwise, as the CPU's sequence does
+    for (int i = 0; i < width; ++i) l[i] += l[i + width];
+  return l[0];
+}
+
+inline __m512i mm512_cvtepi8_epi32(__m128i a) {
+  const Lanes<int8_t, 16> s = lanes<int8_t, 16>(a);
+  Lanes<int32_t, 16> d;
+  for (int i = 0; i < 16; ++i) d[i] = s[i];
+  return vec<__m512i>(d);
+}
+
+inline __m512 mm512_cvtepi32_ps(__m512i a) {
+  const Lanes<int32_t, 16> s = lanes<int32_t, 16>(a);
+  Lanes<float, 16> d;
+  for (int i = 0; i < 16; ++i) d[i] = static_cast<float>(s[i]);
+  return vec<__m512>(d);
+}
+
+// bf16 lanes 0-15 from b, 16-31 from a (VCVTNE2PS2BF16's order).
+inline __m512bh mm512_cvtne2ps_pbh(__m512 a, __m512 b) {
+  const Lanes<float, 16> hi = lanes<float, 16>(a), lo = lanes<float, 16>(b);
+  Lanes<uint16_t, 32> d;
+  for (int i = 0; i < 16; ++i) {
+    d[i] = to_bf16(lo[i]);
+    d[16 + i] = to_bf16(hi[i]);
+  }
+  return vec<__m512bh>(d);
+}
+
+inline __m256bh mm512_cvtneps_pbh(__m512 a) {
+  const Lanes<float, 16> s = lanes<float, 16>(a);
+  Lanes<uint16_t, 16> d;
+  for (int i = 0; i < 16; ++i) d[i] = to_bf16(s[i]);
+  return vec<__m256bh>(d);
+}
+
+inline __m128bh mm256_cvtneps_pbh(__m256 a) {
+  const Lanes<float, 8> s = lanes<float, 8>(a);
+  Lanes<uint16_t, 8> d;
+  for (int i = 0; i < 8; ++i) d[i] = to_bf16(s[i]);
+  return vec<__m128bh>(d);
+}
+
+// Lane i: src[i] + a[2i+1] b[2i+1] + a[2i] b[2i] (the odd pair first, as the SDM writes it).
+inline __m512 mm512_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
+  Lanes<float, 16> acc = lanes<float, 16>(src);
+  const Lanes<uint16_t, 32> x = lanes<uint16_t, 32>(a), y = lanes<uint16_t, 32>(b);
+  for (int i = 0; i < 16; ++i) acc[i] = dot_pair(acc[i], x[2 * i + 1], y[2 * i + 1], x[2 * i], y[2 * i]);
+  return vec<__m512>(acc);
+}
+
+// -- permutes --------------------------------------------------------------------------------
+
+inline __m512i mm512_permutexvar_epi16(__m512i idx, __m512i a) {
+  const Lanes<uint16_t, 32> i16 = lanes<uint16_t, 32>(idx), s = lanes<uint16_t, 32>(a);
+  Lanes<uint16_t, 32> d;
+  for (int i = 0; i < 32; ++i) d[i] = s[i16[i] & 31];
+  return vec<__m512i>(d);
+}
+
+inline __m512i mm512_castsi256_si512(__m256i a) {  // the upper half is undefined: zero here
+  Lanes<int64_t, 8> d{};
+  std::memcpy(&d, &a, 32);
+  return vec<__m512i>(d);
+}
+
+inline __m512i mm512_inserti64x4(__m512i a, __m256i b, int imm) {
+  Lanes<int64_t, 8> d = lanes<int64_t, 8>(a);
+  std::memcpy(&d[(imm & 1) * 4], &b, 32);
+  return vec<__m512i>(d);
+}
+
+// Within each 128-bit lane: the low (or high) halves of a and b interleaved, `E` at a time.
+template <typename E, bool High>
+inline __m512i unpack(__m512i a, __m512i b) {
+  constexpr int per = 16 / sizeof(E), half = per / 2;
+  const Lanes<E, 4 * per> x = lanes<E, 4 * per>(a), y = lanes<E, 4 * per>(b);
+  Lanes<E, 4 * per> d;
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < half; ++i) {
+      d[lane * per + 2 * i] = x[lane * per + (High ? half : 0) + i];
+      d[lane * per + 2 * i + 1] = y[lane * per + (High ? half : 0) + i];
+    }
+  return vec<__m512i>(d);
+}
+
+// 128-bit lanes: the low two chosen from a, the high two from b, two bits of imm each.
+inline __m512i mm512_shuffle_i32x4(__m512i a, __m512i b, int imm) {
+  const Lanes<int64_t, 8> x = lanes<int64_t, 8>(a), y = lanes<int64_t, 8>(b);
+  Lanes<int64_t, 8> d;
+  for (int lane = 0; lane < 4; ++lane) {
+    const int from = (imm >> (2 * lane)) & 3;
+    const Lanes<int64_t, 8>& src = lane < 2 ? x : y;
+    d[2 * lane] = src[2 * from];
+    d[2 * lane + 1] = src[2 * from + 1];
+  }
+  return vec<__m512i>(d);
+}
+
+// -- AMX: eight tiles per thread, and the configuration that shapes them ----------------------
+
+struct TileState {
+  bool configured = false;
+  uint8_t rows[8] = {};
+  uint16_t colsb[8] = {};
+  alignas(64) uint8_t data[8][16][64] = {};
+};
+
+inline TileState& tile_state() {
+  static thread_local TileState state;  // the tile registers are per thread, as on the CPU
+  return state;
+}
+
+inline TileState& tiles_for(std::initializer_list<int> used, const char* fn) {
+  TileState& s = tile_state();
+  if (!s.configured) fault(std::string(fn) + " with no tile configuration loaded");
+  for (int t : used) {
+    if (t < 0 || t > 7) fault(std::string(fn) + " on tile " + std::to_string(t) + " (tiles are 0-7)");
+    if (s.rows[t] == 0 || s.colsb[t] == 0) fault(std::string(fn) + " on tile " + std::to_string(t) + ", which the configuration leaves empty");
+  }
+  return s;
+}
+
+// LDTILECFG: palette 1 (8 tiles of up to 16 rows x 64 bytes), start_row 0; tiles 8-15 and the
+// reserved bytes zero. Palette 0 returns to the initial state. Tile data starts zeroed.
+inline void tile_loadconfig(const void* config) {
+  const uint8_t* c = static_cast<const uint8_t*>(config);
+  TileState& s = tile_state();
+  if (c[0] == 0) {
+    s = TileState{};
+    return;
+  }
+  if (c[0] != 1) fault("ldtilecfg with palette " + std::to_string(c[0]) + " (only palettes 0 and 1 exist)");
+  for (int i = 1; i < 16; ++i)
+    if (c[i]) fault("ldtilecfg with a nonzero start_row or reserved byte");
+  TileState next;
+  for (int t = 0; t < 16; ++t) {
+    const uint16_t colsb = static_cast<uint16_t>(c[16 + 2 * t] | (c[17 + 2 * t] << 8));
+    const uint8_t rows = c[48 + t];
+    if (t >= 8 ? (colsb || rows) : (colsb > 64 || rows > 16 || (colsb == 0) != (rows == 0)))
+      fault("ldtilecfg with tile " + std::to_string(t) + " of " + std::to_string(rows) + " rows x " +
+            std::to_string(colsb) + " bytes");
+    if (t < 8) {
+      next.rows[t] = rows;
+      next.colsb[t] = colsb;
+    }
+  }
+  next.configured = true;
+  s = next;
+}
+
+inline void tile_release() { tile_state() = TileState{}; }
+
+inline void tile_zero(int t) {
+  std::memset(tiles_for({t}, "tilezero").data[t], 0, sizeof(TileState::data[0]));
+}
+
+inline void tile_loadd(int t, const void* base, int64_t stride) {
+  TileState& s = tiles_for({t}, "tileloadd");
+  std::memset(s.data[t], 0, sizeof(TileState::data[0]));
+  for (int r = 0; r < s.rows[t]; ++r)
+    std::memcpy(s.data[t][r], static_cast<const uint8_t*>(base) + r * stride, s.colsb[t]);
+}
+
+inline void tile_stored(int t, void* base, int64_t stride) {
+  TileState& s = tiles_for({t}, "tilestored");
+  for (int r = 0; r < s.rows[t]; ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.data[t][r], s.colsb[t]);
+}
+
+// The shapes a tile product needs: C is M x N (4-byte elements), A M x K (K groups of 4
+// bytes), B K x N (groups of 4 bytes); three different tiles.
+inline TileState& product_tiles(int c, int a, int b, const char* fn) {
+  TileState& s = tiles_for({c, a, b}, fn);
+  if (c == a || c == b || a == b) fault(std::string(fn) + " with a tile used twice");
+  if (s.rows[c] != s.rows[a] || s.colsb[a] != 4 * s.rows[b] || s.colsb[c] != s.colsb[b] || s.colsb[c] % 4)
+    fault(std::string(fn) + " on tiles whose shapes do not agree");
+  return s;
+}
+
+// C[m][n] += sum over k of A[m] pair k . B[k] pair n, the even element of each pair first.
+inline void tile_dpbf16ps(int c, int a, int b) {
+  TileState& s = product_tiles(c, a, b, "tdpbf16ps");
+  const int M = s.rows[c], K = s.colsb[a] / 4, N = s.colsb[c] / 4;
+  for (int m = 0; m < M; ++m) {
+    float acc[16];
+    std::memcpy(acc, s.data[c][m], 64);
+    uint16_t arow[32], brow[32];
+    std::memcpy(arow, s.data[a][m], 64);
+    for (int k = 0; k < K; ++k) {
+      std::memcpy(brow, s.data[b][k], 64);
+      for (int n = 0; n < N; ++n) acc[n] = dot_pair(acc[n], arow[2 * k], brow[2 * n], arow[2 * k + 1], brow[2 * n + 1]);
+    }
+    std::memset(s.data[c][m], 0, 64);
+    std::memcpy(s.data[c][m], acc, 4 * N);
+  }
+}
+
+// C[m][n] (int32) += sum over k of the four signed byte products of A[m] group k and B[k] group n.
+inline void tile_dpbssd(int c, int a, int b) {
+  TileState& s = product_tiles(c, a, b, "tdpbssd");
+  const int M = s.rows[c], K = s.colsb[a] / 4, N = s.colsb[c] / 4;
+  for (int m = 0; m < M; ++m) {
+    int32_t acc[16];
+    std::memcpy(acc, s.data[c][m], 64);
+    const int8_t* arow = reinterpret_cast<const int8_t*>(s.data[a][m]);
+    for (int k = 0; k < K; ++k) {
+      const int8_t* brow = reinterpret_cast<const int8_t*>(s.data[b][k]);
+      for (int n = 0; n < N; ++n)
+        for (int i = 0; i < 4; ++i)
+          acc[n] = static_cast<int32_t>(static_cast<uint32_t>(acc[n]) +
+                                        static_cast<uint32_t>(arow[4 * k + i] * brow[4 * n + i]));
+    }
+    std::memset(s.data[c][m], 0, 64);
+    std::memcpy(s.data[c][m], acc, 4 * N);
+  }
+}
+
+}  // namespace wbk_emu
+
+// The intrinsics, now calls of the emulations above.
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#undef _tile_dpbssd
+#define _tile_loadconfig(config) ::wbk_emu::tile_loadconfig(config)
+#define _tile_release() ::wbk_emu::tile_release()
+#define _tile_zero(t) ::wbk_emu::tile_zero(t)
+#define _tile_loadd(t, base, stride) ::wbk_emu::tile_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) ::wbk_emu::tile_stored(t, base, stride)
+#define _tile_dpbf16ps(c, a, b) ::wbk_emu::tile_dpbf16ps(c, a, b)
+#define _tile_dpbssd(c, a, b) ::wbk_emu::tile_dpbssd(c, a, b)
+
+#define _mm512_loadu_ps(...) ::wbk_emu::mm512_loadu_ps(__VA_ARGS__)
+#define _mm512_loadu_si512(...) ::wbk_emu::mm512_loadu_si512(__VA_ARGS__)
+#define _mm512_load_si512(...) ::wbk_emu::mm512_load_si512(__VA_ARGS__)
+#define _mm512_maskz_loadu_ps(...) ::wbk_emu::mm512_maskz_loadu_ps(__VA_ARGS__)
+#define _mm512_maskz_loadu_epi16(...) ::wbk_emu::mm512_maskz_loadu_epi16(__VA_ARGS__)
+#define _mm256_maskz_loadu_epi16(...) ::wbk_emu::mm256_maskz_loadu_epi16(__VA_ARGS__)
+#define _mm_maskz_loadu_epi8(...) ::wbk_emu::mm_maskz_loadu_epi8(__VA_ARGS__)
+#define _mm512_storeu_ps(...) ::wbk_emu::mm512_storeu_ps(__VA_ARGS__)
+#define _mm512_storeu_si512(...) ::wbk_emu::mm512_storeu_si512(__VA_ARGS__)
+#define _mm512_stream_ps(...) ::wbk_emu::mm512_stream_ps(__VA_ARGS__)
+#define _mm512_mask_storeu_ps(...) ::wbk_emu::mm512_mask_storeu_ps(__VA_ARGS__)
+#define _mm256_mask_storeu_epi16(...) ::wbk_emu::mm256_mask_storeu_epi16(__VA_ARGS__)
+#define _mm_mask_storeu_epi16(...) ::wbk_emu::mm_mask_storeu_epi16(__VA_ARGS__)
+#define _mm512_setzero_ps() ::wbk_emu::mm512_setzero_ps()
+#define _mm512_setzero_si512() ::wbk_emu::mm512_setzero_si512()
+#define _mm512_set1_ps(...) ::wbk_emu::mm512_set1_ps(__VA_ARGS__)
+#define _mm512_set1_epi32(...) ::wbk_emu::mm512_set1_epi32(__VA_ARGS__)
+#define _mm512_add_ps(...) ::wbk_emu::mm512_add_ps(__VA_ARGS__)
+#define _mm512_mul_ps(...) ::wbk_emu::mm512_mul_ps(__VA_ARGS__)
+#define _mm512_reduce_add_ps(...) ::wbk_emu::mm512_reduce_add_ps(__VA_ARGS__)
+#define _mm512_cvtepi8_epi32(...) ::wbk_emu::mm512_cvtepi8_epi32(__VA_ARGS__)
+#define _mm512_cvtepi32_ps(...) ::wbk_emu::mm512_cvtepi32_ps(__VA_ARGS__)
+#define _mm512_cvtne2ps_pbh(...) ::wbk_emu::mm512_cvtne2ps_pbh(__VA_ARGS__)
+#define _mm512_cvtneps_pbh(...) ::wbk_emu::mm512_cvtneps_pbh(__VA_ARGS__)
+#define _mm256_cvtneps_pbh(...) ::wbk_emu::mm256_cvtneps_pbh(__VA_ARGS__)
+#define _mm512_dpbf16_ps(...) ::wbk_emu::mm512_dpbf16_ps(__VA_ARGS__)
+#define _mm512_permutexvar_epi16(...) ::wbk_emu::mm512_permutexvar_epi16(__VA_ARGS__)
+#define _mm512_castsi256_si512(...) ::wbk_emu::mm512_castsi256_si512(__VA_ARGS__)
+#define _mm512_inserti64x4(...) ::wbk_emu::mm512_inserti64x4(__VA_ARGS__)
+#define _mm512_unpacklo_epi32(a, b) ::wbk_emu::unpack<int32_t, false>(a, b)
+#define _mm512_unpackhi_epi32(a, b) ::wbk_emu::unpack<int32_t, true>(a, b)
+#define _mm512_unpacklo_epi64(a, b) ::wbk_emu::unpack<int64_t, false>(a, b)
+#define _mm512_unpackhi_epi64(a, b) ::wbk_emu::unpack<int64_t, true>(a, b)
+#define _mm512_shuffle_i32x4(...) ::wbk_emu::mm512_shuffle_i32x4(__VA_ARGS__)
