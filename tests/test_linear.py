@@ -24,6 +24,10 @@ from hypothesis import strategies as st
 
 from reference import int8_weights_reference
 
+# Also on the "emulated" build (conftest.py), where the tests that loop over the engines run
+# the AMX and AVX512-BF16 ones too (a long prefill's packed x, allocated for the call).
+ALSO_EMULATED = True
+
 
 @given(
     M=st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 530])),
