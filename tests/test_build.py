@@ -83,6 +83,16 @@ def test_missing_compiler_is_a_clear_error(tmp_path):
     assert "no-such-compiler" in r.stderr
 
 
+def test_an_unknown_process_build_is_a_clear_error():
+    """$WORKBENCH_KERNELS_BUILD picks the build a whole process runs; a name that is not one
+    is refused by name at import, not by a missing folder later."""
+    env = dict(os.environ, WORKBENCH_KERNELS_BUILD="avx1024")
+    r = subprocess.run([sys.executable, "-c", "import workbench.kernels"], capture_output=True, text=True, env=env)
+    assert r.returncode != 0
+    assert ("ValueError: WORKBENCH_KERNELS_BUILD must be one of native, avx2, scalar, emulated, got 'avx1024'"
+            in r.stderr), r.stderr[-2000:]
+
+
 def test_processes_with_and_without_the_environment_on_path_share_one_build():
     """A notebook's shell has the environment activated; an engine started over ssh, or CI's
     `.venv/bin/python -m pytest`, has not. Each finds a different `ninja` on PATH if the system

@@ -127,3 +127,60 @@ def test_fp32_weights_keep_the_fma_engine_and_the_rest_follow_the_engine(kernels
         assert {kernels.gemm_engine_for(k) for k in ("bfloat16", "int8", "int8_group")} == {engine}
     with pytest.raises(ValueError, match="kernel must be 'float32', 'bfloat16', 'int8' or 'int8_group', got 'q4'"):
         kernels.gemm_engine_for("q4")
+
+
+MODEL_ON_ENGINES = """
+import json, sys
+from pathlib import Path
+import workbench as wb
+from workbench import kernels
+fp32, bf16 = wb.load_model("smollm2-135m"), wb.load_model("smollm2-135m", dtype="bf16")
+ids = fp32.tokenizer.encode(Path("/usr/share/common-licenses/Apache-2.0").read_text()[:1500])[:64]
+ref = fp32.logits(ids).double()
+prompts = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
+greedy = {p: fp32.generate(p, max_new_tokens=3, stop_at_eos=False).token_ids for p in prompts}
+out = {"build": kernels.native.variant}
+for engine in ["fma"] + sys.argv[1:]:
+    kernels.set_gemm_engine(engine)
+    logits = bf16.logits(ids).double()
+    out[engine] = {"attention": str(bf16.llama.attention_dtype),
+                   "rel_err": ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item(),
+                   "top1": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                   "same_greedy": [bf16.generate(p, max_new_tokens=3, stop_at_eos=False).token_ids == greedy[p]
+                                   for p in prompts]}
+print(json.dumps(out))
+"""
+
+
+def test_the_model_on_each_bf16_engine_tracks_fp32(kernels):
+    """The bundled model with bf16 weights, prefilled on each bf16 engine this build runs (real
+    AMX / AVX512-BF16 where the CPU has them, their code in C++ on the emulated build), in a
+    process whose whole workbench runs this build ($WORKBENCH_KERNELS_BUILD): the GEMMs take x
+    in bf16 and attention runs on tiles, and the model still predicts as the fp32 model does.
+    Greedy tokens equal on three prompts and top-1 agreement >= 0.9 over 64 tokens of real text
+    (as test_runtime's bf16 weights on FMAs). The logits' median relative error is held to 3x
+    that of bf16 weights on FMAs, which round only the weights: the engines round x to the same
+    8 bits (each product sees two rounded operands, not one: sqrt(2)) and attention rounds q,
+    k, v and P as well, the same size of rounding again, so the same order of error; a wrong
+    tile or pair would be tens of times off."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    engines = [e for e in runnable(kernels) if e != "fma"]
+    if not engines:
+        pytest.skip(f"no bf16 engine runs on the {kernels.variant} build here: {kernels.gemm_engines()['amx_bf16'][1]}")
+    env = {**os.environ, "WORKBENCH_KERNELS_BUILD": kernels.variant}
+    done = subprocess.run([sys.executable, "-c", MODEL_ON_ENGINES, *engines], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["build"] == kernels.variant
+    weights_only = out["fma"]["rel_err"]
+    assert out["fma"]["attention"] == "torch.float32"
+    for engine in engines:
+        r = out[engine]
+        assert r["attention"] == "torch.bfloat16", (engine, r)
+        assert all(r["same_greedy"]) and r["top1"] >= 0.9, (engine, r)
+        assert r["rel_err"] <= 3 * weights_only, (engine, r["rel_err"], weights_only)

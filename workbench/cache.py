@@ -5,6 +5,9 @@ kernels, the measured peaks, named models' weights.
     cpu_key()       a short hash of the CPU model and its flags: code compiled with
                     -march=native, or a peak measured on one CPU, is only valid on the same
                     kind, so a home directory shared by different machines stays correct
+    measured_key()  cpu_key(), and the kernels' build where a process runs another than
+                    the native one ($WORKBENCH_KERNELS_BUILD): what was measured or tuned on
+                    one build (peaks, prefetch, crossovers) is not the other's
 """
 
 from __future__ import annotations
@@ -23,3 +26,8 @@ def cpu_key() -> str:
 
     info = machine_info()
     return hashlib.sha1(f"{info.cpu_model}|{sorted(info.flags)}".encode()).hexdigest()[:10]
+
+
+def measured_key() -> str:
+    build = os.environ.get("WORKBENCH_KERNELS_BUILD", "native")  # workbench.kernels._build.BUILD_ENV
+    return cpu_key() if build == "native" else f"{cpu_key()}-{build}"

@@ -1,6 +1,7 @@
 """The workbench's C++ kernels: prefill attention, decode attention, KV-cache quantization.
 
-Module-level functions run the host-native build. `KernelSet(variant)` gives the same
+Module-level functions run the process's build: the host-native one, or the variant that
+$WORKBENCH_KERNELS_BUILD names (_build.process_build). `KernelSet(variant)` gives the same
 API on another build (the tests run every instruction-set path the host can execute).
 
 Layouts (all tensors contiguous, on the CPU):
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants, variant_isa
+from workbench.kernels._build import (KernelBuildError, build_info, load_extension, process_build, runnable_variants,
+                                     variant_isa)
 from workbench.hw.machine import machine_info
 
 __all__ = [
@@ -357,7 +359,7 @@ def constants() -> dict:
     (the ways a decode kernel reads an int8 cache, Int8Kernel's order)."""
     global _CONSTANTS
     if _CONSTANTS is None:
-        _CONSTANTS = dict(load_extension("native").constants())
+        _CONSTANTS = dict(native.ext.constants())
     return _CONSTANTS
 
 
@@ -445,7 +447,7 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
-native = KernelSet("native")
+native = KernelSet(process_build())  # the process's build (named "native" for the usual case)
 slim_attention = native.slim_attention
 flash_attention = native.flash_attention
 decode_attention = native.decode_attention

@@ -8,20 +8,25 @@ import sys
 
 import torch
 
-from workbench.kernels._build import KernelBuildError, build_info, load_extension, runnable_variants
+from workbench.kernels._build import (VARIANT_FLAGS, KernelBuildError, build_info, load_extension, process_build,
+                                     runnable_variants)
 from workbench.hw.machine import machine_info
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench.kernels", description=__doc__)
     parser.add_argument("--info", action="store_true", help="print ISA path, compiler, flags, caches")
-    parser.add_argument("--variant", default="native", help="native (default), avx2 or scalar")
+    parser.add_argument("--variant", default=None,
+                        help="native, avx2, scalar or emulated (default: the process's, $WORKBENCH_KERNELS_BUILD or native)")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output while building")
     parser.add_argument("--json", action="store_true", help="print the info as JSON")
     args = parser.parse_args(argv)
     try:
-        load_extension(args.variant, verbose=args.verbose)
-        info = build_info(args.variant)
+        variant = args.variant or process_build()
+        if variant not in VARIANT_FLAGS:
+            raise ValueError(f"--variant must be one of {', '.join(VARIANT_FLAGS)}, got {variant!r}")
+        load_extension(variant, verbose=args.verbose)
+        info = build_info(variant)
     except (KernelBuildError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -101,6 +101,20 @@ def runnable_variants() -> list[str]:
     return variants
 
 
+BUILD_ENV = "WORKBENCH_KERNELS_BUILD"
+
+
+def process_build() -> str:
+    """The build the whole workbench runs on in this process (the module-level kernels, every
+    model): native, unless $WORKBENCH_KERNELS_BUILD names another variant, to run a model
+    end to end on the avx2 or scalar path, or on "emulated" (the bf16 engines' AVX-512 and
+    AMX code on a CPU without them: correct, and far slower)."""
+    build = os.environ.get(BUILD_ENV, "native")
+    if build not in VARIANT_FLAGS:
+        raise ValueError(f"{BUILD_ENV} must be one of {', '.join(VARIANT_FLAGS)}, got {build!r}")
+    return build
+
+
 def emulation_runs_here() -> bool:
     """Whether this host can run the "emulated" build (x86-64-v3: AVX2, FMA, F16C, BMI2, ...)."""
     info = machine_info()
@@ -235,8 +249,10 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
         return module
 
 
-def build_info(variant: str = "native") -> dict:
-    """What was built: ISA path, compiler, flags, micro-kernel tile, where it lives."""
+def build_info(variant: str | None = None) -> dict:
+    """What was built: ISA path, compiler, flags, micro-kernel tile, where it lives (the
+    process's build unless `variant` names another)."""
+    variant = variant or process_build()
     module = load_extension(variant)
     return {
         "variant": variant,

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from workbench.cache import cache_dir, cpu_key
+from workbench.cache import cache_dir, measured_key
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def measure_amx_int8_gops(threads: int, iterations: int = 2_000_000, repeats: in
 def _cache_path():
     # v2: measured on huge pages (workbench.hw.memory), as the kernels' big buffers are;
     # v3: the AMX bf16 peak; v4: the AVX512-BF16 peak; v5: the AMX int8 peak
-    return cache_dir() / f"peaks-v5-{cpu_key()}-{torch.get_num_threads()}threads.json"
+    return cache_dir() / f"peaks-v5-{measured_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measured_peaks(refresh: bool = False) -> Peaks:
