@@ -1,8 +1,9 @@
 """This checkout against an earlier commit on the same machine, interleaved in one run: time
 to first token and batch-1 decode on the bundled model, per weight format, and the linear
 kernel alone (GFLOP/s, in each weight format asked for: fp32, bf16, int8 and int8-g32 weights
-of random values) at the bundled model's shapes, one row (decode), 64 rows (a short
-prompt, or batched decode) and 256 (prefill), and with --llama-shapes at Llama-2-7B's
+of random values) at the bundled model's shapes, one row (decode), 4 and 8 rows on the
+matrix-vector kernel (small-batch decode), 64 rows (a short prompt, or batched decode) and
+256 (prefill), and with --llama-shapes at Llama-2-7B's
 (q/k/v/o, gate/up, down) with 16 and 64 rows (batched decode) and 512 (prefill).
 
 "No slower than before" is a claim about two builds of the kernels, so it is measured as one:
@@ -48,7 +49,7 @@ if dtype in ("fp32", "bf16", "int8", "int8-g32"):  # the linear kernel alone, on
     ks, cfg = KernelSet("native"), model.config
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     cases = [(n, k, rows) for n, k in ((qkv, cfg.dim), (2 * cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim))
-             for rows in (1, 64, 256)]
+             for rows in (1, 4, 8, 64, 256)]
     if llama:
         cases += [(n, k, rows) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)) for rows in (16, 64, 512)]
     for n, k, rows in cases:
@@ -60,7 +61,7 @@ if dtype in ("fp32", "bf16", "int8", "int8-g32"):  # the linear kernel alone, on
         x, times = torch.randn(rows, k), []
         for i in range(18):
             t = time.perf_counter()
-            ks.linear(x, w, matvec_max_rows=10 if rows == 1 else 0, scale=scale)
+            ks.linear(x, w, matvec_max_rows=10 if rows <= 8 else 0, scale=scale)  # up to 8: matrix-vector
             times.append(time.perf_counter() - t)
         out[f"linear M={rows} {n}x{k}"] = 2 * rows * n * k / statistics.median(times[3:]) / 1e9
 print(json.dumps(out))
@@ -130,7 +131,7 @@ def main() -> None:
     if gemm_rows:
         print_table(gemm_rows, ["weights", "shape", "GFLOP/s this", "GFLOP/s base", "GFLOP/s speed this/base"],
                     title=f"the linear kernel alone (kernels.linear), this checkout against {args.base}: "
-                          f"M=1 the matrix-vector kernel, more rows the GEMM")
+                          f"up to M=8 the matrix-vector kernel, more rows the GEMM")
     write_results("revisions", {"base": args.base, "prompt_words": args.prompt_words, "new_tokens": args.new_tokens,
                                 "runs": [{"revision": r, "weights": d, "round": k, **v}
                                          for (r, d), by_round in runs.items() for k, v in by_round.items()]},
