@@ -366,42 +366,39 @@ inline TileState& product_tiles(int c, int a, int b, const char* fn) {
   return s;
 }
 
-// C[m][n] += sum over k of A[m] pair k . B[k] pair n, the even element of each pair first.
-inline void tile_dpbf16ps(int c, int a, int b) {
-  TileState& s = product_tiles(c, a, b, "tdpbf16ps");
+// C[m][n] = step(C[m][n], A[m] group k, B[k] group n) over the K groups of 4 bytes, in order.
+template <typename Acc, typename Step>
+inline void tile_product(int c, int a, int b, const char* fn, Step step) {
+  TileState& s = product_tiles(c, a, b, fn);
   const int M = s.rows[c], K = s.colsb[a] / 4, N = s.colsb[c] / 4;
   for (int m = 0; m < M; ++m) {
-    float acc[16];
+    Acc acc[16];
     std::memcpy(acc, s.data[c][m], 64);
-    uint16_t arow[32], brow[32];
-    std::memcpy(arow, s.data[a][m], 64);
-    for (int k = 0; k < K; ++k) {
-      std::memcpy(brow, s.data[b][k], 64);
-      for (int n = 0; n < N; ++n) acc[n] = dot_pair(acc[n], arow[2 * k], brow[2 * n], arow[2 * k + 1], brow[2 * n + 1]);
-    }
+    for (int k = 0; k < K; ++k)
+      for (int n = 0; n < N; ++n) acc[n] = step(acc[n], s.data[a][m] + 4 * k, s.data[b][k] + 4 * n);
     std::memset(s.data[c][m], 0, 64);
     std::memcpy(s.data[c][m], acc, 4 * N);
   }
 }
 
-// C[m][n] (int32) += sum over k of the four signed byte products of A[m] group k and B[k] group n.
+// C[m][n] += sum over k of A[m] pair k . B[k] pair n, the even element of each pair first.
+inline void tile_dpbf16ps(int c, int a, int b) {
+  tile_product<float>(c, a, b, "tdpbf16ps", [](float acc, const uint8_t* x, const uint8_t* y) {
+    uint16_t p[2], q[2];
+    std::memcpy(p, x, 4);
+    std::memcpy(q, y, 4);
+    return dot_pair(acc, p[0], q[0], p[1], q[1]);
+  });
+}
+
+// C[m][n] (int32, wrapping) += the four signed byte products of A[m] group k and B[k] group n.
 inline void tile_dpbssd(int c, int a, int b) {
-  TileState& s = product_tiles(c, a, b, "tdpbssd");
-  const int M = s.rows[c], K = s.colsb[a] / 4, N = s.colsb[c] / 4;
-  for (int m = 0; m < M; ++m) {
-    int32_t acc[16];
-    std::memcpy(acc, s.data[c][m], 64);
-    const int8_t* arow = reinterpret_cast<const int8_t*>(s.data[a][m]);
-    for (int k = 0; k < K; ++k) {
-      const int8_t* brow = reinterpret_cast<const int8_t*>(s.data[b][k]);
-      for (int n = 0; n < N; ++n)
-        for (int i = 0; i < 4; ++i)
-          acc[n] = static_cast<int32_t>(static_cast<uint32_t>(acc[n]) +
-                                        static_cast<uint32_t>(arow[4 * k + i] * brow[4 * n + i]));
-    }
-    std::memset(s.data[c][m], 0, 64);
-    std::memcpy(s.data[c][m], acc, 4 * N);
-  }
+  tile_product<int32_t>(c, a, b, "tdpbssd", [](int32_t acc, const uint8_t* x, const uint8_t* y) {
+    uint32_t sum = static_cast<uint32_t>(acc);
+    for (int i = 0; i < 4; ++i)
+      sum += static_cast<uint32_t>(static_cast<int8_t>(x[i]) * static_cast<int8_t>(y[i]));
+    return static_cast<int32_t>(sum);
+  });
 }
 
 }  // namespace wbk_emu
