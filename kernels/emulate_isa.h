@@ -12,11 +12,17 @@
 // nothing here.
 //
 // Faithful where it decides a result: bf16 rounding is to nearest even with denormal inputs
-// read as zero (VCVTNE*PS2BF16), the bf16 dot products add their two exact products in the
-// SDM's order with denormals flushed (VDPBF16PS, TDPBF16PS), masked loads never touch a
-// masked-off element (the CPU suppresses their faults), aligned accesses must be aligned, and
-// a tile instruction checks what the CPU checks: a configuration loaded, shapes that agree.
-// Where the CPU would fault (#UD, #GP) the emulation throws std::runtime_error instead.
+// read as zero (VCVTNE*PS2BF16), the bf16 dot products are FP32 FMAs in the order of the SDM's
+// pseudocode with denormals flushed (VDPBF16PS: the odd element, then the even one;
+// TDPBF16PS: even and odd partial sums over all of K, added to C at the end), masked loads
+// never touch a masked-off element (the CPU suppresses their faults), aligned accesses must
+// be aligned, and a tile instruction checks what the CPU checks: a configuration loaded,
+// shapes that agree. Where the CPU would fault (#UD, #GP) the emulation throws
+// std::runtime_error instead.
+//
+// What it cannot run: the build is an AVX2 one, so the engines' code runs as compiled for
+// AVX2, with its 8-lane VecF; a branch for the AVX-512 build only (prefill_tiles.cpp's
+// store_bf16, for one) is left to the hosts that have AVX-512.
 #pragma once
 
 #ifndef WBK_EMULATE_ISA
@@ -96,11 +102,10 @@ inline uint16_t to_bf16(float f) {  // nearest even; NaN stays a (quiet) NaN
   return static_cast<uint16_t>(u >> 16);
 }
 
-// acc + a0 b0 + a1 b1 as VDPBF16PS / TDPBF16PS define it: each product exact in fp32, added
-// one at a time (the SDM adds the odd pair first for vdpbf16ps, the even one for the tiles).
-inline float dot_pair(float acc, uint16_t a_first, uint16_t b_first, uint16_t a_second, uint16_t b_second) {
-  acc = flush_denormal(acc + from_bf16(a_first) * from_bf16(b_first));
-  return flush_denormal(acc + from_bf16(a_second) * from_bf16(b_second));
+// acc + a b for bf16 a and b as the bf16 dot products do it: one FP32 FMA, denormal inputs
+// read as zero and a denormal result flushed (DAZ, FTZ), round to nearest even.
+inline float fma_bf16(float acc, uint16_t a, uint16_t b) {
+  return flush_denormal(std::fma(from_bf16(a), from_bf16(b), acc));
 }
 
 // -- loads and stores ----------------------------------------------------------------------
@@ -234,7 +239,7 @@ inline __m128bh mm256_cvtneps_pbh(__m256 a) {
 inline __m512 mm512_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
   Lanes<float, 16> acc = lanes<float, 16>(src);
   const Lanes<uint16_t, 32> x = lanes<uint16_t, 32>(a), y = lanes<uint16_t, 32>(b);
-  for (int i = 0; i < 16; ++i) acc[i] = dot_pair(acc[i], x[2 * i + 1], y[2 * i + 1], x[2 * i], y[2 * i]);
+  for (int i = 0; i < 16; ++i) acc[i] = fma_bf16(fma_bf16(acc[i], x[2 * i + 1], y[2 * i + 1]), x[2 * i], y[2 * i]);
   return vec<__m512>(acc);
 }
 
@@ -247,8 +252,9 @@ inline __m512i mm512_permutexvar_epi16(__m512i idx, __m512i a) {
   return vec<__m512i>(d);
 }
 
-inline __m512i mm512_castsi256_si512(__m256i a) {  // the upper half is undefined: zero here
-  Lanes<int64_t, 8> d{};
+inline __m512i mm512_castsi256_si512(__m256i a) {  // the upper half is undefined: a pattern
+  Lanes<int64_t, 8> d;                               // that no caller could mistake for data
+  for (int i = 4; i < 8; ++i) d[i] = static_cast<int64_t>(0x7fc17fc17fc17fc1);  // bf16 NaNs
   std::memcpy(&d, &a, 32);
   return vec<__m512i>(d);
 }
@@ -366,39 +372,47 @@ inline TileState& product_tiles(int c, int a, int b, const char* fn) {
   return s;
 }
 
-// C[m][n] = step(C[m][n], A[m] group k, B[k] group n) over the K groups of 4 bytes, in order.
-template <typename Acc, typename Step>
-inline void tile_product(int c, int a, int b, const char* fn, Step step) {
-  TileState& s = product_tiles(c, a, b, fn);
+// TDPBF16PS as the SDM's pseudocode has it (not the Intrinsics Guide's shorter form): per
+// row, two fp32 partial sums per output, the even and the odd elements of the pairs, each
+// built by FMAs over all of K from zero; then C[m][n] += even + odd.
+inline void tile_dpbf16ps(int c, int a, int b) {
+  TileState& s = product_tiles(c, a, b, "tdpbf16ps");
   const int M = s.rows[c], K = s.colsb[a] / 4, N = s.colsb[c] / 4;
   for (int m = 0; m < M; ++m) {
-    Acc acc[16];
+    float acc[16], even[16] = {}, odd[16] = {};
     std::memcpy(acc, s.data[c][m], 64);
-    for (int k = 0; k < K; ++k)
-      for (int n = 0; n < N; ++n) acc[n] = step(acc[n], s.data[a][m] + 4 * k, s.data[b][k] + 4 * n);
+    uint16_t arow[32], brow[32];
+    std::memcpy(arow, s.data[a][m], 64);
+    for (int k = 0; k < K; ++k) {
+      std::memcpy(brow, s.data[b][k], 64);
+      for (int n = 0; n < N; ++n) {
+        even[n] = fma_bf16(even[n], arow[2 * k], brow[2 * n]);
+        odd[n] = fma_bf16(odd[n], arow[2 * k + 1], brow[2 * n + 1]);
+      }
+    }
+    for (int n = 0; n < N; ++n) acc[n] = flush_denormal(acc[n] + flush_denormal(even[n] + odd[n]));
     std::memset(s.data[c][m], 0, 64);
     std::memcpy(s.data[c][m], acc, 4 * N);
   }
 }
 
-// C[m][n] += sum over k of A[m] pair k . B[k] pair n, the even element of each pair first.
-inline void tile_dpbf16ps(int c, int a, int b) {
-  tile_product<float>(c, a, b, "tdpbf16ps", [](float acc, const uint8_t* x, const uint8_t* y) {
-    uint16_t p[2], q[2];
-    std::memcpy(p, x, 4);
-    std::memcpy(q, y, 4);
-    return dot_pair(acc, p[0], q[0], p[1], q[1]);
-  });
-}
-
-// C[m][n] (int32, wrapping) += the four signed byte products of A[m] group k and B[k] group n.
+// TDPBSSD: C[m][n] (int32, wrapping) += the four signed byte products of A[m] group k and
+// B[k] group n, over all K.
 inline void tile_dpbssd(int c, int a, int b) {
-  tile_product<int32_t>(c, a, b, "tdpbssd", [](int32_t acc, const uint8_t* x, const uint8_t* y) {
-    uint32_t sum = static_cast<uint32_t>(acc);
-    for (int i = 0; i < 4; ++i)
-      sum += static_cast<uint32_t>(static_cast<int8_t>(x[i]) * static_cast<int8_t>(y[i]));
-    return static_cast<int32_t>(sum);
-  });
+  TileState& s = product_tiles(c, a, b, "tdpbssd");
+  const int M = s.rows[c], K = s.colsb[a] / 4, N = s.colsb[c] / 4;
+  for (int m = 0; m < M; ++m) {
+    uint32_t acc[16];
+    std::memcpy(acc, s.data[c][m], 64);
+    const int8_t* arow = reinterpret_cast<const int8_t*>(s.data[a][m]);
+    for (int k = 0; k < K; ++k) {
+      const int8_t* brow = reinterpret_cast<const int8_t*>(s.data[b][k]);
+      for (int n = 0; n < N; ++n)
+        for (int i = 0; i < 4; ++i) acc[n] += static_cast<uint32_t>(arow[4 * k + i] * brow[4 * n + i]);
+    }
+    std::memset(s.data[c][m], 0, 64);
+    std::memcpy(s.data[c][m], acc, 4 * N);
+  }
 }
 
 }  // namespace wbk_emu

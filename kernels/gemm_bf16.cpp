@@ -8,7 +8,8 @@
 // gemm_engine_status() decides at run time, from CPUID, the OS's enabled state (XCR0) and the
 // kernel's permission (arch_prctl), whether they may run. Nothing here runs unless it said yes.
 // The test build "emulated" runs them on any AVX2 CPU, their AVX-512 and AMX instructions
-// written out in C++ (emulate_isa.h), so the tests check this code even where no CPU can.
+// written out in C++ (emulate_isa.h), so the tests check this code even where no CPU can
+// (as compiled for AVX2; it measures no peaks).
 //
 // Layout. The product is computed transposed, y^T = w x^T, as linear.cpp's FMA GEMM does:
 //   - the A operand is w itself: a tile is 16 rows of w by 32 values of K (64 bytes a row),
@@ -672,6 +673,9 @@ double on_every_thread(int64_t iterations, double flops_per_iteration, Loop loop
 }
 
 double avx512_bf16_loop(int64_t iterations_per_thread) {
+#if defined(WBK_EMULATE_ISA)
+  return 0.0;  // an emulated instruction's speed is no peak
+#endif
   if (!status().avx512_bf16) return 0.0;
   // Each vdpbf16ps: 16 lanes, 2 products each, 2 FLOPs a product; 16 chains per iteration.
   return on_every_thread(iterations_per_thread, 16.0 * 16 * 2 * 2, dp_loop_thread);
@@ -698,12 +702,18 @@ bool amx_int8_available(std::string* reason) {
 }
 
 double amx_int8_loop(int64_t iterations_per_thread) {
+#if defined(WBK_EMULATE_ISA)
+  return 0.0;  // an emulated instruction's speed is no peak
+#endif
   if (!amx_int8_available(nullptr)) return 0.0;
   // Each tdpbssd: 16 x 16 outputs, 64 products each, 2 ops a product; 4 per iteration.
   return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 64 * 2, tile_loop_thread<true>);
 }
 
 double amx_bf16_loop(int64_t iterations_per_thread) {
+#if defined(WBK_EMULATE_ISA)
+  return 0.0;  // an emulated instruction's speed is no peak
+#endif
   if (!status().amx_bf16) return 0.0;
   // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product; 4 per iteration.
   return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 32 * 2, tile_loop_thread<false>);

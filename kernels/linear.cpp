@@ -7,10 +7,11 @@
 //
 // linear_matvec, for a few rows (decode at batch 1-4): memory-bound on the weight bytes.
 //   Parallel split: blocks of 16 rows of W, one contiguous range of blocks per thread.
-//   Within a block, K is cut into 1024-element chunks; for each chunk, four W rows are
-//   widened to fp32 in registers and multiplied with four rows of x at a time (16
-//   accumulators), so every weight byte is read from memory once per call and from L1 at
-//   most M / 4 times; short row chunks are software-prefetched about 8 KB ahead.
+//   Within a block, K is cut into 1024-element chunks (whole rows up to 4 rows of x); for each
+//   chunk, four W rows are widened to fp32 in registers and multiplied with a block of rows
+//   of x at a time (4, or 2 on AVX2 for fp32 and int8 weights: kMatvecMB), so every weight
+//   byte is read from memory once per call and again from cache once per further block of
+//   x rows; short row chunks are software-prefetched about 8 KB ahead.
 //
 // linear_gemm, for more rows (batched decode, prefill): compute-bound. It computes
 //   y^T = W x^T with a register-blocked micro-kernel whose broadcast operand is W and whose
@@ -186,7 +187,7 @@ void permute_pairs(const float* x, float* xp, int64_t M, int64_t K) {
 // the rows of x that share it measured no faster. Below 4 rows of x, rows go one at a time
 // (int8 weights ran 2 and 3 rows 0.8-0.9x as fast in blocks of 2).
 template <typename T>
-constexpr int kMatvecMB = (W >= 16 || std::is_same_v<T, BFloat16>) ? 4 : 2;
+constexpr int kMatvecMB = (W == 8 && !std::is_same_v<T, BFloat16>) ? 2 : 4;  // 8: the AVX2 build
 
 template <typename T, int kLocality>
 void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale,
@@ -210,8 +211,9 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
       const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
       for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + n0, y + m * N + n1, 0.0f);
       // K in chunks: four W rows and up to four x rows of a chunk stay in L1 while every
-      // block of x rows passes over them. With at most four rows of x (one pass) nothing of W
-      // is read twice, so each row is read whole: one long stream per row, not pieces.
+      // block of x rows passes over them. With at most four rows of x each row of W is read
+      // whole (one long stream per row, not pieces); a second block of x rows (rows one at
+      // a time below 4, blocks of 2 on AVX2) finds the four rows in L1 or L2.
       const int64_t chunk = M <= 4 ? K : kChunk;
       for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = std::min(chunk, K - k0);

@@ -129,7 +129,7 @@ def test_fp32_weights_keep_the_fma_engine_and_the_rest_follow_the_engine(kernels
         kernels.gemm_engine_for("q4")
 
 
-MODEL_ON_ENGINES = """
+MODEL_ON_ENGINES = r"""
 import json, sys
 from pathlib import Path
 import workbench as wb
@@ -137,9 +137,14 @@ from workbench import kernels
 fp32, bf16 = wb.load_model("smollm2-135m"), wb.load_model("smollm2-135m", dtype="bf16")
 ids = fp32.tokenizer.encode(Path("/usr/share/common-licenses/Apache-2.0").read_text()[:1500])[:64]
 ref = fp32.logits(ids).double()
-prompts = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
+# prompts longer than the matrix-vector kernel's rows, so their prefill (and the first token)
+# runs on the engine
+prompts = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+           "Once upon a time, in a small village at the edge of a great forest, there lived a")
+shortest = min(len(fp32.tokenizer.encode(p)) for p in prompts)
 greedy = {p: fp32.generate(p, max_new_tokens=3, stop_at_eos=False).token_ids for p in prompts}
-out = {"build": kernels.native.variant}
+out = {"build": kernels.native.variant, "shortest_prompt": shortest, "matvec_rows": kernels.matvec_max_rows("bfloat16")}
 for engine in ["fma"] + sys.argv[1:]:
     kernels.set_gemm_engine(engine)
     logits = bf16.logits(ids).double()
@@ -157,8 +162,9 @@ def test_the_model_on_each_bf16_engine_tracks_fp32(kernels):
     AMX / AVX512-BF16 where the CPU has them, their code in C++ on the emulated build), in a
     process whose whole workbench runs this build ($WORKBENCH_KERNELS_BUILD): the GEMMs take x
     in bf16 and attention runs on tiles, and the model still predicts as the fp32 model does.
-    Greedy tokens equal on three prompts and top-1 agreement >= 0.9 over 64 tokens of real text
-    (as test_runtime's bf16 weights on FMAs). The logits' median relative error is held to 3x
+    Greedy tokens equal on three prompts (their prefill on the engine; the decode steps after
+    the first token run the matrix-vector kernel) and top-1 agreement >= 0.9 over 64 tokens of
+    real text (as test_runtime's bf16 weights on FMAs). The logits' median relative error is held to 3x
     that of bf16 weights on FMAs, which round only the weights: the engines round x to the same
     8 bits (each product sees two rounded operands, not one: sqrt(2)) and attention rounds q,
     k, v and P as well, the same size of rounding again, so the same order of error; a wrong
@@ -177,6 +183,7 @@ def test_the_model_on_each_bf16_engine_tracks_fp32(kernels):
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["build"] == kernels.variant
+    assert out["shortest_prompt"] > out["matvec_rows"]  # the prompts' prefill ran on the GEMM
     weights_only = out["fma"]["rel_err"]
     assert out["fma"]["attention"] == "torch.float32"
     for engine in engines:

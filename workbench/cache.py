@@ -6,8 +6,9 @@ kernels, the measured peaks, named models' weights.
                     -march=native, or a peak measured on one CPU, is only valid on the same
                     kind, so a home directory shared by different machines stays correct
     measured_key()  cpu_key(), and the kernels' build where a process runs another than
-                    the native one ($WORKBENCH_KERNELS_BUILD): what was measured or tuned on
-                    one build (peaks, prefetch, crossovers) is not the other's
+                    the native one ($WORKBENCH_KERNELS_BUILD): the peaks measured through
+                    one build are not the other's (prefetch and crossovers are only ever
+                    measured on the native build, and keyed by cpu_key())
 """
 
 from __future__ import annotations
@@ -29,5 +30,7 @@ def cpu_key() -> str:
 
 
 def measured_key() -> str:
-    build = os.environ.get("WORKBENCH_KERNELS_BUILD", "native")  # workbench.kernels._build.BUILD_ENV
+    from workbench.kernels._build import process_build  # here: _build imports this module
+
+    build = process_build()
     return cpu_key() if build == "native" else f"{cpu_key()}-{build}"

@@ -53,7 +53,8 @@ def _round_down(x: int, m: int) -> int:
 
 
 class KernelSet:
-    """The kernel API bound to one build variant ("native", "avx2" or "scalar")."""
+    """The kernel API bound to one build variant ("native", "avx2", "scalar", or the test build
+    "emulated")."""
 
     def __init__(self, variant: str = "native"):
         self.variant = variant

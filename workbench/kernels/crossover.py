@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from workbench.cache import cache_dir, measured_key
+from workbench.cache import cache_dir, cpu_key
 
 ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # candidate row counts, ascending
 K = 4096  # a Llama-2-7B layer's input width
@@ -27,7 +27,7 @@ VERSION = 3  # 2: the crossover that makes the measured counts fastest together;
 
 
 def _path(sources_key: str):
-    return cache_dir() / f"crossover-{measured_key()}-{sources_key}-{torch.get_num_threads()}threads.json"
+    return cache_dir() / f"crossover-{cpu_key()}-{sources_key}-{torch.get_num_threads()}threads.json"
 
 
 def _weights(ext, kernel: str, min_bytes: int):

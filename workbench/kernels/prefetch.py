@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from workbench.cache import cache_dir, measured_key
+from workbench.cache import cache_dir, cpu_key
 from workbench.hw.rounds import interleaved_rounds
 
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
@@ -74,7 +74,7 @@ def choose(seconds: dict[str, list[float]], off: str) -> str:
 
 
 def _path():
-    return cache_dir() / f"prefetch-{measured_key()}-{torch.get_num_threads()}threads.json"
+    return cache_dir() / f"prefetch-{cpu_key()}-{torch.get_num_threads()}threads.json"
 
 
 def measure(ext, repeats: int = 3) -> dict:
