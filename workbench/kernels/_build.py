@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from workbench.cache import cache_dir, cpu_key
+from workbench.cache import KERNELS_BUILD_ENV, cache_dir, cpu_key
 from workbench.hw.machine import machine_info
 
 
@@ -101,7 +101,7 @@ def runnable_variants() -> list[str]:
     return variants
 
 
-BUILD_ENV = "WORKBENCH_KERNELS_BUILD"
+BUILD_ENV = KERNELS_BUILD_ENV
 
 
 def process_build() -> str:
