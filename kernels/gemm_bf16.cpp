@@ -661,6 +661,9 @@ WBK_AMX_TARGET double dp_loop_thread(int64_t iterations) {
 // Run `loop(iterations)` once on every torch thread; the FLOPs all of them executed.
 template <typename Loop>
 double on_every_thread(int64_t iterations, double flops_per_iteration, Loop loop) {
+#if defined(WBK_EMULATE_ISA)
+  return 0.0;  // the test build's emulated instructions: their speed is no peak
+#endif
   std::atomic<int> threads{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -673,9 +676,6 @@ double on_every_thread(int64_t iterations, double flops_per_iteration, Loop loop
 }
 
 double avx512_bf16_loop(int64_t iterations_per_thread) {
-#if defined(WBK_EMULATE_ISA)
-  return 0.0;  // an emulated instruction's speed is no peak
-#endif
   if (!status().avx512_bf16) return 0.0;
   // Each vdpbf16ps: 16 lanes, 2 products each, 2 FLOPs a product; 16 chains per iteration.
   return on_every_thread(iterations_per_thread, 16.0 * 16 * 2 * 2, dp_loop_thread);
@@ -702,18 +702,12 @@ bool amx_int8_available(std::string* reason) {
 }
 
 double amx_int8_loop(int64_t iterations_per_thread) {
-#if defined(WBK_EMULATE_ISA)
-  return 0.0;  // an emulated instruction's speed is no peak
-#endif
   if (!amx_int8_available(nullptr)) return 0.0;
   // Each tdpbssd: 16 x 16 outputs, 64 products each, 2 ops a product; 4 per iteration.
   return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 64 * 2, tile_loop_thread<true>);
 }
 
 double amx_bf16_loop(int64_t iterations_per_thread) {
-#if defined(WBK_EMULATE_ISA)
-  return 0.0;  // an emulated instruction's speed is no peak
-#endif
   if (!status().amx_bf16) return 0.0;
   // Each tdpbf16ps: 16 x 16 outputs, 32 products each, 2 FLOPs a product; 4 per iteration.
   return on_every_thread(iterations_per_thread, 4.0 * 16 * 16 * 32 * 2, tile_loop_thread<false>);

@@ -101,17 +101,14 @@ def runnable_variants() -> list[str]:
     return variants
 
 
-BUILD_ENV = KERNELS_BUILD_ENV
-
-
 def process_build() -> str:
     """The build the whole workbench runs on in this process (the module-level kernels, every
     model): native, unless $WORKBENCH_KERNELS_BUILD names another variant, to run a model
     end to end on the avx2 or scalar path, or on "emulated" (the bf16 engines' AVX-512 and
     AMX code on a CPU without them: correct, and far slower)."""
-    build = os.environ.get(BUILD_ENV, "native")
+    build = os.environ.get(KERNELS_BUILD_ENV, "native")
     if build not in VARIANT_FLAGS:
-        raise ValueError(f"{BUILD_ENV} must be one of {', '.join(VARIANT_FLAGS)}, got {build!r}")
+        raise ValueError(f"{KERNELS_BUILD_ENV} must be one of {', '.join(VARIANT_FLAGS)}, got {build!r}")
     return build
 
 
