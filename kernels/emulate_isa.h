@@ -1,28 +1,33 @@
-// The AVX-512, AVX512-BF16 and AMX instructions of the bf16 engines (gemm_bf16.cpp, tiles.h,
-// prefill_tiles.cpp, transpose.h's 16 x 16 transpose), written out in plain C++ from their
-// definitions in Intel's SDM, so that the test build "emulated" (workbench/kernels/_build.py)
-// runs those engines' own code on any x86 CPU with AVX2, including the many that have no AMX.
+// The instructions of an AMX host that the kernels use (AVX-512 F/BW/VL for simd.h's VecF,
+// VecB and VecI, AVX512-VNNI, AVX512-BF16, AMX-BF16 and AMX-INT8), written out in plain C++
+// from their definitions in Intel's SDM, so that the test build "emulated"
+// (workbench/kernels/_build.py) runs the code such a host runs (the AVX-512 path of every
+// kernel, and the bf16 engines) on any x86 CPU with AVX2, including the many that have none
+// of it.
 //
-// That build forces this header into every unit (-include) and defines WBK_EMULATE_ISA; it
-// is never part of a build that a user runs. After <immintrin.h> each intrinsic the engines
-// use becomes a function-like macro calling its emulation below, and the target attributes
-// that would let the compiler emit AVX-512 / AMX instructions are defined empty, so those
-// functions compile for the build's AVX2. What the tests then check is the engines' logic
-// (packing, tiling, edges, masks, the tile configuration) against float64; their speed means
-// nothing here.
+// That build forces this header into every unit (-include) and defines WBK_EMULATE_ISA, which
+// makes simd.h take its AVX-512 and VNNI branches; it is never part of a build that a user
+// runs. After <immintrin.h> each AVX-512 / AMX intrinsic the kernels use becomes a
+// function-like macro calling its emulation below, and the target attributes that would let
+// the compiler emit AVX-512 / AMX instructions are defined empty, so those functions compile
+// for the build's AVX2. An intrinsic left out fails the build (GCC cannot inline it), so none
+// runs as a real instruction. What the tests then check is the kernels' logic (16-lane
+// vectors and their masked tails, packing, tiling, edges, the tile configuration) against
+// float64; their speed means nothing here.
 //
 // Faithful where it decides a result: bf16 rounding is to nearest even with denormal inputs
 // read as zero (VCVTNE*PS2BF16), the bf16 dot products are FP32 FMAs in the order of the SDM's
 // pseudocode with denormals flushed (VDPBF16PS: the odd element, then the even one;
-// TDPBF16PS: even and odd partial sums over all of K, added to C at the end), masked loads
-// never touch a masked-off element (the CPU suppresses their faults), aligned accesses must
-// be aligned, and a tile instruction checks what the CPU checks: a configuration loaded,
-// shapes that agree. Where the CPU would fault (#UD, #GP) the emulation throws
-// std::runtime_error instead.
+// TDPBF16PS: even and odd partial sums over all of K, added to C at the end), FMAs round once,
+// MAXPS returns its second operand for NaNs and zeros, conversions to integers round to
+// nearest even and saturate where the instruction does, masked loads never touch a masked-off
+// element (the CPU suppresses their faults), aligned accesses must be aligned, and a tile
+// instruction checks what the CPU checks: a configuration loaded, shapes that agree. Where
+// the CPU would fault (#UD, #GP) the emulation throws std::runtime_error instead.
 //
-// What it cannot run: the build is an AVX2 one, so the engines' code runs as compiled for
-// AVX2, with its 8-lane VecF; a branch for the AVX-512 build only (prefill_tiles.cpp's
-// store_bf16, for one) is left to the hosts that have AVX-512.
+// What it does not cover: simd.h's AVX-512 branch for CPUs without VNNI (Skylake-SP's
+// pmaddubsw form), and the compiler's own code generation for AVX-512 (its register use,
+// any auto-vectorized loop), which only a host with AVX-512 runs.
 #pragma once
 
 #ifndef WBK_EMULATE_ISA
@@ -292,6 +297,124 @@ inline __m512i mm512_shuffle_i32x4(__m512i a, __m512i b, int imm) {
   return vec<__m512i>(d);
 }
 
+// -- the AVX-512 path of kernels/simd.h (VecF, VecB, VecI) --------------------------------
+
+inline __m512i mm512_maskz_loadu_epi8(__mmask64 k, const void* p) { return maskz_load<__m512i, int8_t, 64>(k, p); }
+inline __m512i mm512_maskz_loadu_epi32(__mmask16 k, const void* p) { return maskz_load<__m512i, int32_t, 16>(k, p); }
+inline void mm_mask_storeu_epi8(void* p, __mmask16 k, __m128i a) { mask_store<int8_t, 16>(p, k, a); }
+
+inline __m512i mm512_set1_epi8(char v) {
+  Lanes<int8_t, 64> l;
+  for (int i = 0; i < 64; ++i) l[i] = static_cast<int8_t>(v);
+  return vec<__m512i>(l);
+}
+
+inline __m512 mm512_sub_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x - y; }); }
+inline __m512 mm512_div_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x / y; }); }
+// MAXPS: the second operand where either is a NaN or both are zeros (of either sign).
+inline __m512 mm512_max_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x > y ? x : y; }); }
+
+inline __m512 mm512_fmadd_ps(__m512 a, __m512 b, __m512 c) {  // one rounding
+  Lanes<float, 16> x = lanes<float, 16>(a);
+  const Lanes<float, 16> y = lanes<float, 16>(b), z = lanes<float, 16>(c);
+  for (int i = 0; i < 16; ++i) x[i] = std::fma(x[i], y[i], z[i]);
+  return vec<__m512>(x);
+}
+
+template <typename Op>
+inline __m512i bitwise(__m512i a, __m512i b, Op op) {
+  Lanes<uint64_t, 8> x = lanes<uint64_t, 8>(a);
+  const Lanes<uint64_t, 8> y = lanes<uint64_t, 8>(b);
+  for (int i = 0; i < 8; ++i) x[i] = op(x[i], y[i]);
+  return vec<__m512i>(x);
+}
+inline __m512i mm512_and_si512(__m512i a, __m512i b) { return bitwise(a, b, [](uint64_t x, uint64_t y) { return x & y; }); }
+inline __m512i mm512_xor_si512(__m512i a, __m512i b) { return bitwise(a, b, [](uint64_t x, uint64_t y) { return x ^ y; }); }
+
+inline __m512 mm512_abs_ps(__m512 a) {  // the sign bit cleared, NaNs included
+  Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
+  for (int i = 0; i < 16; ++i) x[i] &= 0x7fffffffu;
+  return vec<__m512>(x);
+}
+
+inline __m512i mm512_add_epi32(__m512i a, __m512i b) {  // wrapping
+  Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
+  const Lanes<uint32_t, 16> y = lanes<uint32_t, 16>(b);
+  for (int i = 0; i < 16; ++i) x[i] += y[i];
+  return vec<__m512i>(x);
+}
+
+inline __m512i mm512_slli_epi32(__m512i a, unsigned imm) {  // counts past 31 give zeros
+  Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
+  for (int i = 0; i < 16; ++i) x[i] = imm > 31 ? 0u : x[i] << imm;
+  return vec<__m512i>(x);
+}
+
+inline __m512 mm512_castsi512_ps(__m512i a) { return vec<__m512>(lanes<uint32_t, 16>(a)); }
+
+inline __m256 mm512_castps512_ps256(__m512 a) {
+  __m256 d;
+  std::memcpy(&d, &a, 32);
+  return d;
+}
+
+inline __m512i mm512_cvtepu16_epi32(__m256i a) {
+  const Lanes<uint16_t, 16> s = lanes<uint16_t, 16>(a);
+  Lanes<int32_t, 16> d;
+  for (int i = 0; i < 16; ++i) d[i] = s[i];
+  return vec<__m512i>(d);
+}
+
+inline __m512 mm512_cvtph_ps(__m256i a) {  // binary16 to binary32 is exact (F16C's scalar form)
+  const Lanes<uint16_t, 16> s = lanes<uint16_t, 16>(a);
+  Lanes<float, 16> d;
+  for (int i = 0; i < 16; ++i) d[i] = _cvtsh_ss(s[i]);
+  return vec<__m512>(d);
+}
+
+// CVTPS2DQ under the default rounding (nearest even); NaN and out-of-range lanes give the
+// "integer indefinite" 0x80000000.
+inline __m512i mm512_cvtps_epi32(__m512 a) {
+  const Lanes<float, 16> s = lanes<float, 16>(a);
+  Lanes<int32_t, 16> d;
+  for (int i = 0; i < 16; ++i) {
+    const float r = std::nearbyint(s[i]);
+    d[i] = (r >= -2147483648.0f && r < 2147483648.0f) ? static_cast<int32_t>(r) : INT32_MIN;
+  }
+  return vec<__m512i>(d);
+}
+
+inline __m128i mm512_cvtsepi32_epi8(__m512i a) {  // saturating
+  const Lanes<int32_t, 16> s = lanes<int32_t, 16>(a);
+  Lanes<int8_t, 16> d;
+  for (int i = 0; i < 16; ++i) d[i] = static_cast<int8_t>(s[i] < -128 ? -128 : s[i] > 127 ? 127 : s[i]);
+  return vec<__m128i>(d);
+}
+
+// VRNDSCALEPS with scale 0: to an integral value, the rounding the immediate names.
+inline __m512 mm512_roundscale_ps(__m512 a, int imm) {
+  if ((imm & 0xf4) != 0 || (imm & 3) != _MM_FROUND_TO_NEAREST_INT) fault("vrndscaleps with an immediate the emulation does not write out");
+  Lanes<float, 16> x = lanes<float, 16>(a);
+  for (int i = 0; i < 16; ++i) x[i] = std::nearbyint(x[i]);
+  return vec<__m512>(x);
+}
+
+inline __m512 mm512_shuffle_f32x4(__m512 a, __m512 b, int imm) {
+  return vec<__m512>(lanes<float, 16>(mm512_shuffle_i32x4(vec<__m512i>(lanes<int32_t, 16>(a)),
+                                                          vec<__m512i>(lanes<int32_t, 16>(b)), imm)));
+}
+
+// VPDPBUSD: lane i + the four products of a's unsigned and b's signed bytes of group i
+// (32-bit wrapping sums, no saturation).
+inline __m512i mm512_dpbusd_epi32(__m512i src, __m512i a, __m512i b) {
+  Lanes<uint32_t, 16> acc = lanes<uint32_t, 16>(src);
+  const Lanes<uint8_t, 64> u = lanes<uint8_t, 64>(a);
+  const Lanes<int8_t, 64> v = lanes<int8_t, 64>(b);
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 4; ++j) acc[i] += static_cast<uint32_t>(static_cast<int32_t>(u[4 * i + j]) * v[4 * i + j]);
+  return vec<__m512i>(acc);
+}
+
 // -- AMX: eight tiles per thread, and the configuration that shapes them ----------------------
 
 struct TileState {
@@ -465,3 +588,25 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _mm512_unpacklo_epi64(a, b) ::wbk_emu::unpack<int64_t, false>(a, b)
 #define _mm512_unpackhi_epi64(a, b) ::wbk_emu::unpack<int64_t, true>(a, b)
 #define _mm512_shuffle_i32x4(...) ::wbk_emu::mm512_shuffle_i32x4(__VA_ARGS__)
+#define _mm512_maskz_loadu_epi8(...) ::wbk_emu::mm512_maskz_loadu_epi8(__VA_ARGS__)
+#define _mm512_maskz_loadu_epi32(...) ::wbk_emu::mm512_maskz_loadu_epi32(__VA_ARGS__)
+#define _mm_mask_storeu_epi8(...) ::wbk_emu::mm_mask_storeu_epi8(__VA_ARGS__)
+#define _mm512_set1_epi8(...) ::wbk_emu::mm512_set1_epi8(__VA_ARGS__)
+#define _mm512_sub_ps(...) ::wbk_emu::mm512_sub_ps(__VA_ARGS__)
+#define _mm512_div_ps(...) ::wbk_emu::mm512_div_ps(__VA_ARGS__)
+#define _mm512_max_ps(...) ::wbk_emu::mm512_max_ps(__VA_ARGS__)
+#define _mm512_fmadd_ps(...) ::wbk_emu::mm512_fmadd_ps(__VA_ARGS__)
+#define _mm512_and_si512(...) ::wbk_emu::mm512_and_si512(__VA_ARGS__)
+#define _mm512_xor_si512(...) ::wbk_emu::mm512_xor_si512(__VA_ARGS__)
+#define _mm512_abs_ps(...) ::wbk_emu::mm512_abs_ps(__VA_ARGS__)
+#define _mm512_add_epi32(...) ::wbk_emu::mm512_add_epi32(__VA_ARGS__)
+#define _mm512_slli_epi32(...) ::wbk_emu::mm512_slli_epi32(__VA_ARGS__)
+#define _mm512_castsi512_ps(...) ::wbk_emu::mm512_castsi512_ps(__VA_ARGS__)
+#define _mm512_castps512_ps256(...) ::wbk_emu::mm512_castps512_ps256(__VA_ARGS__)
+#define _mm512_cvtepu16_epi32(...) ::wbk_emu::mm512_cvtepu16_epi32(__VA_ARGS__)
+#define _mm512_cvtph_ps(...) ::wbk_emu::mm512_cvtph_ps(__VA_ARGS__)
+#define _mm512_cvtps_epi32(...) ::wbk_emu::mm512_cvtps_epi32(__VA_ARGS__)
+#define _mm512_cvtsepi32_epi8(...) ::wbk_emu::mm512_cvtsepi32_epi8(__VA_ARGS__)
+#define _mm512_roundscale_ps(...) ::wbk_emu::mm512_roundscale_ps(__VA_ARGS__)
+#define _mm512_shuffle_f32x4(...) ::wbk_emu::mm512_shuffle_f32x4(__VA_ARGS__)
+#define _mm512_dpbusd_epi32(...) ::wbk_emu::mm512_dpbusd_epi32(__VA_ARGS__)

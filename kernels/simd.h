@@ -11,6 +11,8 @@
 //
 // The kernels are written once against this interface, so the three builds run
 // the same algorithm; the tests build and run each path that the host can execute.
+// The test build "emulated" (WBK_EMULATE_ISA) takes the AVX-512 path with its instructions
+// written out in C++ (emulate_isa.h), so that path runs, slowly, on an AVX2 host too.
 #pragma once
 
 #include <cmath>
@@ -24,7 +26,7 @@
 
 namespace wbk {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || defined(WBK_EMULATE_ISA)
 #define WBK_ISA_AVX512 1
 inline constexpr const char* kIsa = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -369,7 +371,7 @@ struct VecI {
 };
 inline VecI operator+(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline VecF to_float(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(WBK_EMULATE_ISA)
 inline constexpr int kDotBias = 128;
 inline constexpr const char* kDotIsa = "avx512-vnni";
 struct DotK {

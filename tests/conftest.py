@@ -32,9 +32,10 @@ else:
 def pytest_generate_tests(metafunc):
     """Tests of the kernel API (the `kernels` fixture) run on every distinct build this host
     can execute: native, avx2 (where it differs from native) and scalar. A module that sets
-    ALSO_EMULATED = True (the bf16 engines' tests) runs on the "emulated" build too, where
-    the AMX and AVX512-BF16 engines run their own code with those instructions written out in
-    C++ (kernels/emulate_isa.h): on a CPU without them, the only way that code runs at all."""
+    ALSO_EMULATED = True (the kernels' tests) runs on the "emulated" build too, where the
+    code an AMX host runs (the AVX-512 path, VNNI, the AMX and AVX512-BF16 engines) runs with
+    those instructions written out in C++ (kernels/emulate_isa.h): on a CPU without them, the
+    only way that code runs at all."""
     if "kernels" in metafunc.fixturenames:
         variants = runnable_variants()
         if getattr(metafunc.module, "ALSO_EMULATED", False) and emulation_runs_here():

@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 
 from reference import decode_reference
 
+# Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
+ALSO_EMULATED = True
+
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 
 

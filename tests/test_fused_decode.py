@@ -18,6 +18,9 @@ from workbench.model.switches import Switches
 from workbench.model.timing import Clock
 from workbench.model.weights import WEIGHT_FORMATS
 
+# Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
+ALSO_EMULATED = True
+
 PROMPTS = [[1, 504, 3458, 1024, 29, 10, 77, 99, 314], [5, 6, 7, 8, 9, 10, 11]]  # ragged batch
 
 

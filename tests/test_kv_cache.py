@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 
 from workbench.kernels import dequantize_kv_int8
 
+# Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
+ALSO_EMULATED = True
+
 
 @given(
     rows=st.integers(1, 40),

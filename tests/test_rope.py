@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 from reference import rope_reference
 
+# Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
+ALSO_EMULATED = True
+
 
 @given(
     T=st.integers(1, 40),

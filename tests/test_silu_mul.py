@@ -9,6 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+# Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
+ALSO_EMULATED = True
+
 
 @given(T=st.integers(1, 70), F=st.integers(1, 300), scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 1000))
 def test_silu_mul_matches_reference(kernels, T, F, scale, seed):

@@ -8,9 +8,10 @@ host can execute:
     native   -march=native            (AVX-512 on hosts that have it, else AVX2, ...)
     avx2     -march=native -mno-avx512f  (the AVX2 path on an AVX-512 host)
     scalar   -march=x86-64            (the portable fallback)
-    emulated -march=x86-64-v3 with kernels/emulate_isa.h forced in: the bf16 engines' AVX-512,
-             AVX512-BF16 and AMX instructions as plain C++, so tests run the engines' code
-             on any AVX2 CPU (correctness only; a test build, never a user's)
+    emulated -march=x86-64-v3 with kernels/emulate_isa.h forced in: the AVX-512 path, with
+             the AVX-512, VNNI, AVX512-BF16 and AMX instructions it runs as plain C++, so
+             tests run the code of an AMX host on any AVX2 CPU (correctness only; a test
+             build, never a user's)
 
 Builds live under $WORKBENCH_CACHE_DIR (default ~/.cache/workbench)/kernels, one folder
 per variant and CPU, so a home directory shared by different machines stays correct.
@@ -104,8 +105,8 @@ def runnable_variants() -> list[str]:
 def process_build() -> str:
     """The build the whole workbench runs on in this process (the module-level kernels, every
     model): native, unless $WORKBENCH_KERNELS_BUILD names another variant, to run a model
-    end to end on the avx2 or scalar path, or on "emulated" (the bf16 engines' AVX-512 and
-    AMX code on a CPU without them: correct, and far slower)."""
+    end to end on the avx2 or scalar path, or on "emulated" (an AMX host's AVX-512 path and
+    bf16 engines on a CPU without them: correct, and far slower)."""
     build = os.environ.get(KERNELS_BUILD_ENV, "native")
     if build not in VARIANT_FLAGS:
         raise ValueError(f"{KERNELS_BUILD_ENV} must be one of {', '.join(VARIANT_FLAGS)}, got {build!r}")
@@ -122,6 +123,8 @@ def variant_isa(variant: str) -> str:
     """The code path (kernels/simd.h: "avx512", "avx2" or "scalar") the `variant` build
     compiles on this host, which its module's isa() must report."""
     info = machine_info()
+    if variant == "emulated":  # the AVX-512 path, its instructions written out in C++
+        return "avx512"
     if not _X86 or variant == "scalar" or not info.has_avx2:
         return "scalar"
     return "avx512" if variant == "native" and info.has_avx512 else "avx2"
