@@ -46,3 +46,35 @@ def test_peaks_are_measured_cached_and_remeasured(tmp_path, monkeypatch):
     path.write_text("{not json")
     again = peaks.measured_peaks()  # a damaged cache is measured again and rewritten
     assert again.measured_at and json.loads(path.read_text()) == again.as_dict()
+
+
+def test_an_emulated_process_measures_the_machine_not_the_emulation():
+    """On the test build "emulated" every vector instruction of the kernels is C++, so its
+    speed is no peak: a process running that build ($WORKBENCH_KERNELS_BUILD) measures the
+    bandwidth and FMA peaks with the native build's probes, and its emulated matrix engines
+    report no peak (0), as engines that may not run do."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from workbench.kernels import KernelSet
+    from workbench.kernels._build import emulation_runs_here
+
+    if not emulation_runs_here():
+        pytest.skip("the emulated build needs AVX2, FMA and F16C")
+    KernelSet("emulated").ext  # built here, where the test's failure would name a build error
+    code = ("from workbench.kernels import native, peaks\n"
+            "probe = peaks.probe_kernels()\n"
+            "print(native.variant, native.ext.isa(), probe.variant, probe.ext.isa())\n"
+            "print(peaks.measure_amx_bf16_gflops(1, iterations=10, repeats=1)[0],"
+            " peaks.measure_avx512_bf16_gflops(1, iterations=10, repeats=1),"
+            " peaks.measure_amx_int8_gops(1, iterations=10, repeats=1)[0],"
+            " peaks.measure_fma_gflops(1, iterations=1000, repeats=1) > 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WORKBENCH_KERNELS_BUILD": "emulated"})
+    assert done.returncode == 0, done.stderr
+    builds, engines = done.stdout.split("\n")[:2]
+    assert builds == f"emulated avx512 native {KernelSet('native').ext.isa()}"
+    assert engines == "0.0 0.0 0.0 True"

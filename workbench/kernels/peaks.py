@@ -67,6 +67,17 @@ class Peaks:
         raise ValueError(f"engine must be 'fma', 'amx_bf16', 'avx512_bf16' or 'amx_int8', got {engine!r}")
 
 
+def probe_kernels():
+    """The build whose probes measure the machine's bandwidth and FMA peaks: the process's
+    (workbench.kernels.native), except on the test build "emulated", whose vector
+    instructions are C++ (kernels/emulate_isa.h) and whose speed is no peak of anything:
+    there, the native build's. The matrix engines' peaks stay the process build's (0 on
+    "emulated", whose engines are emulations too)."""
+    from workbench.kernels import KernelSet, native
+
+    return KernelSet("native") if native.variant == "emulated" else native
+
+
 def _best(fn, repeats: int) -> float:
     fn()  # warm up: page faults, thread pool start
     times = []
@@ -79,27 +90,26 @@ def _best(fn, repeats: int) -> float:
 
 def measure_triad_gbps(n_floats: int = 1 << 26, repeats: int = 5, threads: int | None = None) -> float:
     """Triad bandwidth over three arrays of n_floats fp32 (default 3 x 256 MiB)."""
-    from workbench.kernels import native
-
     from workbench.hw import memory
+
+    probe = probe_kernels()
 
     # on huge pages, like the KV caches and weights the kernels stream
     a, b, c = memory.empty(n_floats), memory.empty(n_floats).uniform_(), memory.empty(n_floats).uniform_()
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        return 12 * n_floats / _best(lambda: native.ext.triad(a, b, c, 3.0), repeats) / 1e9
+        return 12 * n_floats / _best(lambda: probe.ext.triad(a, b, c, 3.0), repeats) / 1e9
     finally:
         torch.set_num_threads(before)
 
 
 def measure_read_gbps(n_floats: int = 1 << 26, repeats: int = 5) -> float:
-    from workbench.kernels import native
-
     from workbench.hw import memory
 
+    probe = probe_kernels()
     x = memory.empty(n_floats).uniform_()
-    return 4 * n_floats / _best(lambda: native.ext.read_sum(x), repeats) / 1e9
+    return 4 * n_floats / _best(lambda: probe.ext.read_sum(x), repeats) / 1e9
 
 
 def _loop_gflops(loop, threads: int, iterations: int, repeats: int) -> float:
@@ -119,9 +129,7 @@ def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int 
     """The best of `repeats` runs, like the bandwidths: a peak is what the machine can do, and
     anything else running on a shared host only lowers a run (one median-of-3 measurement on
     a 2-vCPU cloud host once came out at half the peak)."""
-    from workbench.kernels import native
-
-    return _loop_gflops(native.ext.fma_loop, threads, iterations, repeats)
+    return _loop_gflops(probe_kernels().ext.fma_loop, threads, iterations, repeats)
 
 
 def measure_amx_bf16_gflops(threads: int, iterations: int = 2_000_000, repeats: int = 5) -> tuple[float, str]:
