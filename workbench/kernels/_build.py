@@ -67,8 +67,10 @@ VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("-march=native", "-mno-avx512f", "-mno-avxvnni"),
     "scalar": ("-march=x86-64", "-mtune=generic") if _X86 else (),
     # -Wno-psabi: the emulations pass 64-byte vectors by value outside AVX-512 code, a
-    # calling convention GCC warns about; they are all inline in one build
-    "emulated": ("-march=x86-64-v3", "-mtune=generic", "-DWBK_EMULATE_ISA", "-Wno-psabi",
+    # calling convention GCC warns about; they are all inline in one build. -O2: with every
+    # vector operation an inlined C++ loop, -O3 compiles far longer for a modestly faster
+    # run, -O1 compiles a little faster for a far slower one (docs/runtime-and-kernels.md)
+    "emulated": ("-march=x86-64-v3", "-mtune=generic", "-O2", "-DWBK_EMULATE_ISA", "-Wno-psabi",
                  "-include", str(SOURCE_DIR / "emulate_isa.h")),
 }
 
