@@ -191,6 +191,15 @@ inline __m512 lanewise(__m512 a, __m512 b, Op op) {
   return vec<__m512>(x);
 }
 
+// Each of the N lanes of `a` (elements E) converted by f, as a vector V of N lanes of D.
+template <typename D, typename E, int N, typename V, typename In, typename F>
+inline V convert(const In& a, F f) {
+  const Lanes<E, N> s = lanes<E, N>(a);
+  Lanes<D, N> d;
+  for (int i = 0; i < N; ++i) d[i] = f(s[i]);
+  return vec<V>(d);
+}
+
 inline __m512 mm512_add_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x + y; }); }
 inline __m512 mm512_mul_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x * y; }); }
 
@@ -202,17 +211,11 @@ inline float mm512_reduce_add_ps(__m512 a) {
 }
 
 inline __m512i mm512_cvtepi8_epi32(__m128i a) {
-  const Lanes<int8_t, 16> s = lanes<int8_t, 16>(a);
-  Lanes<int32_t, 16> d;
-  for (int i = 0; i < 16; ++i) d[i] = s[i];
-  return vec<__m512i>(d);
+  return convert<int32_t, int8_t, 16, __m512i>(a, [](int8_t x) { return x; });
 }
 
 inline __m512 mm512_cvtepi32_ps(__m512i a) {
-  const Lanes<int32_t, 16> s = lanes<int32_t, 16>(a);
-  Lanes<float, 16> d;
-  for (int i = 0; i < 16; ++i) d[i] = static_cast<float>(s[i]);
-  return vec<__m512>(d);
+  return convert<float, int32_t, 16, __m512>(a, [](int32_t x) { return static_cast<float>(x); });
 }
 
 // bf16 lanes 0-15 from b, 16-31 from a (VCVTNE2PS2BF16's order).
@@ -226,19 +229,9 @@ inline __m512bh mm512_cvtne2ps_pbh(__m512 a, __m512 b) {
   return vec<__m512bh>(d);
 }
 
-inline __m256bh mm512_cvtneps_pbh(__m512 a) {
-  const Lanes<float, 16> s = lanes<float, 16>(a);
-  Lanes<uint16_t, 16> d;
-  for (int i = 0; i < 16; ++i) d[i] = to_bf16(s[i]);
-  return vec<__m256bh>(d);
-}
+inline __m256bh mm512_cvtneps_pbh(__m512 a) { return convert<uint16_t, float, 16, __m256bh>(a, to_bf16); }
 
-inline __m128bh mm256_cvtneps_pbh(__m256 a) {
-  const Lanes<float, 8> s = lanes<float, 8>(a);
-  Lanes<uint16_t, 8> d;
-  for (int i = 0; i < 8; ++i) d[i] = to_bf16(s[i]);
-  return vec<__m128bh>(d);
-}
+inline __m128bh mm256_cvtneps_pbh(__m256 a) { return convert<uint16_t, float, 8, __m128bh>(a, to_bf16); }
 
 // Lane i: src[i] + a[2i+1] b[2i+1] + a[2i] b[2i] (the odd pair first, as the SDM writes it).
 inline __m512 mm512_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
@@ -359,36 +352,25 @@ inline __m256 mm512_castps512_ps256(__m512 a) {
 }
 
 inline __m512i mm512_cvtepu16_epi32(__m256i a) {
-  const Lanes<uint16_t, 16> s = lanes<uint16_t, 16>(a);
-  Lanes<int32_t, 16> d;
-  for (int i = 0; i < 16; ++i) d[i] = s[i];
-  return vec<__m512i>(d);
+  return convert<int32_t, uint16_t, 16, __m512i>(a, [](uint16_t x) { return x; });
 }
 
 inline __m512 mm512_cvtph_ps(__m256i a) {  // binary16 to binary32 is exact (F16C's scalar form)
-  const Lanes<uint16_t, 16> s = lanes<uint16_t, 16>(a);
-  Lanes<float, 16> d;
-  for (int i = 0; i < 16; ++i) d[i] = _cvtsh_ss(s[i]);
-  return vec<__m512>(d);
+  return convert<float, uint16_t, 16, __m512>(a, [](uint16_t h) { return _cvtsh_ss(h); });
 }
 
 // CVTPS2DQ under the default rounding (nearest even); NaN and out-of-range lanes give the
 // "integer indefinite" 0x80000000.
 inline __m512i mm512_cvtps_epi32(__m512 a) {
-  const Lanes<float, 16> s = lanes<float, 16>(a);
-  Lanes<int32_t, 16> d;
-  for (int i = 0; i < 16; ++i) {
-    const float r = std::nearbyint(s[i]);
-    d[i] = (r >= -2147483648.0f && r < 2147483648.0f) ? static_cast<int32_t>(r) : INT32_MIN;
-  }
-  return vec<__m512i>(d);
+  return convert<int32_t, float, 16, __m512i>(a, [](float x) {
+    const float r = std::nearbyint(x);
+    return (r >= -2147483648.0f && r < 2147483648.0f) ? static_cast<int32_t>(r) : INT32_MIN;
+  });
 }
 
 inline __m128i mm512_cvtsepi32_epi8(__m512i a) {  // saturating
-  const Lanes<int32_t, 16> s = lanes<int32_t, 16>(a);
-  Lanes<int8_t, 16> d;
-  for (int i = 0; i < 16; ++i) d[i] = static_cast<int8_t>(s[i] < -128 ? -128 : s[i] > 127 ? 127 : s[i]);
-  return vec<__m128i>(d);
+  return convert<int8_t, int32_t, 16, __m128i>(
+      a, [](int32_t x) { return static_cast<int8_t>(x < -128 ? -128 : x > 127 ? 127 : x); });
 }
 
 // VRNDSCALEPS with scale 0: to an integral value, the rounding the immediate names.
