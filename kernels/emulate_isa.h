@@ -183,12 +183,13 @@ inline __m512i mm512_set1_epi32(int v) {
   return vec<__m512i>(l);
 }
 
-template <typename Op>
-inline __m512 lanewise(__m512 a, __m512 b, Op op) {
-  Lanes<float, 16> x = lanes<float, 16>(a);
-  const Lanes<float, 16> y = lanes<float, 16>(b);
-  for (int i = 0; i < 16; ++i) x[i] = op(x[i], y[i]);
-  return vec<__m512>(x);
+// op on the lanes of a and b (N elements E each), pairwise.
+template <typename E = float, int N = 16, typename V, typename Op>
+inline V lanewise(V a, V b, Op op) {
+  Lanes<E, N> x = lanes<E, N>(a);
+  const Lanes<E, N> y = lanes<E, N>(b);
+  for (int i = 0; i < N; ++i) x[i] = static_cast<E>(op(x[i], y[i]));
+  return vec<V>(x);
 }
 
 // Each of the N lanes of `a` (elements E) converted by f, as a vector V of N lanes of D.
@@ -314,15 +315,12 @@ inline __m512 mm512_fmadd_ps(__m512 a, __m512 b, __m512 c) {  // one rounding
   return vec<__m512>(x);
 }
 
-template <typename Op>
-inline __m512i bitwise(__m512i a, __m512i b, Op op) {
-  Lanes<uint64_t, 8> x = lanes<uint64_t, 8>(a);
-  const Lanes<uint64_t, 8> y = lanes<uint64_t, 8>(b);
-  for (int i = 0; i < 8; ++i) x[i] = op(x[i], y[i]);
-  return vec<__m512i>(x);
+inline __m512i mm512_and_si512(__m512i a, __m512i b) {
+  return lanewise<uint64_t, 8>(a, b, [](uint64_t x, uint64_t y) { return x & y; });
 }
-inline __m512i mm512_and_si512(__m512i a, __m512i b) { return bitwise(a, b, [](uint64_t x, uint64_t y) { return x & y; }); }
-inline __m512i mm512_xor_si512(__m512i a, __m512i b) { return bitwise(a, b, [](uint64_t x, uint64_t y) { return x ^ y; }); }
+inline __m512i mm512_xor_si512(__m512i a, __m512i b) {
+  return lanewise<uint64_t, 8>(a, b, [](uint64_t x, uint64_t y) { return x ^ y; });
+}
 
 inline __m512 mm512_abs_ps(__m512 a) {  // the sign bit cleared, NaNs included
   Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
@@ -331,10 +329,7 @@ inline __m512 mm512_abs_ps(__m512 a) {  // the sign bit cleared, NaNs included
 }
 
 inline __m512i mm512_add_epi32(__m512i a, __m512i b) {  // wrapping
-  Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
-  const Lanes<uint32_t, 16> y = lanes<uint32_t, 16>(b);
-  for (int i = 0; i < 16; ++i) x[i] += y[i];
-  return vec<__m512i>(x);
+  return lanewise<uint32_t, 16>(a, b, [](uint32_t x, uint32_t y) { return x + y; });
 }
 
 inline __m512i mm512_slli_epi32(__m512i a, unsigned imm) {  // counts past 31 give zeros
