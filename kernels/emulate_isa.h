@@ -171,16 +171,24 @@ inline void mm_mask_storeu_epi16(void* p, __mmask8 k, __m128i a) { mask_store<ui
 inline __m512 mm512_setzero_ps() { return vec<__m512>(Lanes<float, 16>{}); }
 inline __m512i mm512_setzero_si512() { return vec<__m512i>(Lanes<int32_t, 16>{}); }
 
-inline __m512 mm512_set1_ps(float f) {
-  Lanes<float, 16> l;
-  for (int i = 0; i < 16; ++i) l[i] = f;
-  return vec<__m512>(l);
+// A vector V of N lanes, each x.
+template <typename V, typename E, int N>
+inline V set1(E x) {
+  Lanes<E, N> l;
+  for (int i = 0; i < N; ++i) l[i] = x;
+  return vec<V>(l);
 }
 
-inline __m512i mm512_set1_epi32(int v) {
-  Lanes<int32_t, 16> l;
-  for (int i = 0; i < 16; ++i) l[i] = v;
-  return vec<__m512i>(l);
+inline __m512 mm512_set1_ps(float f) { return set1<__m512, float, 16>(f); }
+inline __m512i mm512_set1_epi32(int v) { return set1<__m512i, int32_t, 16>(v); }
+
+// The same bits as another vector type of the same size.
+template <typename To, typename From>
+inline To bitcast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+  To y;
+  std::memcpy(&y, &x, sizeof(To));
+  return y;
 }
 
 // op on the lanes of a and b (N elements E each), pairwise.
@@ -192,7 +200,8 @@ inline V lanewise(V a, V b, Op op) {
   return vec<V>(x);
 }
 
-// Each of the N lanes of `a` (elements E) converted by f, as a vector V of N lanes of D.
+// Each of the N lanes of `a` (elements E) converted (or mapped) by f, as a vector V of N
+// lanes of D.
 template <typename D, typename E, int N, typename V, typename In, typename F>
 inline V convert(const In& a, F f) {
   const Lanes<E, N> s = lanes<E, N>(a);
@@ -297,11 +306,7 @@ inline __m512i mm512_maskz_loadu_epi8(__mmask64 k, const void* p) { return maskz
 inline __m512i mm512_maskz_loadu_epi32(__mmask16 k, const void* p) { return maskz_load<__m512i, int32_t, 16>(k, p); }
 inline void mm_mask_storeu_epi8(void* p, __mmask16 k, __m128i a) { mask_store<int8_t, 16>(p, k, a); }
 
-inline __m512i mm512_set1_epi8(char v) {
-  Lanes<int8_t, 64> l;
-  for (int i = 0; i < 64; ++i) l[i] = static_cast<int8_t>(v);
-  return vec<__m512i>(l);
-}
+inline __m512i mm512_set1_epi8(char v) { return set1<__m512i, int8_t, 64>(static_cast<int8_t>(v)); }
 
 inline __m512 mm512_sub_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x - y; }); }
 inline __m512 mm512_div_ps(__m512 a, __m512 b) { return lanewise(a, b, [](float x, float y) { return x / y; }); }
@@ -323,9 +328,7 @@ inline __m512i mm512_xor_si512(__m512i a, __m512i b) {
 }
 
 inline __m512 mm512_abs_ps(__m512 a) {  // the sign bit cleared, NaNs included
-  Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
-  for (int i = 0; i < 16; ++i) x[i] &= 0x7fffffffu;
-  return vec<__m512>(x);
+  return convert<uint32_t, uint32_t, 16, __m512>(a, [](uint32_t x) { return x & 0x7fffffffu; });
 }
 
 inline __m512i mm512_add_epi32(__m512i a, __m512i b) {  // wrapping
@@ -333,12 +336,10 @@ inline __m512i mm512_add_epi32(__m512i a, __m512i b) {  // wrapping
 }
 
 inline __m512i mm512_slli_epi32(__m512i a, unsigned imm) {  // counts past 31 give zeros
-  Lanes<uint32_t, 16> x = lanes<uint32_t, 16>(a);
-  for (int i = 0; i < 16; ++i) x[i] = imm > 31 ? 0u : x[i] << imm;
-  return vec<__m512i>(x);
+  return convert<uint32_t, uint32_t, 16, __m512i>(a, [imm](uint32_t x) { return imm > 31 ? 0u : x << imm; });
 }
 
-inline __m512 mm512_castsi512_ps(__m512i a) { return vec<__m512>(lanes<uint32_t, 16>(a)); }
+inline __m512 mm512_castsi512_ps(__m512i a) { return bitcast<__m512>(a); }
 
 inline __m256 mm512_castps512_ps256(__m512 a) {
   __m256 d;
@@ -371,14 +372,11 @@ inline __m128i mm512_cvtsepi32_epi8(__m512i a) {  // saturating
 // VRNDSCALEPS with scale 0: to an integral value, the rounding the immediate names.
 inline __m512 mm512_roundscale_ps(__m512 a, int imm) {
   if ((imm & 0xf4) != 0 || (imm & 3) != _MM_FROUND_TO_NEAREST_INT) fault("vrndscaleps with an immediate the emulation does not write out");
-  Lanes<float, 16> x = lanes<float, 16>(a);
-  for (int i = 0; i < 16; ++i) x[i] = std::nearbyint(x[i]);
-  return vec<__m512>(x);
+  return convert<float, float, 16, __m512>(a, [](float x) { return std::nearbyint(x); });
 }
 
 inline __m512 mm512_shuffle_f32x4(__m512 a, __m512 b, int imm) {
-  return vec<__m512>(lanes<float, 16>(mm512_shuffle_i32x4(vec<__m512i>(lanes<int32_t, 16>(a)),
-                                                          vec<__m512i>(lanes<int32_t, 16>(b)), imm)));
+  return bitcast<__m512>(mm512_shuffle_i32x4(bitcast<__m512i>(a), bitcast<__m512i>(b), imm));
 }
 
 // VPDPBUSD: lane i + the four products of a's unsigned and b's signed bytes of group i

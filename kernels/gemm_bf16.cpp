@@ -9,7 +9,7 @@
 // kernel's permission (arch_prctl), whether they may run. Nothing here runs unless it said yes.
 // The test build "emulated" runs them on any AVX2 CPU, their AVX-512 and AMX instructions
 // written out in C++ (emulate_isa.h), so the tests check this code even where no CPU can
-// (as compiled for AVX2; it measures no peaks).
+// (it measures no peaks).
 //
 // Layout. The product is computed transposed, y^T = w x^T, as linear.cpp's FMA GEMM does:
 //   - the A operand is w itself: a tile is 16 rows of w by 32 values of K (64 bytes a row),
