@@ -141,11 +141,12 @@ def _run_panel(page) -> None:
         return d && JSON.stringify(d.data) !== before; }}""", arg=before)
 
 
-def _wait_for_figures(page, condition: str, what: str) -> None:
+def _wait_for_figures(page, condition: str, what: str, errors: list[str]) -> None:
     """Wait for `condition` on the figures after the notebook is reopened. A reopen draws them
     in seconds; if they have not come back after 3 minutes, fail with what the page holds (each
-    figure's traces and points, the kernel's status, a screenshot) rather than wait out the
-    10-minute hang guard with nothing to show for it."""
+    figure's traces and points, how many widget views and Output widgets it drew and which
+    failed, the browser console's errors, the kernel's status, a screenshot) rather than wait
+    out the 10-minute hang guard with nothing to show for it."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     try:
@@ -155,8 +156,15 @@ def _wait_for_figures(page, condition: str, what: str) -> None:
         page.screenshot(path=str(shot), full_page=True)
         figures = page.evaluate(f"() => Array.from({FIGURES}).map(d => (d.data || []).map(t => (t.y || []).length))")
         kernel = page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status")
+        views = page.evaluate("""() => ({views: document.querySelectorAll('.jp-OutputArea .jupyter-widgets').length,
+            outputs: document.querySelectorAll('.jp-OutputArea .widget-output').length,
+            failed: Array.from(document.querySelectorAll('.jp-OutputArea .jupyter-widgets'))
+                .filter(e => e.innerText.includes('Error displaying widget')).length,
+            placeholders: Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+                .filter(e => e.innerText.includes('Loading widget')).length})""")
         pytest.fail(f"{what}: the figures did not come back in 3 minutes; points per trace of each figure: "
-                    f"{figures}; kernel {kernel}; screenshot {shot}")
+                    f"{figures}; widget views {views}; kernel {kernel}; console errors {errors[-5:]}; "
+                    f"screenshot {shot}")
 
 
 _ACTIVE_KV_JS = """() => { const boxes = document.querySelectorAll('.jp-OutputArea .widget-dropdown');
@@ -280,7 +288,7 @@ def test_quickstart_in_jupyterlab(lab):
         save(page)
         open_notebook()
         _wait_for_figures(page, f"() => {FIGURES}.length >= 6 && ({FIGURES}[1].data || []).some(t => (t.y || []).length)",
-                          "after reload")
+                          "after reload", errors)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload.png"), full_page=False)
         _run_panel(page)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload-run.png"), full_page=False)
@@ -291,7 +299,7 @@ def test_quickstart_in_jupyterlab(lab):
         page.set_viewport_size({"width": 640, "height": 1800})
         open_notebook()
         _wait_for_figures(page, f"() => {FIGURES}.length >= 6 && ({FIGURES}[0].data || []).some(t => (t.y || []).length)",
-                          "narrow view")
+                          "narrow view", errors)
         fits = page.evaluate(f"""() => {{ const d = {FIGURES}[0], svg = d.querySelector('svg.main-svg');
             const area = d.closest('.jp-OutputArea-output');
             return [svg.getBoundingClientRect().width, area.getBoundingClientRect().width]; }}""")
