@@ -23,6 +23,7 @@
 #include <oneapi/ccl.hpp>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels.h"  // wbk::StepCollective: the kernels' extension calls ours through it
@@ -36,6 +37,7 @@ struct State {
   std::shared_ptr<ccl::kvs> kvs;
   std::unique_ptr<ccl::communicator> comm;
   int rank = -1, world = 0;
+  int generation = 0;  // communicators connected so far: the step's cached operations are per communicator
 };
 
 State& state() {
@@ -84,6 +86,7 @@ void connect(int64_t rank, int64_t world, const std::string& address) {
   });
   state().rank = static_cast<int>(rank);
   state().world = static_cast<int>(world);
+  state().generation++;
 }
 
 ccl::communicator& comm(const char* fn) {
@@ -135,13 +138,41 @@ void all_gather(const Tensor& t, Tensor& out) {
 
 // The fused step's all-reduce: oneCCL's, in place; no buffer of its own (the step reduces its
 // own). Errors propagate as C++ exceptions through the step to its Python caller.
+//
+// The step makes the same all-reduce (batch x hidden floats) twice a layer, every token, so
+// it asks oneCCL to cache the operation (its "persistent" collectives: to_cache with a
+// match_id): oneCCL then builds the operation's schedule once and reuses it, where each
+// uncached call builds and frees one. oneCCL finds a cached operation by its match_id alone
+// (not by its communicator or size) and takes the buffers of each call, so the id names the
+// communicator and the element count: every rank makes the same calls with the same counts,
+// and so the same ids. (The Python path's collectives, whose sizes follow the prompt, stay
+// uncached.)
 class StepAllReduce : public wbk::StepCollective {
  public:
   float* buffer(int64_t) override { return nullptr; }
   void all_reduce(float* data, int64_t n) override {
     auto& c = comm("ccl step all_reduce");
-    guarded("allreduce", [&] { ccl::allreduce(data, data, n, ccl::reduction::sum, c).wait(); });
+    guarded("allreduce", [&] { ccl::allreduce(data, data, n, ccl::reduction::sum, c, cached(n)).wait(); });
   }
+
+ private:
+  const ccl::allreduce_attr& cached(int64_t n) {
+    if (generation_ != state().generation) {  // a new communicator: new ids
+      attrs_.clear();
+      generation_ = state().generation;
+    }
+    auto found = attrs_.find(n);
+    if (found == attrs_.end()) {
+      auto attr = ccl::create_operation_attr<ccl::allreduce_attr>();
+      attr.set<ccl::operation_attr_id::to_cache>(true);
+      attr.set<ccl::operation_attr_id::match_id>(ccl::string_class(
+          "workbench-step-allreduce-" + std::to_string(generation_) + "-" + std::to_string(n)));
+      found = attrs_.emplace(n, std::move(attr)).first;
+    }
+    return found->second;
+  }
+  int generation_ = 0;
+  std::unordered_map<int64_t, ccl::allreduce_attr> attrs_;  // this communicator's, by element count
 };
 
 uintptr_t step_collective() {
