@@ -2,7 +2,8 @@
 bundled model split unevenly (3 KV heads: 2 + 1), against the single-process model.
 
 Properties: TP=2 greedy tokens are TP=1's, and its logits are within 1e-4 (relative to the
-largest logit) of TP=1's, for every backend and every exact switch setting; the bytes each
+largest logit) of TP=1's, for every backend and every exact switch setting, and so are a
+batch of prompts' tokens; the bytes each
 collective moves are the ones worked out by hand; the exact LM-head modes find the true
 top-1 every step; the engines sit on disjoint cores with --pin; a killed engine is a clear
 error naming its rank, and nothing is left running.
@@ -157,6 +158,20 @@ def test_tp2_greedy_tokens_and_logits_match_tp1(tp2, single):
         ids = single.tokenizer.encode(prompt)
         a, b = model.logits(ids), single.logits(ids)
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_a_batch_of_prompts_on_tp2_gives_each_its_one_process_tokens(tp2, single):
+    """Three prompts of different lengths decoded together: the fused step's all-reduces carry
+    3 x hidden floats (one process's batch, split the same way), after this cluster has run
+    batch 1 (oneCCL caches the step's all-reduce per size: a size mix-up would show here)."""
+    cluster, model = tp2
+    model.generate(PROMPTS[0], max_new_tokens=4, stop_at_eos=False)  # batch 1 first, on the same ranks
+    new_tokens = 8 if cluster.backend == "gloo" else 24
+    ours = model.generate(PROMPTS, max_new_tokens=new_tokens, stop_at_eos=False)
+    ref = single.generate(PROMPTS, max_new_tokens=new_tokens, stop_at_eos=False)
+    assert len(ref.token_ids) == len(PROMPTS)
+    assert ours.token_ids == ref.token_ids
+    assert all(s.path == "fused" for s in ours.timings.decode_steps)
 
 
 # (name, scheduling policy) of every thread of an engine, evaluated there (a function of this
