@@ -3,10 +3,9 @@ bundled model split unevenly (3 KV heads: 2 + 1), against the single-process mod
 
 Properties: TP=2 greedy tokens are TP=1's, and its logits are within 1e-4 (relative to the
 largest logit) of TP=1's, for every backend and every exact switch setting, and so are a
-batch of prompts' tokens; the bytes each
-collective moves are the ones worked out by hand; the exact LM-head modes find the true
-top-1 every step; the engines sit on disjoint cores with --pin; a killed engine is a clear
-error naming its rank, and nothing is left running.
+batch of prompts' tokens; the bytes each collective moves are the ones worked out by hand;
+the exact LM-head modes find the true top-1 every step; the engines sit on disjoint cores
+with --pin; a killed engine is a clear error naming its rank, and nothing is left running.
 """
 
 from __future__ import annotations
