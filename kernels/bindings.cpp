@@ -62,7 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<Tensor, int64_t, int64_t, int64_t, double>(), py::arg("segment"), py::arg("rank"),
            py::arg("world"), py::arg("capacity"), py::arg("timeout_s"))
       .def_readwrite("seq", &ShmCollective::seq)
-      .def_readwrite("zero_copy", &ShmCollective::zero_copy);
+      .def_readwrite("zero_copy", &ShmCollective::zero_copy)
+      .def_readwrite("wait_s", &ShmCollective::wait_s);
   py::class_<ForeignCollective, wbk::StepCollective>(m, "ForeignCollective", py::module_local())
       .def(py::init<uintptr_t>(), py::arg("address"));
   py::class_<PyCollective, wbk::StepCollective>(m, "PyCollective", py::module_local())

@@ -534,25 +534,25 @@ ShmCollective::ShmCollective(Tensor seg, int64_t rank, int64_t world, int64_t ca
     : seg_(std::move(seg)), a_(shm_args(seg_, rank, world, capacity, timeout_s, "ShmCollective")) {}
 
 
-void shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+double shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
                     Tensor& data, int64_t seq) {
   const char* fn = "shm_all_reduce";
   auto a = shm_args(seg, rank, world, capacity, timeout_s, fn);
   check_shm_data(data, fn, capacity);
   TORCH_CHECK_TYPE(data.scalar_type() == at::kFloat, fn, ": data must be float32, got ", data.scalar_type());
-  wbk::shm_all_reduce_sum(a, data.data_ptr<float>(), data.numel(), seq);
+  return wbk::shm_all_reduce_sum(a, data.data_ptr<float>(), data.numel(), seq);
 }
 
-void shm_broadcast(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+double shm_broadcast(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
                    Tensor& data, int64_t root, int64_t seq) {
   const char* fn = "shm_broadcast";
   auto a = shm_args(seg, rank, world, capacity, timeout_s, fn);
   check_shm_data(data, fn, capacity);
   TORCH_CHECK_VALUE(root >= 0 && root < world, fn, ": root must be in 0..", world - 1, ", got ", root);
-  wbk::shm_broadcast(a, data.data_ptr(), static_cast<int64_t>(data.nbytes()), static_cast<int>(root), seq);
+  return wbk::shm_broadcast(a, data.data_ptr(), static_cast<int64_t>(data.nbytes()), static_cast<int>(root), seq);
 }
 
-void shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+double shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
                     const Tensor& data, Tensor& out, int64_t seq) {
   const char* fn = "shm_all_gather";
   auto a = shm_args(seg, rank, world, capacity, timeout_s, fn);
@@ -560,7 +560,7 @@ void shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capa
   TORCH_CHECK_VALUE(out.defined() && out.is_contiguous() && out.scalar_type() == data.scalar_type() &&
                         out.nbytes() == data.nbytes() * world,
                     fn, ": out must be a contiguous ", data.scalar_type(), " tensor of world x data's size");
-  wbk::shm_all_gather(a, data.data_ptr(), static_cast<int64_t>(data.nbytes()), out.data_ptr(), seq);
+  return wbk::shm_all_gather(a, data.data_ptr(), static_cast<int64_t>(data.nbytes()), out.data_ptr(), seq);
 }
 
 void triad(Tensor& a, const Tensor& b, const Tensor& c, double s) {

@@ -55,14 +55,16 @@ Tensor silu_mul(const Tensor& gate_up);
 
 void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t head_dim);
 
-void shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
-                    Tensor& data, int64_t seq);
+// The shared-memory collectives (shm_comm.h); each returns the seconds this rank waited for
+// the others to arrive.
+double shm_all_reduce(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                      Tensor& data, int64_t seq);
 
-void shm_broadcast(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
-                   Tensor& data, int64_t root, int64_t seq);
+double shm_broadcast(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                     Tensor& data, int64_t root, int64_t seq);
 
-void shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
-                    const Tensor& data, Tensor& out, int64_t seq);
+double shm_all_gather(const Tensor& seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                      const Tensor& data, Tensor& out, int64_t seq);
 
 void triad(Tensor& a, const Tensor& b, const Tensor& c, double s);
 
@@ -75,7 +77,8 @@ int matvec_weights(const std::string& name);
 // The fused decode step's all-reduce over our shared-memory segment, called from C++ with no
 // Python in between. Its barrier numbers are the communicator's (`seq`, which the Python side
 // reads and advances for its own collectives: ShmComm). With zero_copy, o_proj / down_proj
-// write into this rank's input slot, which the all-reduce then reads in place.
+// write into this rank's input slot, which the all-reduce then reads in place. `wait_s` adds up
+// the seconds its all-reduces waited for the other ranks to arrive (the caller resets it).
 class ShmCollective : public wbk::StepCollective {
  public:
   ShmCollective(Tensor seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s);
@@ -88,13 +91,14 @@ class ShmCollective : public wbk::StepCollective {
   void all_reduce(float* data, int64_t n) override {
     const int64_t chunk = a_.capacity / static_cast<int64_t>(sizeof(float));
     for (int64_t lo = 0; lo < n; lo += chunk) {
-      wbk::shm_all_reduce_sum(a_, data + lo, std::min(chunk, n - lo), seq);
+      wait_s += wbk::shm_all_reduce_sum(a_, data + lo, std::min(chunk, n - lo), seq);
       seq += 2;
     }
   }
 
   int64_t seq = 1;  // the next barrier number
   bool zero_copy = true;
+  double wait_s = 0.0;
 
  private:
   Tensor seg_;  // keeps the mapping alive

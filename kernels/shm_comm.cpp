@@ -21,6 +21,11 @@
 // number `seq` waits until every counter is >= seq (acquire), after storing seq (release).
 // The caller numbers them (shm_comm.py), so no state lives here. A rank that does not
 // arrive within `timeout_s` (dead, or stuck) raises an error naming the missing ranks.
+//
+// Each collective returns the seconds this rank spent in its first barrier: waiting for the
+// other ranks to arrive with their data. That is not the collective's own cost but the
+// ranks' imbalance (a rank with less work before the collective waits there for the others);
+// the rest of the call (the reduction, the second barrier, the copies) is its own cost.
 #include "shm_comm.h"
 
 #include <sched.h>
@@ -51,7 +56,8 @@ uint8_t* slot(const ShmArgs& a, int r) { return a.seg + kShmHeaderBytes + static
 
 uint8_t* result_slot(const ShmArgs& a) { return slot(a, a.world); }
 
-void barrier(const ShmArgs& a, int64_t seq) {
+// Returns the seconds it waited.
+double barrier(const ShmArgs& a, int64_t seq) {
   counter(a.seg, a.rank)->store(seq, std::memory_order_release);
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < a.world; ++r) {
@@ -76,14 +82,15 @@ void barrier(const ShmArgs& a, int64_t seq) {
       }
     }
   }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
 
-void shm_all_reduce_sum(const ShmArgs& a, float* data, int64_t n, int64_t seq) {
+double shm_all_reduce_sum(const ShmArgs& a, float* data, int64_t n, int64_t seq) {
   float* mine = reinterpret_cast<float*>(slot(a, a.rank));
   if (data != mine) std::memcpy(mine, data, n * sizeof(float));  // zero copy: the producer wrote it here
-  barrier(a, seq);
+  const double waited = barrier(a, seq);
   // Reduce-scatter: this rank sums its slice of every slot, in rank order (the same sum on
   // every rank, so results are bitwise identical across ranks).
   const int64_t per = (n + a.world - 1) / a.world;
@@ -100,20 +107,23 @@ void shm_all_reduce_sum(const ShmArgs& a, float* data, int64_t n, int64_t seq) {
   }
   barrier(a, seq + 1);
   std::memcpy(data, out, n * sizeof(float));
+  return waited;
 }
 
-void shm_broadcast(const ShmArgs& a, void* data, int64_t bytes, int root, int64_t seq) {
+double shm_broadcast(const ShmArgs& a, void* data, int64_t bytes, int root, int64_t seq) {
   if (a.rank == root) std::memcpy(result_slot(a), data, bytes);
-  barrier(a, seq);
+  const double waited = barrier(a, seq);
   if (a.rank != root) std::memcpy(data, result_slot(a), bytes);
   barrier(a, seq + 1);
+  return waited;
 }
 
-void shm_all_gather(const ShmArgs& a, const void* data, int64_t bytes, void* out, int64_t seq) {
+double shm_all_gather(const ShmArgs& a, const void* data, int64_t bytes, void* out, int64_t seq) {
   std::memcpy(slot(a, a.rank), data, bytes);
-  barrier(a, seq);
+  const double waited = barrier(a, seq);
   for (int r = 0; r < a.world; ++r) std::memcpy(static_cast<uint8_t*>(out) + r * bytes, slot(a, r), bytes);
   barrier(a, seq + 1);
+  return waited;
 }
 
 }  // namespace wbk

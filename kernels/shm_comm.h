@@ -27,9 +27,10 @@ struct CollectiveError : std::runtime_error {
 // Segment bytes for `world` ranks with slots of `capacity` bytes.
 inline int64_t shm_segment_bytes(int world, int64_t capacity) { return kShmHeaderBytes + (world + 1) * capacity; }
 
-// Each uses barriers seq and seq + 1.
-void shm_all_reduce_sum(const ShmArgs& a, float* data, int64_t n, int64_t seq);
-void shm_broadcast(const ShmArgs& a, void* data, int64_t bytes, int root, int64_t seq);
-void shm_all_gather(const ShmArgs& a, const void* data, int64_t bytes, void* out, int64_t seq);
+// Each uses barriers seq and seq + 1, and returns the seconds this rank waited at the first
+// for the others to arrive (shm_comm.cpp).
+double shm_all_reduce_sum(const ShmArgs& a, float* data, int64_t n, int64_t seq);
+double shm_broadcast(const ShmArgs& a, void* data, int64_t bytes, int root, int64_t seq);
+double shm_all_gather(const ShmArgs& a, const void* data, int64_t bytes, void* out, int64_t seq);
 
 }  // namespace wbk

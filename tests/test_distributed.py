@@ -248,6 +248,13 @@ def test_comm_is_timed_and_its_bytes_are_the_ones_worked_out(tp2):
     for st in decode:
         assert st.comm_bytes == 8 * 2 + rows_all_reduce * 2 + 2 * (2 * k * 4)
         assert all(c > 0 for c in st.parts_s["comm"]) and st.head_comm_s > 0
+    # Of that time, the waits for the other rank to arrive: measured by shm (at its first
+    # barrier), a part of every step's communication; unknown where the backend cannot tell.
+    for st in [prefill, *decode]:
+        if cluster.backend == "shm":
+            assert 0 < st.comm_wait_s < st.comm_s
+        else:
+            assert st.comm_wait_s is None
     try:
         model.set_options(token_broadcast="embeddings", lm_head="gather")
         st = model.generate(prompts, max_new_tokens=2, stop_at_eos=False).timings.decode_steps[0]
@@ -255,6 +262,29 @@ def test_comm_is_timed_and_its_bytes_are_the_ones_worked_out(tp2):
         assert st.comm_bytes == 2 * cfg.dim * 4 + rows_all_reduce * 2 + 2 * width * 4
     finally:
         model.set_options(token_broadcast="ids", lm_head="topk")
+
+
+# On each engine: the ranks meet, then rank 1 arrives `late` seconds after rank 0 at one
+# recorded all-reduce; that call's (seconds, wait_s). Evaluated there, like THREADS.
+LATE_ALL_REDUCE = """(lambda comm, late: (comm.barrier(), comm.__setattr__('recording', True), comm.take_log(),
+    __import__('time').sleep(late if comm.rank == 1 else 0.0), comm.barrier(),
+    comm.__setattr__('recording', False), [(c.seconds, c.wait_s) for c in comm.take_log()][-1])[-1])(
+    __import__('workbench.distributed.engine', fromlist=['STATE']).STATE['comm'], {late})"""
+
+
+def test_a_collective_says_how_long_it_waited_for_a_late_rank(tp2):
+    """shm's collectives time their first barrier, where a rank waits for the others' data.
+    With rank 1 a fifth of a second late, that wait is rank 0's, not rank 1's (which finds
+    rank 0 there), and it is most of rank 0's call: the ordering of what each rank measured in
+    one run, not a claim about how long anything takes."""
+    cluster, _ = tp2
+    (seconds0, wait0), (seconds1, wait1) = cluster.run(eval, LATE_ALL_REDUCE.format(late=0.2),
+                                                       what="a late all-reduce")[0]
+    if cluster.backend != "shm":  # gloo and oneCCL cannot tell a wait from their own cost, and say so
+        assert wait0 is None and wait1 is None
+        return
+    assert 0 <= wait0 <= seconds0 and 0 <= wait1 <= seconds1
+    assert wait0 > wait1 and wait0 > seconds0 - wait0
 
 
 def test_streaming_and_sampling(tp2):

@@ -15,6 +15,11 @@ tp_ablation rows (decode phase, batch 1 unless given):
                                 and vs_tp1 pairs the worst and best rounds instead
     comm_ms_per_token           rank 0's collectives in a step (all-reduces and the head's), median
     pct_comm                    comm_ms_per_token / decode_ms_per_token
+    comm_wait_ms_per_token      of comm_ms_per_token, rank 0's waits for the other ranks to arrive
+                                (their imbalance, not the collectives' cost), median; None where
+                                the backend cannot tell (gloo, ccl) and at ranks 1
+    pct_comm_own                (comm - wait) / decode_ms_per_token: the collectives' own share
+                                of the step; None where the wait is not known
     comm_ms_by_rank             the same for every rank ([] at ranks 1): a rank whose part of a
                                 layer is smaller (uneven head splits) waits at the all-reduce
                                 that ends it, and the wait counts as its communication
@@ -53,8 +58,10 @@ def _row(out, batch: int) -> dict:
     steps = out.timings.decode_steps
     per_step_ms = [1e3 * s.total_s for s in steps]
     ranks = len(steps[0].rank_comm_s) if steps else 0
+    waits = [s.comm_wait_s for s in steps]
     return {"decode_ms_per_token": 1e3 * out.timings.decode_s / max(1, out.timings.decode_tokens // batch),
             "comm_ms_per_token": statistics.mean(1e3 * s.comm_s for s in steps) if steps else 0.0,
+            "comm_wait_ms_per_token": statistics.mean(1e3 * w for w in waits) if waits and None not in waits else None,
             "comm_ms_by_rank": [statistics.mean(1e3 * s.rank_comm_s[r] for s in steps) for r in range(ranks)],
             "comm_bytes_per_token": statistics.mean(s.comm_bytes for s in steps) if steps else 0.0,
             "step_ms": statistics.median(per_step_ms) if per_step_ms else 0.0,
@@ -64,9 +71,14 @@ def _row(out, batch: int) -> dict:
 def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
     ms = [s["decode_ms_per_token"] for s in samples]
     comm = [s["comm_ms_per_token"] for s in samples]
+    waits = [s["comm_wait_ms_per_token"] for s in samples]
+    wait = statistics.median(waits) if None not in waits else None
+    own = [c - w for c, w in zip(comm, waits)] if wait is not None else None
     med = statistics.median(ms)
     return {**config, "decode_ms_per_token": med, "decode_ms_min": min(ms), "decode_ms_max": max(ms),
             "comm_ms_per_token": statistics.median(comm), "pct_comm": 100 * statistics.median(comm) / med,
+            "comm_wait_ms_per_token": wait,
+            "pct_comm_own": 100 * statistics.median(own) / med if own is not None else None,
             "comm_ms_by_rank": [statistics.median(s["comm_ms_by_rank"][r] for s in samples)
                                 for r in range(len(samples[0]["comm_ms_by_rank"]))],
             "comm_bytes_per_token": statistics.median(s["comm_bytes_per_token"] for s in samples),

@@ -16,7 +16,9 @@ Backends:
     ccl     oneCCL through our binding (kernels/ccl_comm.cpp, workbench.distributed.ccl),
             with the `ccl` extra installed
 Each call is timed and its payload counted while `recording` is on (`log`), which is how
-the runtime splits a step into compute and communication.
+the runtime splits a step into compute and communication. Where the backend can tell (shm:
+its first barrier is where a rank waits for the others' data), a call also says how much of
+its time was waiting for the other ranks to arrive: their imbalance, not the collective's cost.
 """
 
 from __future__ import annotations
@@ -39,17 +41,20 @@ class CommCall:
     op: str
     bytes: int  # this rank's payload
     seconds: float
+    wait_s: float | None = None  # of `seconds`, waiting for the other ranks to arrive (None: not known)
 
 
 class Communicator:
     """The interface; see the module docstring."""
 
     name = "?"
+    measures_waits = False  # does the backend report how long a call waited for the other ranks?
 
     def __init__(self, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.recording = False
         self.log: list[CommCall] = []
+        self.waited_s = 0.0  # a measuring backend adds its calls' waits here
 
     # -- what a backend implements ---------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> None:
@@ -78,9 +83,11 @@ class Communicator:
     def _timed(self, op: str, nbytes: int, fn, *args):
         if not self.recording:
             return fn(*args)
+        self.waited_s = 0.0
         t0 = time.perf_counter()
         out = fn(*args)
-        self.log.append(CommCall(op, nbytes, time.perf_counter() - t0))
+        self.log.append(CommCall(op, nbytes, time.perf_counter() - t0,
+                                 self.waited_s if self.measures_waits else None))
         return out
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,6 +258,7 @@ class ShmComm(Communicator):
     Collectives larger than a slot run in slot-sized chunks."""
 
     name = "shm"
+    measures_waits = True
 
     def __init__(self, rank: int, world: int, timeout_s: float, path: str, capacity_bytes: int):
         super().__init__(rank, world, timeout_s)
@@ -279,9 +287,9 @@ class ShmComm(Communicator):
     def step_collective(self):
         return self.native
 
-    def _run(self, fn, *args):
+    def _run(self, fn, *args) -> None:
         try:
-            fn(self.segment, self.rank, self.world, self.capacity, self.timeout_s, *args)
+            self.waited_s += fn(self.segment, self.rank, self.world, self.capacity, self.timeout_s, *args)
         except RuntimeError as e:
             raise CommError(str(e)) from None
 

@@ -187,10 +187,12 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
         comm.take_log()
         if hasattr(collective, "zero_copy"):  # the switch, for the fused step too
             collective.zero_copy = tp.options.zero_copy
+        if hasattr(collective, "wait_s"):  # the fused step's waits, this step's only
+            collective.wait_s = 0.0
 
     def end(rec):
         if rec is not None:
-            _attribute_comm(rec, tp, comm.take_log())
+            _attribute_comm(rec, tp, comm.take_log(), getattr(collective, "wait_s", None))
         return rec
 
     prefill, decode = llama.prefill, llama.decode
@@ -213,12 +215,17 @@ def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> Tens
     return tp
 
 
-def _attribute_comm(rec, tp: TensorParallel, calls) -> None:
+def _attribute_comm(rec, tp: TensorParallel, calls, step_wait_s: float | None) -> None:
     """Move the layers' all-reduce time out of attention / MLP into "comm"; the head's
-    collectives are the rest of the logged calls."""
+    collectives are the rest of the logged calls. The waits for the other ranks: the logged
+    calls' and, on a fused step, its collective's (`step_wait_s`), where the backend measures
+    them."""
     comm = rec.parts_s["comm"]
     for (layer, part), seconds in tp.comm_s.items():
         rec.parts_s[part][layer] -= seconds
         comm[layer] += seconds
     rec.comm_bytes += sum(c.bytes for c in calls)  # the fused step counted its own all-reduces
     rec.head_comm_s = sum(c.seconds for c in calls) - sum(tp.comm_s.values())
+    waits = [c.wait_s for c in calls]
+    if tp.comm.measures_waits and None not in waits:
+        rec.comm_wait_s = (step_wait_s or 0.0) + sum(waits)

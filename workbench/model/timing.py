@@ -72,6 +72,10 @@ class StepRecord:
     # rank_comm_s[0] == comm_s). They differ: a rank whose part of a layer is smaller waits
     # for the others at the all-reduce that ends it, and that wait counts as its communication.
     rank_comm_s: list[float] = field(default_factory=list)
+    # Tensor parallel: of comm_s, the time this rank waited in its collectives for the other
+    # ranks to arrive (the ranks' imbalance, not the collectives' own cost), where the backend
+    # can tell (shm); None where it cannot (gloo, oneCCL) and in one process.
+    comm_wait_s: float | None = None
     # Waking the thread pool before the first layer (the fused step does it apart, outside
     # the layers' times; part of head_s): after an idle gap between steps the workers sleep.
     wake_s: float = 0.0

@@ -247,7 +247,9 @@ def _tp_findings(i: int, e: dict, peaks: dict) -> str:
     best = min(rows, key=lambda r: r[m.key])
     items = [f"<li>fastest: <b>{html.escape(_tp_name(best))}</b>, {_with_spread(*_spread(best, m.key), 'ms')} ms per "
              f"token, median (min–max) {_repeats_said([best])}; communication {_number(best['pct_comm'], 'pct')}% "
-             f"of it</li>"]
+             f"of it" + ("" if best.get("pct_comm_own") is None else
+                         f", {_number(best['pct_comm_own'], 'pct')}% without the waits for the other ranks")
+             + "</li>"]
     one = next((r for r in rows if r["ranks"] == 1), None)
     q = best.get("vs_tp1")
     if q:  # measured against the single process round by round
