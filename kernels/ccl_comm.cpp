@@ -38,6 +38,7 @@ struct State {
   std::unique_ptr<ccl::communicator> comm;
   int rank = -1, world = 0;
   int generation = 0;  // communicators connected so far: the step's cached operations are per communicator
+  std::unordered_map<int64_t, ccl::allreduce_attr> step_attrs;  // this communicator's, by element count
 };
 
 State& state() {
@@ -87,6 +88,7 @@ void connect(int64_t rank, int64_t world, const std::string& address) {
   state().rank = static_cast<int>(rank);
   state().world = static_cast<int>(world);
   state().generation++;
+  state().step_attrs.clear();
 }
 
 ccl::communicator& comm(const char* fn) {
@@ -156,23 +158,18 @@ class StepAllReduce : public wbk::StepCollective {
   }
 
  private:
-  const ccl::allreduce_attr& cached(int64_t n) {
-    if (generation_ != state().generation) {  // a new communicator: new ids
-      attrs_.clear();
-      generation_ = state().generation;
-    }
-    auto found = attrs_.find(n);
-    if (found == attrs_.end()) {
+  static const ccl::allreduce_attr& cached(int64_t n) {
+    auto& attrs = state().step_attrs;  // cleared by connect(): a new communicator, new ids
+    auto found = attrs.find(n);
+    if (found == attrs.end()) {
       auto attr = ccl::create_operation_attr<ccl::allreduce_attr>();
       attr.set<ccl::operation_attr_id::to_cache>(true);
       attr.set<ccl::operation_attr_id::match_id>(ccl::string_class(
-          "workbench-step-allreduce-" + std::to_string(generation_) + "-" + std::to_string(n)));
-      found = attrs_.emplace(n, std::move(attr)).first;
+          "workbench-step-allreduce-" + std::to_string(state().generation) + "-" + std::to_string(n)));
+      found = attrs.emplace(n, std::move(attr)).first;
     }
     return found->second;
   }
-  int generation_ = 0;
-  std::unordered_map<int64_t, ccl::allreduce_attr> attrs_;  // this communicator's, by element count
 };
 
 uintptr_t step_collective() {
