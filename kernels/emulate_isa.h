@@ -25,9 +25,10 @@
 // instruction checks what the CPU checks: a configuration loaded, shapes that agree. Where
 // the CPU would fault (#UD, #GP) the emulation throws std::runtime_error instead.
 //
-// What it does not cover: simd.h's AVX-512 branch for CPUs without VNNI (Skylake-SP's
-// pmaddubsw form), and the compiler's own code generation for AVX-512 (its register use,
-// any auto-vectorized loop), which only a host with AVX-512 runs.
+// With WBK_EMULATE_NO_VNNI too, simd.h takes its AVX-512 int8 branch for CPUs without VNNI
+// (Skylake-SP's pmaddubsw + pmaddwd form): tests/test_int8_dot.py runs those dot products
+// so. What it does not cover: the compiler's own code generation for AVX-512 (its register
+// use, any auto-vectorized loop), which only a host with AVX-512 runs.
 #pragma once
 
 #ifndef WBK_EMULATE_ISA
@@ -390,6 +391,54 @@ inline __m512i mm512_dpbusd_epi32(__m512i src, __m512i a, __m512i b) {
   return vec<__m512i>(acc);
 }
 
+// -- AVX512BW byte and word arithmetic: simd.h's int8 dot products where there is no VNNI ------
+// (compiled in only with WBK_EMULATE_NO_VNNI; see the header comment).
+
+inline __m512i mm512_set1_epi16(short x) { return set1<__m512i, int16_t, 32>(x); }
+
+inline __m512i mm512_abs_epi8(__m512i a) {  // VPABSB: |-128| is 0x80 (128 read unsigned)
+  return convert<uint8_t, int8_t, 64, __m512i>(a, [](int8_t x) { return static_cast<uint8_t>(x < 0 ? -x : x); });
+}
+
+inline __mmask64 mm512_movepi8_mask(__m512i a) {  // VPMOVB2M: each byte's sign bit
+  const Lanes<int8_t, 64> l = lanes<int8_t, 64>(a);
+  __mmask64 m = 0;
+  for (int i = 0; i < 64; ++i) m |= static_cast<__mmask64>(l[i] < 0) << i;
+  return m;
+}
+
+// VPSUBB with a merge mask: a - b (wrapping) where k is set, src where it is clear.
+inline __m512i mm512_mask_sub_epi8(__m512i src, __mmask64 k, __m512i a, __m512i b) {
+  Lanes<uint8_t, 64> d = lanes<uint8_t, 64>(src);
+  const Lanes<uint8_t, 64> x = lanes<uint8_t, 64>(a), y = lanes<uint8_t, 64>(b);
+  for (int i = 0; i < 64; ++i)
+    if ((k >> i) & 1) d[i] = static_cast<uint8_t>(x[i] - y[i]);
+  return vec<__m512i>(d);
+}
+
+// VPMADDUBSW: word i = a's unsigned bytes 2i and 2i+1 times b's signed ones, the two
+// products' sum saturated to int16.
+inline __m512i mm512_maddubs_epi16(__m512i a, __m512i b) {
+  const Lanes<uint8_t, 64> u = lanes<uint8_t, 64>(a);
+  const Lanes<int8_t, 64> v = lanes<int8_t, 64>(b);
+  Lanes<int16_t, 32> d;
+  for (int i = 0; i < 32; ++i) {
+    const int32_t s = u[2 * i] * v[2 * i] + u[2 * i + 1] * v[2 * i + 1];
+    d[i] = static_cast<int16_t>(s < -32768 ? -32768 : s > 32767 ? 32767 : s);
+  }
+  return vec<__m512i>(d);
+}
+
+// VPMADDWD: dword i = the products of words 2i and 2i+1 added, wrapping (only two products
+// of -32768 by -32768 overflow).
+inline __m512i mm512_madd_epi16(__m512i a, __m512i b) {
+  const Lanes<int16_t, 32> x = lanes<int16_t, 32>(a), y = lanes<int16_t, 32>(b);
+  Lanes<uint32_t, 16> d;
+  for (int i = 0; i < 16; ++i)
+    d[i] = static_cast<uint32_t>(static_cast<int64_t>(x[2 * i]) * y[2 * i] + static_cast<int64_t>(x[2 * i + 1]) * y[2 * i + 1]);
+  return vec<__m512i>(d);
+}
+
 // -- AMX: eight tiles per thread, and the configuration that shapes them ----------------------
 
 struct TileState {
@@ -585,3 +634,9 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _mm512_roundscale_ps(...) ::wbk_emu::mm512_roundscale_ps(__VA_ARGS__)
 #define _mm512_shuffle_f32x4(...) ::wbk_emu::mm512_shuffle_f32x4(__VA_ARGS__)
 #define _mm512_dpbusd_epi32(...) ::wbk_emu::mm512_dpbusd_epi32(__VA_ARGS__)
+#define _mm512_set1_epi16(...) ::wbk_emu::mm512_set1_epi16(__VA_ARGS__)
+#define _mm512_abs_epi8(...) ::wbk_emu::mm512_abs_epi8(__VA_ARGS__)
+#define _mm512_movepi8_mask(...) ::wbk_emu::mm512_movepi8_mask(__VA_ARGS__)
+#define _mm512_mask_sub_epi8(...) ::wbk_emu::mm512_mask_sub_epi8(__VA_ARGS__)
+#define _mm512_maddubs_epi16(...) ::wbk_emu::mm512_maddubs_epi16(__VA_ARGS__)
+#define _mm512_madd_epi16(...) ::wbk_emu::mm512_madd_epi16(__VA_ARGS__)

@@ -371,7 +371,7 @@ struct VecI {
 };
 inline VecI operator+(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline VecF to_float(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
-#if defined(__AVX512VNNI__) || defined(WBK_EMULATE_ISA)
+#if defined(__AVX512VNNI__) || (defined(WBK_EMULATE_ISA) && !defined(WBK_EMULATE_NO_VNNI))
 inline constexpr int kDotBias = 128;
 inline constexpr const char* kDotIsa = "avx512-vnni";
 struct DotK {
