@@ -8,8 +8,8 @@
               decode ms/token, time over one process's and what the cost model predicts for
               it (roofline / 1 rank, with the fits just measured), comm ms/token,
               % comm (rank 0's, and every rank's: a rank with less to do waits at the
-              all-reduce), of rank 0's comm the wait for the other rank to arrive and the
-              collectives' own share without it (shm only: the backend that can tell),
+              all-reduce), of each rank's comm the wait for the other rank to arrive and
+              rank 0's collectives' own share without it (shm only: the backend that can tell),
               bytes per token; switch settings and the one process (2 threads, in this
               process) interleaved within a cluster
     prefetch  the ranks' software prefetch for fp32 / bf16 weights (workbench/kernels/
@@ -152,7 +152,8 @@ def main() -> None:
             payload["tp"][key] = rows
             table = [{**r, "decode ms/token (min-max)": _ms(r), "comm ms": f"{r['comm_ms_per_token']:.2f}",
                       "% comm": f"{r['pct_comm']:.0f}",
-                      "wait ms": "-" if r.get("comm_wait_ms_per_token") is None else f"{r['comm_wait_ms_per_token']:.2f}",
+                      "wait ms by rank": " / ".join("-" if w is None else f"{w:.2f}"
+                                                    for w in r.get("comm_wait_ms_by_rank", [])) or "-",
                       "% comm, waits excluded": "-" if r.get("pct_comm_own") is None else f"{r['pct_comm_own']:.1f}",
                       "% comm by rank": " / ".join(f"{100 * c / r['decode_ms_per_token']:.0f}"
                                                    for c in r.get("comm_ms_by_rank", [])) or "-", "comm KB/token": f"{r['comm_bytes_per_token'] / 1e3:.1f}",
@@ -162,7 +163,7 @@ def main() -> None:
             paired = all(r.get("tp1_interleaved", True) for r in rows)
             print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy",
                                 "decode ms/token (min-max)", "time / 1 rank (min-max)", "roofline / 1 rank", "comm ms",
-                                "% comm", "wait ms", "% comm, waits excluded", "% comm by rank",
+                                "% comm", "wait ms by rank", "% comm, waits excluded", "% comm by rank",
                                 "comm KB/token", "same_tokens_as_tp1"],
                         title=f"Tensor parallel decode, {key}; time / 1 rank: "
                               + ("per round, the single process in the same rounds" if paired else

@@ -250,11 +250,14 @@ def test_comm_is_timed_and_its_bytes_are_the_ones_worked_out(tp2):
         assert all(c > 0 for c in st.parts_s["comm"]) and st.head_comm_s > 0
     # Of that time, the waits for the other rank to arrive: measured by shm (at its first
     # barrier), a part of every step's communication; unknown where the backend cannot tell.
+    # Every rank's too (rank_comm_wait_s, from each rank's own records).
     for st in [prefill, *decode]:
+        assert len(st.rank_comm_wait_s) == 2 and st.rank_comm_wait_s[0] == st.comm_wait_s
         if cluster.backend == "shm":
             assert 0 < st.comm_wait_s < st.comm_s
+            assert all(0 < w < c for w, c in zip(st.rank_comm_wait_s, st.rank_comm_s))
         else:
-            assert st.comm_wait_s is None
+            assert st.comm_wait_s is None and st.rank_comm_wait_s == [None, None]
     try:
         model.set_options(token_broadcast="embeddings", lm_head="gather")
         st = model.generate(prompts, max_new_tokens=2, stop_at_eos=False).timings.decode_steps[0]

@@ -179,13 +179,15 @@ def test_distributed_magics_in_a_real_shell(magic):
     assert list(df.ranks) == [1, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()
     assert list(df.path) == ["fused"] * 3  # every row on the fused step, the ranks with their all-reduces inside
     one = df[df.ranks == 1].iloc[0]  # ran in the cluster's one round: each rank row's ratio is to that run
-    assert one.comm_ms_by_rank == [] and pd.isna(one.comm_wait_ms_per_token)  # one process: nothing to wait for
+    assert one.comm_ms_by_rank == one.comm_wait_ms_by_rank == [] and pd.isna(one.comm_wait_ms_per_token)  # one process: nothing to wait for
     for _, row in df[df.ranks == 2].iterrows():
         assert row.tp1_interleaved
         assert len(row.comm_ms_by_rank) == 2 and row.comm_ms_by_rank[0] == pytest.approx(row.comm_ms_per_token)
         assert row.comm_ms_by_rank[1] > 0  # rank 1's own all-reduces, from its own records
         # shm tells rank 0's waits for rank 1 from its collectives' own cost
         assert 0 < row.comm_wait_ms_per_token < row.comm_ms_per_token and 0 < row.pct_comm_own < row.pct_comm
+        assert row.comm_wait_ms_by_rank[0] == pytest.approx(row.comm_wait_ms_per_token)
+        assert all(0 < w < c for w, c in zip(row.comm_wait_ms_by_rank, row.comm_ms_by_rank))
         assert row.vs_tp1["median"] == pytest.approx(row.decode_ms_per_token / one.decode_ms_per_token)
         # What the cost model predicts for vs_tp1 with the fit measured above: the 5 + 4 query-head
         # split leaves rank 0 about 3% more than half the bytes, and the all-reduces add to that.

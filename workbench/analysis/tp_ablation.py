@@ -23,6 +23,8 @@ tp_ablation rows (decode phase, batch 1 unless given):
     comm_ms_by_rank             the same for every rank ([] at ranks 1): a rank whose part of a
                                 layer is smaller (uneven head splits) waits at the all-reduce
                                 that ends it, and the wait counts as its communication
+    comm_wait_ms_by_rank        comm_wait_ms_per_token for every rank ([] at ranks 1), None
+                                where the backend cannot tell
     comm_bytes_per_token        payload this rank sent per decode step
     roofline_vs_tp1             ranks > 1: the cost model's decode step on the ranks over one
                                 process's (costmodel.tp_roofline_ratio: each rank on 1 / ranks
@@ -54,6 +56,15 @@ from workbench.distributed.cluster import Cluster
 from workbench.hw.rounds import interleaved_rounds, ratio_by_round, ratio_of_runs
 
 
+def _mean_ms(seconds: list[float | None]) -> float | None:
+    """The mean in ms, or None where any value is unknown (or there are none)."""
+    return statistics.mean(1e3 * s for s in seconds) if seconds and None not in seconds else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    return statistics.median(values) if values and None not in values else None
+
+
 def _row(out, batch: int) -> dict:
     steps = out.timings.decode_steps
     per_step_ms = [1e3 * s.total_s for s in steps]
@@ -61,8 +72,9 @@ def _row(out, batch: int) -> dict:
     waits = [s.comm_wait_s for s in steps]
     return {"decode_ms_per_token": 1e3 * out.timings.decode_s / max(1, out.timings.decode_tokens // batch),
             "comm_ms_per_token": statistics.mean(1e3 * s.comm_s for s in steps) if steps else 0.0,
-            "comm_wait_ms_per_token": statistics.mean(1e3 * w for w in waits) if waits and None not in waits else None,
+            "comm_wait_ms_per_token": _mean_ms(waits),
             "comm_ms_by_rank": [statistics.mean(1e3 * s.rank_comm_s[r] for s in steps) for r in range(ranks)],
+            "comm_wait_ms_by_rank": [_mean_ms([s.rank_comm_wait_s[r] for s in steps]) for r in range(ranks)],
             "comm_bytes_per_token": statistics.mean(s.comm_bytes for s in steps) if steps else 0.0,
             "step_ms": statistics.median(per_step_ms) if per_step_ms else 0.0,
             "path": "+".join(sorted({s.path for s in steps}))}
@@ -72,7 +84,7 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
     ms = [s["decode_ms_per_token"] for s in samples]
     comm = [s["comm_ms_per_token"] for s in samples]
     waits = [s["comm_wait_ms_per_token"] for s in samples]
-    wait = statistics.median(waits) if None not in waits else None
+    wait = _median(waits)
     own = [c - w for c, w in zip(comm, waits)] if wait is not None else None
     med = statistics.median(ms)
     return {**config, "decode_ms_per_token": med, "decode_ms_min": min(ms), "decode_ms_max": max(ms),
@@ -81,6 +93,8 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
             "pct_comm_own": 100 * statistics.median(own) / med if own is not None else None,
             "comm_ms_by_rank": [statistics.median(s["comm_ms_by_rank"][r] for s in samples)
                                 for r in range(len(samples[0]["comm_ms_by_rank"]))],
+            "comm_wait_ms_by_rank": [_median([s["comm_wait_ms_by_rank"][r] for s in samples])
+                                     for r in range(len(samples[0]["comm_wait_ms_by_rank"]))],
             "comm_bytes_per_token": statistics.median(s["comm_bytes_per_token"] for s in samples),
             "same_tokens_as_tp1": same, "repeats": len(samples),
             "path": "+".join(sorted({s["path"] for s in samples}))}

@@ -480,6 +480,7 @@ class DistributedModel(SwitchProperties):
         if out.timings and all(r is not None for r in results[1:]):  # every rank's communication, per step
             for i, rec in enumerate(out.timings.steps):
                 rec.rank_comm_s = [rec.comm_s] + [r["comm_s"][i] for r in results[1:]]
+                rec.rank_comm_wait_s = [rec.comm_wait_s] + [r["comm_wait_s"][i] for r in results[1:]]
         return out
 
     def logits(self, token_ids):

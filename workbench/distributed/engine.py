@@ -176,7 +176,10 @@ def generate(prompt, kwargs: dict, check_topk: bool):
     finally:
         tp.options = saved
     if rank != 0:  # rank 0 returns the generation; the others, what their own records add to it
-        return {"comm_s": [rec.comm_s for rec in out.timings.steps]} if out.timings else None
+        if not out.timings:
+            return None
+        return {"comm_s": [rec.comm_s for rec in out.timings.steps],
+                "comm_wait_s": [rec.comm_wait_s for rec in out.timings.steps]}
     publish(now_or_never=True)  # what the last throttled publish left out
     out.topk_log = list(tp.topk_log)
     return out

@@ -76,6 +76,9 @@ class StepRecord:
     # ranks to arrive (the ranks' imbalance, not the collectives' own cost), where the backend
     # can tell (shm); None where it cannot (gloo, oneCCL) and in one process.
     comm_wait_s: float | None = None
+    # Tensor parallel: every rank's comm_wait_s of this step, by rank (rank 0's first): the
+    # rank with the lighter share of a layer is the one that waits.
+    rank_comm_wait_s: list[float | None] = field(default_factory=list)
     # Waking the thread pool before the first layer (the fused step does it apart, outside
     # the layers' times; part of head_s): after an idle gap between steps the workers sleep.
     wake_s: float = 0.0

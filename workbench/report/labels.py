@@ -37,7 +37,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "decode_ms_per_token": ("decode ms per token", "ms"), "comm_ms_per_token": ("communication ms per token", "ms"),
     "pct_comm": ("% communication", "pct"),
     "comm_wait_ms_per_token": ("of it, waiting for the other ranks, ms per token", "ms"),
-    "pct_comm_own": ("% communication, waits excluded", "pct"), "comm_ms_by_rank": ("communication ms per token, by rank", "ms"), "comm_bytes_per_token": ("communication per token", "bytes"),
+    "pct_comm_own": ("% communication, waits excluded", "pct"), "comm_ms_by_rank": ("communication ms per token, by rank", "ms"),
+    "comm_wait_ms_by_rank": ("of it, waiting for the other ranks, by rank", "ms"), "comm_bytes_per_token": ("communication per token", "bytes"),
     "same_tokens_as_tp1": ("same tokens as 1 rank", "text"), "vs_tp1": ("time / 1 rank", "ratio"),
     "tp1_interleaved": ("1 rank in the same rounds", "text"),
     # peers
