@@ -11,7 +11,8 @@
               all-reduce), of each rank's comm the wait for the other rank to arrive and
               rank 0's collectives' own share without it (shm only: the backend that can tell),
               bytes per token; switch settings and the one process (2 threads, in this
-              process) interleaved within a cluster
+              process) interleaved within a cluster; then each switch's saving in bytes and
+              in ms (rows matched on the other switches, paired round by round)
     prefetch  the ranks' software prefetch for fp32 / bf16 weights (workbench/kernels/
               prefetch.py): the host's tuned choice against none and two fixed distances,
               on 2 ranks over shm with the default switches, interleaved with the one
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_results  # noqa: E402
 
 from workbench.analysis.tp_ablation import tp_ablation  # noqa: E402
+from workbench.analysis.tp_savings import switch_savings  # noqa: E402
 from workbench.distributed.allreduce import allreduce_latency  # noqa: E402
 
 MODELS = {
@@ -168,6 +170,17 @@ def main() -> None:
                         title=f"Tensor parallel decode, {key}; time / 1 rank: "
                               + ("per round, the single process in the same rounds" if paired else
                                  "medians' ratio, worst and best pairing (the single process ran apart)"))
+            savings = switch_savings(rows)
+            payload.setdefault("tp_savings", {})[key] = savings
+            print_table([{**s, "sent bytes saved": f"{s['sent_bytes_saved_per_token']:.0f}",
+                          "copied bytes saved": f"{s['copied_bytes_saved_per_token']:.0f}",
+                          "ms saved (min-max)": "-" if s["ms_saved_per_token"] is None else
+                          "{median:.2f} ({min:.2f}-{max:.2f})".format(**s["ms_saved_per_token"]),
+                          "% saved": "-" if s["pct_saved"] is None else f"{s['pct_saved']:.1f}"} for s in savings],
+                        ["ranks", "backend", "switch", "setting", "against", "pairs", "sent bytes saved",
+                         "copied bytes saved", "ms saved (min-max)", "% saved"],
+                        title=f"Each switch's saving per decode token, {key}: rows matched on the other switches, "
+                              "ms paired round by round")
     if "prefetch" in parts:
         payload["prefetch"] = {}
         for key in args.models.split(","):

@@ -309,8 +309,11 @@ class WorkbenchMagics(Magics):
         decode tokens/s, GB/s, % of the measured peak bandwidth, top-1 agreement with the
         naive / fp32-cache reference. With --ranks (and --backend, --token-broadcast,
         --lm-head, --zero-copy), a tensor-parallel grid instead: decode ms/token, comm
-        ms/token, % comm, bytes per token, whether the tokens equal one process's. Zero
-        copy changes the fused decode step on shm only (gloo and ccl rows say n/a).
+        ms/token, % comm, bytes per token, whether the tokens equal one process's, then
+        each switch's saving: its optimization against the setting without it in rows
+        matched on the other switches, bytes and ms per token with the spread over the
+        rounds (with -o tp, also in tp_savings). Zero copy changes the fused decode step on
+        shm only (gloo and ccl rows say n/a).
 
         Examples::
 
@@ -364,6 +367,7 @@ class WorkbenchMagics(Magics):
 
     def _tp_ablate(self, args, line: str):
         from workbench.analysis.tp_ablation import tp_ablation
+        from workbench.analysis.tp_savings import savings_table, switch_savings
         from workbench.distributed.cluster import DistributedError, running
 
         if running() is not None:
@@ -391,6 +395,13 @@ class WorkbenchMagics(Magics):
 
         report.record(rows, kind="tp_ablation", command=self._command("ablate", line))
         display(table.round(2) if hasattr(table, "round") else table)
+        savings = _dataframe(savings_table(switch_savings(rows)))
+        if len(savings):
+            if args.output:
+                self.shell.user_ns[f"{args.output}_savings"] = savings
+            print("Each switch's saving per decode token (its optimization against the setting without it, rows "
+                  "matched on the other switches; ms: median and min-max over the pairs' rounds):")
+            display(savings.round(2) if hasattr(savings, "round") else savings)
 
     @magic_arguments()
     @argument("action", nargs="?", choices=["start", "status", "stop"], default=None,

@@ -192,6 +192,16 @@ def test_distributed_magics_in_a_real_shell(magic):
         # What the cost model predicts for vs_tp1 with the fit measured above: the 5 + 4 query-head
         # split leaves rank 0 about 3% more than half the bytes, and the all-reduces add to that.
         assert 1.03 < row.roofline_vs_tp1 < 1.5
+    # Each switch's saving: here zero copy alone, on against off in the one matched pair, its ms
+    # the two rows' difference in their one round, its bytes the all-reduce payload not copied.
+    assert "Each switch's saving per decode token" in out
+    saved = sh.user_ns["tp_savings"]
+    two = df[df.ranks == 2].set_index("zero_copy")
+    cfg = single.config
+    assert list(saved.switch) == ["zero_copy"] and list(saved.setting) == ["on"] and list(saved.pairs) == [1]
+    assert saved.sent_bytes_saved_per_token[0] == 0
+    assert saved.copied_bytes_saved_per_token[0] == 2 * cfg.n_layers * cfg.dim * 4
+    assert saved.ms_saved[0] == pytest.approx(two.decode_ms_per_token["off"] - two.decode_ms_per_token["on"])
 
 
 def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():

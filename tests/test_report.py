@@ -18,6 +18,7 @@ from conftest import CHROMIUM, CHROMIUM_ARGS, require_browser
 import workbench as wb
 from workbench import report
 from workbench.analysis.ablation import run_ablation
+from workbench.analysis.tp_savings import switch_savings
 
 HOSTILE = "<script>alert('pwned')</script>"
 SCHEMA = json.loads((Path(report.__file__).parent / "schema.json").read_text())
@@ -438,6 +439,48 @@ def test_tensor_parallel_findings_give_the_ratio_to_one_process_from_its_rounds(
     apart = _section(_page_of([tp_row(1, 20.0), tp_row(2, 19.0, (0.95, 0.78, 1.16), False)], "tp_ablation"),
                      "What was found")
     assert "0.95x the single process's (0.78–1.16, in runs apart" in apart
+
+
+def test_tensor_parallel_findings_give_each_switch_its_saving_round_by_round():
+    """Each switch's saving is the matched rows' difference round by round, with its spread and
+    whether the rounds agree on its sign; a backend whose zero copy is n/a gets no zero-copy
+    saving, and the page shows the savings as a table too."""
+    def row(backend, tb, zc, by_round, sent):
+        return {"ranks": 2, "backend": backend, "token_broadcast": tb, "lm_head": "topk", "zero_copy": zc,
+                "decode_ms_per_token": sorted(by_round)[1], "decode_ms_min": min(by_round),
+                "decode_ms_max": max(by_round), "decode_ms_by_round": by_round, "comm_ms_per_token": 0.5,
+                "pct_comm": 4.0, "comm_bytes_per_token": sent, "allreduce_bytes_per_token": 138240,
+                "same_tokens_as_tp1": True, "repeats": 3}
+
+    rows = [{"ranks": 1, "backend": "-", "token_broadcast": "-", "lm_head": "-", "zero_copy": "-",
+             "decode_ms_per_token": 20.0, "decode_ms_min": 19.0, "decode_ms_max": 21.0, "comm_ms_per_token": 0.0,
+             "pct_comm": 0.0, "comm_bytes_per_token": 0, "same_tokens_as_tp1": True, "repeats": 3},
+            # shm: zero copy on / off, token ids / embeddings (2 x 2 rows; embeddings send 2,304 bytes more)
+            row("shm", "ids", "on", [20.0, 21.0, 22.0], 138_000),
+            row("shm", "ids", "off", [20.5, 20.8, 22.6], 138_000),
+            row("shm", "embeddings", "on", [21.0, 22.0, 23.0], 140_304),
+            row("shm", "embeddings", "off", [21.5, 21.8, 23.6], 140_304),
+            # gloo: zero copy n/a, so only the token broadcast pairs
+            row("gloo", "ids", "n/a", [30.0, 30.0, 30.0], 138_000),
+            row("gloo", "embeddings", "n/a", [31.0, 32.0, 33.0], 140_304)]
+    savings = {(s["backend"], s["switch"]): s for s in switch_savings(rows)}
+    assert set(savings) == {("shm", "token_broadcast"), ("shm", "zero_copy"), ("gloo", "token_broadcast")}
+    zc = savings["shm", "zero_copy"]  # on against off, rounds paired: 0.5, -0.2, 0.6 in both pairs
+    assert (zc["setting"], zc["against"], zc["pairs"]) == ("on", "off", 2)
+    assert zc["sent_bytes_saved_per_token"] == 0 and zc["copied_bytes_saved_per_token"] == 138240
+    assert zc["ms_saved_per_token"] == pytest.approx({"median": 0.5, "min": -0.2, "max": 0.6})
+    assert zc["pct_saved"] == pytest.approx(100 * 0.5 / ((20.8 + 21.8) / 2))
+    tb = savings["gloo", "token_broadcast"]
+    assert tb["pairs"] == 1 and tb["sent_bytes_saved_per_token"] == 2304
+    assert tb["ms_saved_per_token"] == pytest.approx({"median": 2.0, "min": 1.0, "max": 3.0})
+    assert savings["shm", "token_broadcast"]["ms_saved_per_token"] == pytest.approx({"median": 1.0, "min": 1.0, "max": 1.0})
+
+    page = _page_of(rows, "tp_ablation")
+    findings = _section(page, "What was found")
+    assert ("zero copy (the kernels write into the collective&#x27;s buffer) instead of a copy (2 ranks over shm, "
+            "2 matched pairs): 135 KiB per token not copied, the same sent; 0.50 (-0.20–0.60) ms per token saved") in findings
+    assert "the rounds disagree on its sign" in findings and "faster in every round" in findings
+    assert "copied per token, saved" in page and "ms per token saved" in page
 
 
 def test_a_figure_per_ablated_switch_with_medians_and_min_max(written):

@@ -33,13 +33,17 @@ tp_ablation rows (decode phase, batch 1 unless given):
                                 roofs (a prediction, not a bound); None where no fit of the
                                 backend is known (`comm`, else the cache of wb.measure_allreduce)
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
+    decode_ms_by_round          decode_ms_per_token in each round, round 0 first (the rounds pair
+                                the settings of one cluster: workbench.analysis.tp_savings)
+    allreduce_bytes_per_token   ranks > 1: the layers' all-reduce payload in a decode step (what
+                                zero copy spares a copy of)
     path                        which decode path ran ("fused": the C++ step, with the
                                 all-reduces inside on the ranks; "reference": Python)
 Within one cluster the switch settings and the single process are interleaved (shuffled
 every round); clusters of different backends run one after another (starting one takes
 seconds). ranks = 1 is the single-process model on the same cores (threads = the largest
 ranks x threads_per_rank), in this process: while it decodes the engines wait, and while
-they decode it waits.
+they decode it waits. Each switch's saving, from these rows: workbench.analysis.tp_savings.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
     own = [c - w for c, w in zip(comm, waits)] if wait is not None else None
     med = statistics.median(ms)
     return {**config, "decode_ms_per_token": med, "decode_ms_min": min(ms), "decode_ms_max": max(ms),
+            "decode_ms_by_round": ms,
             "comm_ms_per_token": statistics.median(comm), "pct_comm": 100 * statistics.median(comm) / med,
             "comm_wait_ms_per_token": wait,
             "pct_comm_own": 100 * statistics.median(own) / med if own is not None else None,
@@ -198,8 +203,9 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": c[3], "threads": threads_per_rank}
-                    row = _summarize(config, [s for _, s in samples[c]], same[c])
+                    row = _summarize(config, [s for _, s in sorted(samples[c], key=lambda x: x[0])], same[c])
                     row["roofline_vs_tp1"] = roof
+                    row["allreduce_bytes_per_token"] = 2 * cfg.n_layers * cfg.dim * 4 * batch  # fp32 residual rows
                     if 1 in ranks:
                         ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
                         row["vs_tp1"] = ratio_by_round(ms, one_ms) if interleave else ratio_of_runs(
@@ -215,3 +221,4 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
         rows.insert(0, _summarize(one_config, one_samples, True))
         say(f"ranks 1: {rows[0]['decode_ms_per_token']:.2f} ms/token")
     return rows
+

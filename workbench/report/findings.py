@@ -10,6 +10,7 @@ import math
 import statistics
 from typing import Callable, NamedTuple
 
+from workbench.analysis.tp_savings import switch_savings
 from workbench.model.kv_formats import kv_label
 from workbench.report.labels import _number, _spread, _with_spread
 
@@ -241,6 +242,30 @@ def _tp_name(r: dict, sep: str = ", ") -> str:
                      f"LM head {r['lm_head']}", f"zero copy {_number(r['zero_copy'])}"))
 
 
+SWITCH_SAID = {("token_broadcast", "ids"): "token ids broadcast instead of embeddings",
+               ("lm_head", "topk"): "the LM head's local top-k exchanged instead of all logits gathered",
+               ("lm_head", "hidden-split"): "the hidden-split LM head instead of all logits gathered",
+               ("zero_copy", "on"): "zero copy (the kernels write into the collective's buffer) instead of a copy"}
+
+
+def _saving_said(s: dict) -> str:
+    """One switch's saving (tp_savings.switch_savings) in a sentence, its ms with the spread and
+    whether every round agrees on its sign."""
+    what = SWITCH_SAID.get((s["switch"], s["setting"]), f"{s['switch']} {s['setting']} instead of {s['against']}")
+    where = f"{s['ranks']} ranks over {s['backend']}, {s['pairs']} matched pair{'s' if s['pairs'] > 1 else ''}"
+    bytes_ = (f"{_number(s['sent_bytes_saved_per_token'], 'bytes')} less sent per token" if s["switch"] != "zero_copy"
+              else f"{_number(s['copied_bytes_saved_per_token'], 'bytes')} per token not copied, the same sent")
+    ms = s["ms_saved_per_token"]
+    if ms is None:
+        timed = "no rounds recorded to pair"
+    else:
+        verdict = ("faster in every round" if ms["min"] > 0 else "slower in every round" if ms["max"] < 0 else
+                   "within the run-to-run spread (the rounds disagree on its sign)")
+        timed = (f"{_with_spread(ms['median'], ms['min'], ms['max'], 'ms')} ms per token saved "
+                 f"({_number(s['pct_saved'], 'pct')}% of the time without it): {verdict}")
+    return f"{html.escape(what)} ({html.escape(where)}): {bytes_}; {timed}"
+
+
 def _tp_findings(i: int, e: dict, peaks: dict) -> str:
     rows = e["rows"]
     m = Metric("decode_ms_per_token", False)
@@ -259,6 +284,7 @@ def _tp_findings(i: int, e: dict, peaks: dict) -> str:
                      f"{_number(q['max'], 'ratio')}, {how})</li>")
     elif one is not None and one is not best:
         items.append(f"<li>{_as_fast_as(_compare_pairs([(best, one)], m), _tp_name(one))}</li>")
+    items += [f"<li>{_saving_said(s)}</li>" for s in switch_savings(rows)]
     return _entry_finding(i, e, f"{len(rows)} settings of ranks, backend and the three switches", items)
 
 

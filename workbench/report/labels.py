@@ -41,6 +41,13 @@ FIELDS: dict[str, tuple[str, str]] = {
     "comm_wait_ms_by_rank": ("of it, waiting for the other ranks, by rank", "ms"), "comm_bytes_per_token": ("communication per token", "bytes"),
     "same_tokens_as_tp1": ("same tokens as 1 rank", "text"), "vs_tp1": ("time / 1 rank", "ratio"),
     "tp1_interleaved": ("1 rank in the same rounds", "text"),
+    "decode_ms_by_round": ("decode ms per token, by round", "ms"),
+    "allreduce_bytes_per_token": ("all-reduce payload per token", "bytes"),
+    # tensor parallel: each switch's saving (tp_ablation.switch_savings)
+    "switch": ("switch", "text"), "setting": ("with", "text"), "against": ("against", "text"),
+    "pairs": ("matched pairs", "int"), "sent_bytes_saved_per_token": ("sent per token, saved", "bytes"),
+    "copied_bytes_saved_per_token": ("copied per token, saved", "bytes"),
+    "ms_saved": ("ms per token saved", "ms"), "pct_saved": ("% of the time without it", "pct"),
     # peers
     "engine": ("engine", "text"), "status": ("status", "text"), "matched": ("against", "text"),
     "ours_over_peer": ("ours / peer, decode", "ratio"), "ours_over_peer_prefill": ("ours / peer, prefill", "ratio"), "triad_gbps": ("triad GB/s", "sig"),

@@ -15,6 +15,7 @@ import html
 import json
 from pathlib import Path
 
+from workbench.analysis.tp_savings import savings_table, switch_savings
 from workbench.model.kv_formats import kv_label
 from workbench.report.collect import build
 # The report package's own helpers: labels and numbers, and the findings in words.
@@ -210,7 +211,11 @@ def _tp_body(i: int, rows: list[dict], figures: list) -> str:
     fig = _figure(figures, f"fig-tp-{i}", _comm_compute_spec(
         f"Entry {i}: communication vs compute per decode token", [_tp_name(r, "<br>") for r in rows],
         [r["decode_ms_per_token"] for r in rows], [r["comm_ms_per_token"] for r in rows]))
-    return fig + _grid_table(rows)
+    savings = savings_table(switch_savings(rows))
+    return fig + _grid_table(rows) + (
+        "<p>Each switch's saving per decode token: its optimization against the setting without it, in rows "
+        "matched on the other switches; ms as the paired rows' difference round by round, median (min–max) "
+        "over every pair and round.</p>" + _grid_table(savings) if savings else "")
 
 
 SERVE_COLUMNS = ["load", "requests", "completed", "num_requests", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
