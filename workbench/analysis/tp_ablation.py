@@ -221,4 +221,3 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
         rows.insert(0, _summarize(one_config, one_samples, True))
         say(f"ranks 1: {rows[0]['decode_ms_per_token']:.2f} ms/token")
     return rows
-

@@ -6,6 +6,7 @@ the top-k LM head, zero copy) against the one without it (embeddings, all logits
 copy), in rows matched on the other two switches:
     ranks, backend, switch, setting, against
     pairs                       matched pairs of rows (one per setting of the other switches)
+    rounds                      paired differences the ms come from (pairs x rounds)
     sent_bytes_saved_per_token  communication payload saved per decode step (the rows' own
                                 counts; zero copy sends the same)
     copied_bytes_saved_per_token  zero copy: the all-reduce payload not copied per step
@@ -42,7 +43,7 @@ def switch_savings(rows: list[dict]) -> list[dict]:
                 without = statistics.median(b["decode_ms_per_token"] for _, b in pairs)
                 out.append({
                     "ranks": ranks, "backend": backend, "switch": switch, "setting": setting, "against": baseline,
-                    "pairs": len(pairs),
+                    "pairs": len(pairs), "rounds": len(saved),
                     "sent_bytes_saved_per_token": statistics.median(
                         b["comm_bytes_per_token"] - r["comm_bytes_per_token"] for r, b in pairs),
                     "copied_bytes_saved_per_token": (statistics.median(r.get("allreduce_bytes_per_token", 0) for r, _ in pairs)

@@ -259,8 +259,10 @@ def _saving_said(s: dict) -> str:
     if ms is None:
         timed = "no rounds recorded to pair"
     else:
-        verdict = ("faster in every round" if ms["min"] > 0 else "slower in every round" if ms["max"] < 0 else
-                   "within the run-to-run spread (the rounds disagree on its sign)")
+        n = s.get("rounds", 0)
+        every = f"in all {n} paired rounds" if n > 1 else "in its one paired round (no spread to judge by)"
+        verdict = (f"faster {every}" if ms["min"] > 0 else f"slower {every}" if ms["max"] < 0 else
+                   f"within the run-to-run spread (its {n} paired rounds disagree on the sign)")
         timed = (f"{_with_spread(ms['median'], ms['min'], ms['max'], 'ms')} ms per token saved "
                  f"({_number(s['pct_saved'], 'pct')}% of the time without it): {verdict}")
     return f"{html.escape(what)} ({html.escape(where)}): {bytes_}; {timed}"

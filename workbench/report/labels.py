@@ -43,9 +43,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tp1_interleaved": ("1 rank in the same rounds", "text"),
     "decode_ms_by_round": ("decode ms per token, by round", "ms"),
     "allreduce_bytes_per_token": ("all-reduce payload per token", "bytes"),
-    # tensor parallel: each switch's saving (tp_ablation.switch_savings)
+    # tensor parallel: each switch's saving (tp_savings.switch_savings)
     "switch": ("switch", "text"), "setting": ("with", "text"), "against": ("against", "text"),
-    "pairs": ("matched pairs", "int"), "sent_bytes_saved_per_token": ("sent per token, saved", "bytes"),
+    "pairs": ("matched pairs", "int"), "rounds": ("paired rounds", "int"), "sent_bytes_saved_per_token": ("sent per token, saved", "bytes"),
     "copied_bytes_saved_per_token": ("copied per token, saved", "bytes"),
     "ms_saved": ("ms per token saved", "ms"), "pct_saved": ("% of the time without it", "pct"),
     # peers
