@@ -5,6 +5,7 @@ cluster per backend for its module; these need none running.)"""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -220,6 +221,8 @@ def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():
         assert comm_out.layout.display is None and topk_out.layout.display is None  # both shown
         comm = comm_out.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]
         assert [t["name"] for t in comm] == ["compute", "communication (all-reduces)"]
+        title = comm_out.outputs[0]["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"]
+        assert re.search(r"waiting for the other ranks: rank 0 \d+\.\d\d ms, rank 1 \d+\.\d\d ms$", title), title
         assert all(y > 0 for y in comm[1]["y"])
         p.ranks.value = 1
         p.load_button.click()  # back to one process: the panel's cluster is stopped

@@ -157,6 +157,17 @@ def throughput_spec(timings: Timings, batch: int, previous=()) -> dict:
     return {"data": data, "layout": layout}
 
 
+def _waits_said(decode) -> str:
+    """Of a step's communication, each rank's wait for the others (median of steps), where the
+    backend measures it (shm): the ranks' imbalance, not the collectives' cost."""
+    ranks = len(decode[0].rank_comm_wait_s) if decode else 0
+    by_rank = [[s.rank_comm_wait_s[r] for s in decode if len(s.rank_comm_wait_s) == ranks] for r in range(ranks)]
+    if not ranks or any(None in w or not w for w in by_rank):
+        return ""
+    said = ", ".join(f"rank {r} {1e3 * statistics.median(w):.2f} ms" for r, w in enumerate(by_rank))
+    return f"<br>of the communication, waiting for the other ranks: {said}"
+
+
 def comm_spec(timings: Timings) -> dict:
     """Tensor parallel: per layer, a decode step's compute and communication (rank 0's view)."""
     layers = timings.per_layer("decode")
@@ -168,7 +179,8 @@ def comm_spec(timings: Timings) -> dict:
     decode = timings.decode_steps
     head = 1e3 * statistics.median(s.head_comm_s for s in decode) if decode else 0.0
     layout = {"title": {"text": f"Compute vs communication per layer, per decode token, median of steps (head's "
-                                f"collectives: {head:.2f} ms)"}, "barmode": "group", "height": 300, "margin": MARGIN,
+                                f"collectives: {head:.2f} ms){_waits_said(decode)}"}, "barmode": "group", "height": 300,
+              "margin": MARGIN,
               "xaxis": _axis("layer"), "yaxis": _axis("ms per token (median)", rangemode="tozero")}
     return {"data": data, "layout": layout}
 
