@@ -29,14 +29,18 @@ def _kept(found: dict, candidates) -> str:
     return prefetch.choose(seconds, ":".join(map(str, candidates[0])))
 
 
-def test_a_prefetch_is_kept_only_if_it_beat_none_in_every_round():
+def test_a_prefetch_is_kept_only_if_it_beat_none_beyond_the_spread():
     """A tie with no prefetch (ahead in its best round by chance) is not a reason to prefetch:
-    it cost two tensor-parallel ranks a few percent of their step (docs/distributed.md)."""
+    it cost two tensor-parallel ranks a few percent of their step (docs/distributed.md). Nor
+    is winning each round where no prefetch had one slow round: the candidate's slowest round
+    must beat no prefetch's fastest."""
     off = "0:0:0"
     assert prefetch.choose({off: [1.0, 1.0, 1.0], "a": [0.9, 0.95, 0.99], "b": [0.8, 0.99, 0.99]}, off) == "b"
     assert prefetch.choose({off: [1.0, 1.0, 1.0], "a": [0.5, 0.99, 1.01]}, off) == off  # lost one round
     assert prefetch.choose({off: [1.0, 1.0], "a": [1.0, 0.9]}, off) == off  # a tie is not a win
     assert prefetch.choose({off: [1.0], "a": [2.0]}, off) == off
+    # ahead of off in every round, but only because one of off's rounds was slow: within the spread
+    assert prefetch.choose({off: [1.0, 2.0, 1.1], "a": [0.98, 1.05, 1.0]}, off) == off
 
 
 @pytest.mark.parametrize("bytes_ahead, hint, pipeline", prefetch.CANDIDATES)
