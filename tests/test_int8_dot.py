@@ -159,9 +159,9 @@ def test_each_dot_product_branch_is_exact(programs, branch):
 
 @settings(max_examples=25, deadline=None)
 @given(st.data())
-def test_avx512_without_vnni_on_operands_of_one_sign_each(programs, data):
-    """Skylake-SP's branch, emulated, where the pair sums come closest to int16's limit: every
-    byte of k and of q at the same magnitude band, signs drawn per byte."""
+def test_avx512_without_vnni_near_the_int16_limit(programs, data):
+    """Skylake-SP's branch, emulated, where its pmaddubsw pair sums come closest to int16's
+    limit: every byte's magnitude drawn from [lo, 127] (k and v reaching -128), signs per byte."""
     reason = _runnable("avx512bw-maddubs, emulated")
     if reason:
         pytest.skip(reason)
