@@ -203,7 +203,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": c[3], "threads": threads_per_rank}
-                    row = _summarize(config, [s for _, s in sorted(samples[c], key=lambda x: x[0])], same[c])
+                    row = _summarize(config, [s for _, s in samples[c]], same[c])  # in round order, as they ran
                     row["roofline_vs_tp1"] = roof
                     row["allreduce_bytes_per_token"] = 2 * cfg.n_layers * cfg.dim * 4 * batch  # fp32 residual rows
                     if 1 in ranks:

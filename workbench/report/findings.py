@@ -259,7 +259,7 @@ def _saving_said(s: dict) -> str:
     if ms is None:
         timed = "no rounds recorded to pair"
     else:
-        n = s.get("rounds", 0)
+        n = s["rounds"]
         every = f"in all {n} paired rounds" if n > 1 else "in its one paired round (no spread to judge by)"
         verdict = (f"faster {every}" if ms["min"] > 0 else f"slower {every}" if ms["max"] < 0 else
                    f"within the run-to-run spread (its {n} paired rounds disagree on the sign)")

@@ -160,11 +160,10 @@ def throughput_spec(timings: Timings, batch: int, previous=()) -> dict:
 def _waits_said(decode) -> str:
     """Of a step's communication, each rank's wait for the others (median of steps), where the
     backend measures it (shm): the ranks' imbalance, not the collectives' cost."""
-    ranks = len(decode[0].rank_comm_wait_s) if decode else 0
-    by_rank = [[s.rank_comm_wait_s[r] for s in decode if len(s.rank_comm_wait_s) == ranks] for r in range(ranks)]
-    if not ranks or any(None in w or not w for w in by_rank):
+    waits = [s.rank_comm_wait_s for s in decode]
+    if not waits or not waits[0] or any(None in w or len(w) != len(waits[0]) for w in waits):
         return ""
-    said = ", ".join(f"rank {r} {1e3 * statistics.median(w):.2f} ms" for r, w in enumerate(by_rank))
+    said = ", ".join(f"rank {r} {1e3 * statistics.median(w[r] for w in waits):.2f} ms" for r in range(len(waits[0])))
     return f"<br>of the communication, waiting for the other ranks: {said}"
 
 
