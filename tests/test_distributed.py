@@ -179,12 +179,23 @@ THREADS = ("[(open(f'/proc/self/task/{t}/comm').read().strip(), __import__('os')
            " for t in __import__('os').listdir('/proc/self/task')]")
 
 
+# What each rank's model was built with: its Parallel, which of its methods an instance
+# attribute overrides (none: tensor parallel is not patched in), and its linear layers' types
+BUILT = ("(lambda m: (type(m.parallel).__name__, [k for k in ('prefill', 'extend', 'decode', '_embed', '_head') "
+         "if k in vars(m)], sorted({type(lin).__name__ for layer in m.layers "
+         "for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)})))"
+         "(__import__('workbench.distributed.engine', fromlist=['_model'])._model().llama)")
+
+
 def test_the_fused_step_calls_shm_and_ccl_natively_and_gloo_through_python(tp2):
     cluster, _ = tp2
     kind = "type(__import__('workbench.distributed.engine', fromlist=['_model'])._model().llama.collective).__name__"
     kinds = cluster.run(eval, kind, what="reading the step's collective")[0]
     expected = {"shm": "ShmCollective", "ccl": "ForeignCollective", "gloo": "PyCollective"}[cluster.backend]
     assert kinds == [expected] * 2
+    # tensor parallel is the model's own, from load: nothing wrapped or patched afterwards
+    built = cluster.run(eval, BUILT, what="reading how the model was built")[0]
+    assert built == [("TensorParallel", [], ["Linear"])] * 2
     if cluster.backend == "gloo":
         # gloo's socket thread polls again at once while the rank's thread holds a pair's lock;
         # on a rank pinned to one core it used to preempt the rank mid-send and spin until the

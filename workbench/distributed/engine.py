@@ -100,15 +100,14 @@ def setup(rank: int, world: int, backend: str, rendezvous: dict, timeout_s: floa
 def load(name: str, kwargs: dict, options: dict) -> dict:
     """Load the model from its name or path, keeping this rank's shard only."""
     import workbench as wb
-    from workbench.distributed.shard import plan, shard_hook
-    from workbench.distributed.tp import TPOptions, apply_tensor_parallel
+    from workbench.distributed.tp import TensorParallel, TPOptions
 
     STATE["model"] = None
-    rank, world, comm = STATE["rank"], STATE["world"], STATE["comm"]
-    model = wb.load_model(name, shard=shard_hook(rank, world), **kwargs)
-    apply_tensor_parallel(model, comm, TPOptions(**options))
+    rank, comm = STATE["rank"], STATE["comm"]
+    tp = TensorParallel(comm, TPOptions(**options))
+    model = wb.load_model(name, parallel=tp, **kwargs)
     STATE["model"] = model
-    p = plan(model.config, rank, world)
+    p = tp.plan
     return {"rank": rank, "description": model.description, "weight_bytes": model.llama.weight_bytes,
             "kv_heads": p.kv_heads, "q_heads": p.q_heads, "q_offset": p.q_offset, "ffn": p.ffn, "vocab": p.vocab,
             "config": model.config, "tokenizer": model.tokenizer if rank == 0 else None,
@@ -125,9 +124,9 @@ def _model():
 def set_options(options: dict) -> dict:
     from dataclasses import asdict, replace
 
-    model = _model()
-    model.tp.options = replace(model.tp.options, **options)  # validated by TPOptions
-    return asdict(model.tp.options)
+    tp = _model().llama.parallel
+    tp.options = replace(tp.options, **options)  # validated by TPOptions
+    return asdict(tp.options)
 
 
 def set_switches(switches: dict) -> None:
@@ -141,7 +140,7 @@ def generate(prompt, kwargs: dict, check_topk: bool):
     from dataclasses import replace
 
     model, rank = _model(), STATE["rank"]
-    tp = model.tp
+    tp = model.llama.parallel
     saved = tp.options
     tp.options = replace(saved, check_topk=check_topk)
     tp.topk_log.clear()
@@ -190,12 +189,13 @@ def logits(token_ids) -> torch.Tensor | None:
     from dataclasses import replace
 
     model = _model()
-    saved = model.tp.options
-    model.tp.options = replace(saved, lm_head="gather", check_topk=False)
+    tp = model.llama.parallel
+    saved = tp.options
+    tp.options = replace(saved, lm_head="gather", check_topk=False)
     try:
         out = model.logits(token_ids)
     finally:
-        model.tp.options = saved
+        tp.options = saved
     return out if STATE["rank"] == 0 else None
 
 

@@ -117,24 +117,20 @@ def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
                      split(cfg.dim, world, rank), q_offset, cfg.n_heads // cfg.n_kv_heads)
 
 
-def shard_hook(rank: int, world: int):
-    """A workbench.model.llama.ShardHook keeping rank's slices (see the module docstring).
-    Slices are copied (contiguous), so the full matrices can be freed as loading goes."""
-    def keep(cfg: ModelConfig, layer, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        p = plan(cfg, rank, world)
-        hd = cfg.head_dim
-        q = slice(p.q_heads[0] * hd, p.q_heads[1] * hd)
-        kv = slice(p.kv_heads[0] * hd, p.kv_heads[1] * hd)
-        ffn = slice(*p.ffn)
-        if layer is None:  # embedding (replicated), final norm, LM head by vocabulary
-            head = w["lm_head"]
-            return {"embedding": w["embedding"], "final_norm": w["final_norm"],
-                    "lm_head": head[slice(*p.vocab)].contiguous(),
-                    "lm_head_hidden_split": head[:, slice(*p.hidden)].contiguous()}
-        return {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
-                "wq": w["wq"][q].contiguous(), "wk": w["wk"][kv].contiguous(), "wv": w["wv"][kv].contiguous(),
-                "wo": w["wo"][:, q].contiguous(),
-                "w_gate": w["w_gate"][ffn].contiguous(), "w_up": w["w_up"][ffn].contiguous(),
-                "w_down": w["w_down"][:, ffn].contiguous()}
-
-    return keep
+def take(p: ShardPlan, head_dim: int, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The slices of one layer's unfused weights (layer None: the embedding, final norm and LM
+    head dict) that the rank of plan p keeps (see the module docstring). Slices are copied
+    (contiguous), so the full matrices can be freed as loading goes."""
+    q = slice(p.q_heads[0] * head_dim, p.q_heads[1] * head_dim)
+    kv = slice(p.kv_heads[0] * head_dim, p.kv_heads[1] * head_dim)
+    ffn = slice(*p.ffn)
+    if layer is None:  # embedding (replicated), final norm, LM head by vocabulary
+        head = w["lm_head"]
+        return {"embedding": w["embedding"], "final_norm": w["final_norm"],
+                "lm_head": head[slice(*p.vocab)].contiguous(),
+                "lm_head_hidden_split": head[:, slice(*p.hidden)].contiguous()}
+    return {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
+            "wq": w["wq"][q].contiguous(), "wk": w["wk"][kv].contiguous(), "wv": w["wv"][kv].contiguous(),
+            "wo": w["wo"][:, q].contiguous(),
+            "w_gate": w["w_gate"][ffn].contiguous(), "w_up": w["w_up"][ffn].contiguous(),
+            "w_down": w["w_down"][:, ffn].contiguous()}

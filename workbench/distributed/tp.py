@@ -1,9 +1,12 @@
-"""Tensor parallelism applied to a loaded shard, beside the model (the way gpt-fast's tp.py
-leaves model.py alone): `apply_tensor_parallel(model, comm, options)` gives the fused decode
+"""Tensor parallelism as a property of the model, built at load: a rank passes
+`TensorParallel(comm, options)` to load_model (`parallel=`), which keeps the rank's shard
+of each layer as the weights load (workbench.distributed.shard) and gives the fused decode
 step the backend's all-reduce (`model.llama.collective`: it runs after o_proj and down_proj
-inside the one C++ call), wraps o_proj and down_proj with the same all-reduce for the Python
-reference path and prefill, and replaces the embedding lookup and the LM head with their
-distributed forms. The model's shard was taken at load time (workbench.distributed.shard).
+inside the one C++ call, natively for shm and oneCCL, through Python for gloo). The Python
+reference path (prefill, and decode with step="reference") calls the same all-reduce after
+o_proj and down_proj (`TensorParallel.reduce`), and the embedding lookup and the LM head take
+their distributed forms (`embed`, `head`); workbench.model.llama.Parallel lists what the
+model calls.
 
 The paper's three communication optimizations, each a switch against its naive form
 (`TPOptions`, changeable between generations):
@@ -33,12 +36,13 @@ the broadcast from rank 0 then makes rank 0's choice the one everybody embeds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from workbench import kernels
-from workbench.distributed.comm import CommError
+from workbench.distributed.shard import ShardPlan, plan, split, take
+from workbench.model.config import ModelConfig
 from workbench.model.llama import rms_norm
 
 TOKEN_BROADCAST = ("ids", "embeddings")
@@ -64,155 +68,122 @@ class TPOptions:
             raise ValueError(f"topk must be a positive integer, got {self.topk!r}")
 
 
-class ReducedLinear:
-    """A row-split linear layer (o_proj, down_proj) followed by the all-reduce of its partial
-    sums; the all-reduce's time goes to the step's "comm" part of this layer."""
-
-    def __init__(self, linear, tp: TensorParallel, layer: int, part: str):
-        self.linear, self.tp, self.layer, self.part = linear, tp, layer, part
-        self.weight, self.scale = linear.weight, linear.scale  # what the fused step reads
-
-    @property
-    def nbytes(self) -> int:
-        return self.linear.nbytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        comm = self.tp.comm
-        out = comm.buffer((x.shape[0], self.weight.shape[0]))
-        if self.tp.options.zero_copy:
-            self.linear(x, out=out)  # straight into the collective's buffer
-        else:
-            out.copy_(self.linear(x))
-        comm.all_reduce_(out)
-        if self.tp.recording and comm.log:  # the collective's own timing of this call
-            self.tp.add_comm(self.layer, self.part, comm.log[-1].seconds)
-        return out
-
-
-@dataclass
 class TensorParallel:
-    """The distributed pieces attached to one rank's model."""
+    """One rank's part in a tensor-parallel model: the workbench.model.llama.Parallel given to
+    load_model, which keeps this rank's shard of the weights as they load and is called
+    where a rank's forward pass differs from one process's."""
 
-    comm: object
-    options: TPOptions
-    vocab: tuple[int, int]
-    vocab_size: int
-    recording: bool = False
-    comm_s: dict = field(default_factory=dict)  # (layer, part) -> seconds in this step
-    topk_log: list[dict] = field(default_factory=list)
+    def __init__(self, comm, options: TPOptions | None = None):
+        self.comm = comm
+        self.options = options or TPOptions()
+        self.plan: ShardPlan | None = None  # known once the model's config is
+        self.collective = None  # the fused step's all-reduce (attach)
+        self.recording = False
+        self.comm_s: dict = {}  # (layer, part) -> seconds of its all-reduce in this step
+        self.topk_log: list[dict] = []
 
-    def add_comm(self, layer: int, part: str, seconds: float) -> None:
-        if self.recording:
-            self.comm_s[(layer, part)] = self.comm_s.get((layer, part), 0.0) + seconds
+    # -- at load ------------------------------------------------------------------------------
+    def keep(self, cfg: ModelConfig, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.plan is None:
+            self.plan = plan(cfg, self.comm.rank, self.comm.world)
+        return take(self.plan, cfg.head_dim, layer, w)
 
+    def attach(self, model) -> None:
+        self.llama, self.cfg = model, model.cfg
+        model.head_map = self.plan.head_map  # where the shard cut a group of query heads, which KV head each reads
+        self.collective = model.collective = self.comm.step_collective()  # called from C++ by the fused step
+        self.head_hidden = model.extras["lm_head_hidden_split"]
+        world, vocab = self.comm.world, self.cfg.vocab_size
+        self.widths = [hi - lo for lo, hi in (split(vocab, world, r) for r in range(world))]
+        self.slice_width = max(self.widths)  # gathered slices are padded to one width
 
-def apply_tensor_parallel(model, comm, options: TPOptions | None = None) -> TensorParallel:
-    """Make `model` (a workbench Model holding this rank's shard) one rank of a tensor-
-    parallel run over `comm`. Returns the TensorParallel state (also model.tp)."""
-    from workbench.distributed.shard import plan, split
+    # -- every step ---------------------------------------------------------------------------
+    def begin(self, record: bool) -> None:
+        self.recording = self.comm.recording = record
+        self.comm_s.clear()
+        self.comm.take_log()
+        if hasattr(self.collective, "zero_copy"):  # the switch, for the fused step too
+            self.collective.zero_copy = self.options.zero_copy
+        if hasattr(self.collective, "wait_s"):  # the fused step's waits, this step's only
+            self.collective.wait_s = 0.0
 
-    llama, cfg = model.llama, model.config
-    p = plan(cfg, comm.rank, comm.world)
-    tp = TensorParallel(comm, options or TPOptions(), p.vocab, cfg.vocab_size)
-    llama.head_map = p.head_map  # where the shard cut a group of query heads, which KV head each reads
-    for i, layer in enumerate(llama.layers):
-        layer.wo = ReducedLinear(layer.wo, tp, i, "attention")
-        layer.w_down = ReducedLinear(layer.w_down, tp, i, "mlp")
-    head_hidden = llama.extras["lm_head_hidden_split"]
-    hidden = p.hidden
-    slice_width = -(-cfg.vocab_size // comm.world)  # gathered slices are padded to one width
+    def end(self, rec):
+        if rec is not None:
+            _attribute_comm(rec, self, self.comm.take_log(), getattr(self.collective, "wait_s", None))
+        return rec
 
-    def embed(tokens: torch.Tensor) -> torch.Tensor:
-        if tp.options.token_broadcast == "ids":
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        comm, embedding = self.comm, self.llama.embedding
+        if self.options.token_broadcast == "ids":
             tokens = comm.broadcast_(tokens.clone(), 0)
-            return llama.embedding[tokens].float()
-        x = llama.embedding[tokens].float() if comm.rank == 0 else torch.empty(tokens.numel(), cfg.dim)
+            return embedding[tokens].float()
+        x = embedding[tokens].float() if comm.rank == 0 else torch.empty(tokens.numel(), self.cfg.dim)
         return comm.broadcast_(x, 0)
 
-    widths = [hi - lo for lo, hi in (split(cfg.vocab_size, comm.world, r) for r in range(comm.world))]
+    def reduce(self, linear, x: torch.Tensor, layer: int, part: str) -> torch.Tensor:
+        """A row-split linear layer (o_proj, down_proj), then the all-reduce of its partial sums;
+        the all-reduce's time goes to the step's "comm" part of this layer."""
+        x = x.contiguous()
+        comm = self.comm
+        out = comm.buffer((x.shape[0], linear.weight.shape[0]))
+        if self.options.zero_copy:
+            linear(x, out=out)  # straight into the collective's buffer
+        else:
+            out.copy_(linear(x))
+        comm.all_reduce_(out)
+        if self.recording and comm.log:  # the collective's own timing of this call
+            self.comm_s[(layer, part)] = self.comm_s.get((layer, part), 0.0) + comm.log[-1].seconds
+        return out
 
-    def full_logits(h: torch.Tensor) -> torch.Tensor:
-        """Every logit, gathered from the vocabulary slices: [rows, vocab]."""
-        local = llama.lm_head(h)
-        padded = torch.full((h.shape[0], slice_width), float("-inf"))
-        padded[:, :local.shape[1]] = local
-        parts = comm.all_gather(padded)  # [world, rows, width]
-        return torch.cat([parts[r, :, :widths[r]] for r in range(comm.world)], dim=1)
-
-    def sparse(rows: int, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Logits that are -inf but at the candidates: what sample() needs for greedy / top-k."""
-        out = torch.full((rows, cfg.vocab_size), float("-inf"))
-        return out.scatter_(1, ids, values)
-
-    def head(x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, llama.final_norm, cfg.norm_eps)
-        rows, k = h.shape[0], tp.options.topk
-        mode = tp.options.lm_head
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        llama, comm, vocab = self.llama, self.comm, self.plan.vocab
+        h = rms_norm(x, llama.final_norm, self.cfg.norm_eps)
+        rows, k = h.shape[0], self.options.topk
+        mode = self.options.lm_head
         if mode == "gather":
-            logits = full_logits(h)
+            logits = self._full_logits(h)
         elif mode == "topk":
             local = llama.lm_head(h)
             values, ids = local.topk(min(k, local.shape[1]), dim=-1)
             # One exchange of (value, id) pairs; ids travel as fp32, exact below 2^24.
-            pairs = comm.all_gather(torch.cat([values, (ids + p.vocab[0]).float()], dim=1))  # [world, rows, 2k]
+            pairs = comm.all_gather(torch.cat([values, (ids + vocab[0]).float()], dim=1))  # [world, rows, 2k]
             kk = values.shape[1]
             all_values = pairs[:, :, :kk].permute(1, 0, 2).reshape(rows, -1)
             all_ids = pairs[:, :, kk:].permute(1, 0, 2).reshape(rows, -1).long()
             best, where = all_values.topk(kk, dim=-1)
-            logits = sparse(rows, all_ids.gather(1, where), best)
+            logits = self._sparse(rows, all_ids.gather(1, where), best)
         else:  # hidden-split: partial sums of every logit
-            partial = kernels.linear(h[:, hidden[0]:hidden[1]].contiguous(), head_hidden)  # [rows, vocab]
+            partial = self._hidden_split(h)  # [rows, vocab]
             _, ids = partial.topk(k, dim=-1)
             candidates = comm.all_gather(ids.float()).permute(1, 0, 2).reshape(rows, -1).long()  # [rows, world k]
             exact = comm.all_reduce_(partial.gather(1, candidates).contiguous())  # exact logits of the candidates
-            logits = sparse(rows, candidates, exact)
-        if tp.options.check_topk:
-            truth = (comm.all_reduce_(kernels.linear(h[:, hidden[0]:hidden[1]].contiguous(), head_hidden))
-                     if mode == "hidden-split" else full_logits(h))
+            logits = self._sparse(rows, candidates, exact)
+        if self.options.check_topk:
+            truth = comm.all_reduce_(self._hidden_split(h)) if mode == "hidden-split" else self._full_logits(h)
             true_top = truth.topk(k, dim=-1).indices
             got_top = logits.topk(k, dim=-1).indices
             for r in range(rows):
-                tp.topk_log.append({"top1_agrees": bool(got_top[r, 0] == true_top[r, 0]),
-                                    "topk_overlap": len(set(got_top[r].tolist()) & set(true_top[r].tolist())) / k})
+                self.topk_log.append({"top1_agrees": bool(got_top[r, 0] == true_top[r, 0]),
+                                      "topk_overlap": len(set(got_top[r].tolist()) & set(true_top[r].tolist())) / k})
         return logits
 
-    llama._embed, llama._head = embed, head
-    collective = comm.step_collective()  # the fused step's all-reduces, called from C++
-    llama.collective = collective
+    def _hidden_split(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of every logit: the LM head's columns of its hidden slice."""
+        lo, hi = self.plan.hidden
+        return kernels.linear(h[:, lo:hi].contiguous(), self.head_hidden)
 
-    def begin(record: bool) -> None:
-        tp.recording = comm.recording = record
-        tp.comm_s.clear()
-        comm.take_log()
-        if hasattr(collective, "zero_copy"):  # the switch, for the fused step too
-            collective.zero_copy = tp.options.zero_copy
-        if hasattr(collective, "wait_s"):  # the fused step's waits, this step's only
-            collective.wait_s = 0.0
+    def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Every logit, gathered from the vocabulary slices: [rows, vocab]."""
+        local = self.llama.lm_head(h)
+        padded = torch.full((h.shape[0], self.slice_width), float("-inf"))
+        padded[:, :local.shape[1]] = local
+        parts = self.comm.all_gather(padded)  # [world, rows, width]
+        return torch.cat([parts[r, :, :self.widths[r]] for r in range(self.comm.world)], dim=1)
 
-    def end(rec):
-        if rec is not None:
-            _attribute_comm(rec, tp, comm.take_log(), getattr(collective, "wait_s", None))
-        return rec
-
-    prefill, decode = llama.prefill, llama.decode
-
-    def tp_prefill(tokens, seq_lens, cache, switches, record=False, all_logits=False):
-        begin(record)
-        logits, rec = prefill(tokens, seq_lens, cache, switches, record, all_logits)
-        return logits, end(rec)
-
-    def tp_decode(tokens, cache, switches, record=False):
-        begin(record)
-        try:
-            logits, rec = decode(tokens, cache, switches, record)
-        except kernels.native.ext.CollectiveError as e:  # the fused step's shm or oneCCL all-reduce failed
-            raise CommError(str(e)) from None
-        return logits, end(rec)
-
-    llama.prefill, llama.decode = tp_prefill, tp_decode
-    model.tp = tp
-    return tp
+    def _sparse(self, rows: int, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Logits that are -inf but at the candidates: what sample() needs for greedy / top-k."""
+        out = torch.full((rows, self.cfg.vocab_size), float("-inf"))
+        return out.scatter_(1, ids, values)
 
 
 def _attribute_comm(rec, tp: TensorParallel, calls, step_wait_s: float | None) -> None:

@@ -5,7 +5,8 @@
     kv_formats   KV-cache formats (KV_FORMATS) and the KV cache
     attention    attention backends (ATTENTION_BACKENDS)
     switches     the (attention, KV format) pair a run uses, validated against both registries
-    llama        the decoder on the kernels: prefill, decode, per-layer records; a shard hook
+    llama        the decoder on the kernels: prefill, decode, per-layer records; the Parallel a
+                 tensor-parallel rank is built with
     timing       StepRecord, Timings, Clock and the timing PARTS every table and figure iterates over
     tokenizer    byte-level BPE from GGUF metadata or tokenizer.json; a byte tokenizer
     loaders      the bundled model, GGUF files, Hugging Face directories, random presets

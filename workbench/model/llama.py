@@ -13,10 +13,11 @@ backend and which KV-cache format are used is decided per call (`Switches`), so 
 change between generations without touching the weights.
 
 Weights arrive unfused, one dict per layer (wq, wk, wv, wo, w_gate, w_up, w_down and the
-two norms). An optional `shard(cfg, layer, weights) -> weights` hook sees each dict before
-Q/K/V and gate/up are fused, so tensor parallelism can keep a slice of every matrix without
-this file knowing about ranks (workbench.distributed.shard); head counts are then read
-from the weights' shapes (the model's local heads), never from the config.
+two norms). A tensor-parallel rank is built at load with a `Parallel` (below; the one in
+workbench.distributed.tp): it keeps its slice of each dict before Q/K/V and gate/up are
+fused, and the forward pass calls it at the few places where a rank differs from one
+process (embedding, the all-reduces after o_proj and down_proj, the LM head). Head counts
+are read from the weights' shapes (the model's local heads), never from the config.
 
 Every step can record, per layer and per part (workbench.model.timing.PARTS), the time
 spent, the bytes read and the floating-point operations done (`StepRecord`).
@@ -27,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +44,33 @@ from workbench.model.timing import Clock, StepRecord
 
 NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
 
-# shard(config, layer index, unfused weights) -> the weights this process keeps; layer None
-# is the embedding / final norm / LM head dict. Entries a hook adds to that dict beyond those
-# three are kept in LlamaModel.extras (for the layer that asked for them).
-ShardHook = Callable[[ModelConfig, int | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class Parallel(Protocol):
+    """One rank of a tensor-parallel model, given to LlamaModel at load. One process has none.
+
+        keep(cfg, layer, w)      the weights this rank keeps of one layer's unfused dict (layer
+                                 None: the embedding / final norm / LM head dict; entries it adds
+                                 there beyond those three land in LlamaModel.extras)
+        attach(model)            once the shard is packed: sets model.collective (the all-reduce
+                                 the fused decode step runs after o_proj and down_proj) and
+                                 model.head_map
+        embed(tokens)            token ids [T] -> [T, dim], the same on every rank
+        head(x)                  the final norm, this rank's LM head and the exchange -> logits
+                                 [rows, vocab] every rank agrees on
+        reduce(linear, x, i, part)   o_proj or down_proj ("attention" / "mlp" of layer i) on this
+                                 rank's slice, then the all-reduce of the partial sums
+        begin(record), end(rec)  around every step: its communication accounting (end returns
+                                 the step's record with its "comm" filled in)
+    """
+
+    def keep(self, cfg: ModelConfig, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def attach(self, model: LlamaModel) -> None: ...
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
+    def head(self, x: torch.Tensor) -> torch.Tensor: ...
+    def reduce(self, linear: Linear, x: torch.Tensor, layer: int, part: str) -> torch.Tensor: ...
+    def begin(self, record: bool) -> None: ...
+    def end(self, rec: StepRecord | None) -> StepRecord | None: ...
 
 
 class Linear:
@@ -131,27 +155,28 @@ class Layer:
         kernels.rope_(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads, head_dim=self.head_dim)
         return qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
 
-    def mlp(self, x: torch.Tensor, one_pass: bool = False) -> torch.Tensor:
-        """down(SiLU(gate(x)) * up(x)); with one_pass (prefill) the activation is one kernel pass
-        over the [gate | up] rows (kernels.silu_mul), else the torch expression (the reference)."""
+    def swiglu(self, x: torch.Tensor, one_pass: bool = False) -> torch.Tensor:
+        """SiLU(gate(x)) * up(x), the input of down_proj; with one_pass (prefill) the activation is
+        one kernel pass over the [gate | up] rows (kernels.silu_mul), else the torch expression
+        (the reference)."""
         gate_up = self.w_gate_up(x)
         if one_pass:
-            return self.w_down(kernels.silu_mul(gate_up))
+            return kernels.silu_mul(gate_up)
         gate, up = gate_up.split([self.ffn_dim, self.ffn_dim], dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class LlamaModel:
     """Weights and the forward pass. Create through workbench.load_model()."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype_name: str = "fp32",
-                 shard: ShardHook | None = None):
+                 parallel: Parallel | None = None):
         fmt = weight_format(weight_dtype_name)  # a ValueError naming the accepted formats
         self.cfg = cfg
         self.weight_dtype = weight_dtype_name
         self.format = fmt
         self.source: str | None = None  # the file or directory the weights came from (None: random)
-        keep = shard or (lambda cfg, layer, w: w)
+        keep = parallel.keep if parallel else (lambda cfg, layer, w: w)
         # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
         # layer: a 7B model never exists twice in memory.
         self.layers = []
@@ -169,13 +194,16 @@ class LlamaModel:
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
         self._stacks = weakref.WeakKeyDictionary()  # cache -> its fused decode step (kernels.decode_stack)
-        # Tensor parallel (workbench.distributed.tp): the all-reduce the fused step runs after
-        # o_proj and down_proj (a kernels StepCollective); None in one process.
+        # Tensor parallel: the all-reduce the fused step runs after o_proj and down_proj (a
+        # kernels StepCollective); None in one process.
         self.collective = None
         # ... and, where the rank's shard splits a group of query heads, which KV head each of
         # its query heads reads: (group, q_offset), see kernels.decode_attention. None: equal
         # groups, as in one process.
         self.head_map: tuple[int, int] | None = None
+        self.parallel = parallel
+        if parallel:
+            parallel.attach(self)
 
     def _pack_weights(self) -> None:
         """Move every matrix (and int8 scales) into one huge-page arena in the order a decode
@@ -216,25 +244,41 @@ class LlamaModel:
         return cache
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            return self.parallel.embed(tokens)
         return self.embedding[tokens].float()
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            return self.parallel.head(x)
         return self.lm_head(rms_norm(x, self.final_norm, self.cfg.norm_eps))
 
+    def _project(self, linear: Linear, x: torch.Tensor, layer: int, part: str) -> torch.Tensor:
+        """o_proj or down_proj: on a tensor-parallel rank, its slice and the all-reduce."""
+        if self.parallel:
+            return self.parallel.reduce(linear, x, layer, part)
+        return linear(x)
+
+    def _clock(self, record: bool) -> Clock:
+        """A step's clock (and, on a tensor-parallel rank, the start of its accounting)."""
+        if self.parallel:
+            self.parallel.begin(record)
+        return Clock(record, len(self.layers))
+
     def _layers(self, x: torch.Tensor, attend, clock: Clock, one_pass: bool = False) -> torch.Tensor:
-        """The decoder stack: x += attend(i, layer, norm(x)); x += mlp(norm(x)), timing each part
-        (x updated in place; one_pass: Layer.mlp's)."""
+        """The decoder stack: x += o_proj(attend(i, layer, norm(x))); x += down(swiglu(norm(x))),
+        timing each part (x updated in place; one_pass: Layer.swiglu's)."""
         eps = self.cfg.norm_eps
         for i, layer in enumerate(self.layers):
             t0 = clock.t()
             h = rms_norm(x, layer.attn_norm, eps)
             t1 = clock.t()
-            o = attend(i, layer, h)
+            o = self._project(layer.wo, attend(i, layer, h), i, "attention")
             t2 = clock.t()
             x += o
             h = rms_norm(x, layer.mlp_norm, eps)
             t3 = clock.t()
-            m = layer.mlp(h, one_pass)
+            m = self._project(layer.w_down, layer.swiglu(h, one_pass), i, "mlp")
             t4 = clock.t()
             x += m
             if clock.enabled:
@@ -245,17 +289,21 @@ class LlamaModel:
 
     def _record(self, clock: Clock, phase: str, tokens: int, t_start: float, layers_s: float,
                 kv_bytes: int, attention_pairs: int, head_rows: int, wake_s: float = 0.0,
-                path: str = "") -> StepRecord | None:
-        if not clock.enabled:
-            return None
-        total = clock.t() - t_start
-        attention_flops = 4 * self.n_heads * self.cfg.head_dim * attention_pairs  # Q K^T and P V
-        return StepRecord(phase, tokens, clock.parts_s, total - layers_s,
-                          weight_bytes=[layer.weight_bytes for layer in self.layers],
-                          kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
-                          total_s=total,
-                          flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
-                          head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s, path=path)
+                path: str = "", comm_bytes: int = 0) -> StepRecord | None:
+        """The step's record (None when not recording), its communication accounted on a
+        tensor-parallel rank; comm_bytes: what the fused step's own all-reduces sent."""
+        rec = None
+        if clock.enabled:
+            total = clock.t() - t_start
+            attention_flops = 4 * self.n_heads * self.cfg.head_dim * attention_pairs  # Q K^T and P V
+            rec = StepRecord(phase, tokens, clock.parts_s, total - layers_s,
+                             weight_bytes=[layer.weight_bytes for layer in self.layers],
+                             kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
+                             total_s=total,
+                             flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
+                             head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s, path=path,
+                             comm_bytes=comm_bytes)
+        return self.parallel.end(rec) if self.parallel else rec
 
     def _packed(self, seq_lens: list[int], starts: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Packed pieces (piece b: seq_lens[b] tokens from position starts[b]) -> each piece's
@@ -274,7 +322,7 @@ class LlamaModel:
         """tokens [T] packed prompts (sequence b has seq_lens[b] tokens, starting at position 0)
         -> logits of each sequence's last token [B, vocab], or of every token [T, vocab] with
         all_logits (and the step's record)."""
-        clock = Clock(record, len(self.layers))
+        clock = self._clock(record)
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         backend = attention_backend(switches.attention)
@@ -292,7 +340,7 @@ class LlamaModel:
                 cache.append(i, kb, vb, start, rows=slice(b, b + 1))
                 kb, vb = per_query_head(kb, vb, H, self.head_map, dim=1)  # our prefill kernels: equal groups
                 out[s] = backend.prefill(qb.to(act), kb.to(act), vb.to(act))[0].transpose(0, 1)
-            return layer.wo(out.view(-1, H * D))
+            return out.view(-1, H * D)
 
         x = self._embed(tokens)  # [T, dim]
         t_layers = clock.t()
@@ -324,7 +372,7 @@ class LlamaModel:
                                  f"(need at least one token and start >= 0)")
         if int(tokens.numel()) != sum(seq_lens):
             raise ValueError(f"extend: {tokens.numel()} tokens given for pieces of {sum(seq_lens)} in all")
-        clock = Clock(record, len(self.layers))
+        clock = self._clock(record)
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         act = self.attention_dtype
@@ -343,7 +391,7 @@ class LlamaModel:
                 keys, values = per_query_head(keys, values, H, self.head_map)
                 keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
                 out[s] = kernels.slim_attention(qb.to(act), keys, values)[0].transpose(0, 1)
-            return layer.wo(out.view(-1, H * D))
+            return out.view(-1, H * D)
 
         x = self._embed(tokens)
         t_layers = clock.t()
@@ -371,9 +419,6 @@ class LlamaModel:
             return f"attention {switches.attention!r} decodes in PyTorch, not with our kernel"
         if type(cache) is not KVCache:
             return f"kv_cache {switches.kv_cache!r} runs on the torch reference path"
-        if self.collective is None and any(type(lin) is not Linear for layer in self.layers
-                                           for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
-            return "tensor parallel without a collective for the fused step (model.collective)"
         return None
 
     def _fused_stack(self, cache: KVCache):
@@ -389,7 +434,7 @@ class LlamaModel:
                record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         """tokens [B], one per sequence, at positions cache.lengths -> logits [B, vocab].
         The layers run in one fused C++ call where fused_decode_blocker allows, else here."""
-        clock = Clock(record, len(self.layers))
+        clock = self._clock(record)
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         backend = attention_backend(switches.attention)
@@ -404,7 +449,7 @@ class LlamaModel:
             q, k, v = layer.qkv(h, cos, sin)
             cache.append(i, k.reshape(-1, Hkv, 1, D), v.reshape(-1, Hkv, 1, D), positions)  # [B, Hkv, 1, D]
             attn = backend.decode(q.reshape(-1, H, D).contiguous(), cache, i, lengths)
-            return layer.wo(attn.reshape(-1, H * D))
+            return attn.reshape(-1, H * D)
 
         x = self._embed(tokens)  # [B, dim]
         t_layers = clock.t()
@@ -424,9 +469,8 @@ class LlamaModel:
         layers_s = clock.t() - t_layers - wake_s
         logits = self._head(x)
         cache.lengths = lengths
-        rec = self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
-                           cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0], wake_s,
-                           "fused" if fused else "reference")
-        if rec is not None and fused and self.collective is not None:  # two all-reduces of [B, dim] fp32 a layer
-            rec.comm_bytes = 2 * len(self.layers) * x.numel() * x.element_size()
-        return logits, rec
+        # the fused step's all-reduces: two of [B, dim] fp32 a layer (the Python path's are logged)
+        step_comm = 2 * len(self.layers) * x.numel() * x.element_size() if fused and self.collective else 0
+        return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
+                                    cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0],
+                                    wake_s, "fused" if fused else "reference", step_comm)

@@ -152,7 +152,7 @@ def _gguf_config(fields: dict, name: str) -> ModelConfig:
 
 
 def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = None,
-              max_batch: int = 1, max_seq_len: int | None = None, shard=None):
+              max_batch: int = 1, max_seq_len: int | None = None, parallel=None):
     name = name or path.stem
     try:
         file = read_gguf(path)
@@ -200,13 +200,13 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
             elif gname == "attn_k":
                 w = _unpermute_rope_rows(w, cfg.n_kv_heads)
             weights[f"layers.{i}.{ours}"] = w if ours.endswith("norm") else w.to(linear_dtype)
-    return LlamaModel(cfg, weights, dtype, shard), tokenizer
+    return LlamaModel(cfg, weights, dtype, parallel), tokenizer
 
 
 # -- Hugging Face directory ---------------------------------------------------------------
 
 def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: int = 1,
-                      max_seq_len: int | None = None, shard=None):
+                      max_seq_len: int | None = None, parallel=None):
     from safetensors import safe_open
 
     try:
@@ -277,13 +277,13 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
             f"layers.{i}.w_down": get(p + "mlp.down_proj.weight", (cfg.dim, cfg.ffn_dim)),
         })
     tokenizer = Tokenizer.from_directory(folder, cfg.bos_token_id, cfg.eos_token_id)
-    return LlamaModel(cfg, weights, dtype, shard), tokenizer
+    return LlamaModel(cfg, weights, dtype, parallel), tokenizer
 
 
 # -- random weights -------------------------------------------------------------------------
 
 def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, max_seq_len: int | None = None,
-                 shard=None):
+                 parallel=None):
     """The preset's exact shapes with seeded weights of std 0.02 (approximately normal) and
     unit norms."""
     from workbench.kernels import random_normal
@@ -309,15 +309,15 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
             f"layers.{i}.w_gate": rand(cfg.ffn_dim, cfg.dim), f"layers.{i}.w_up": rand(cfg.ffn_dim, cfg.dim),
             f"layers.{i}.w_down": rand(cfg.dim, cfg.ffn_dim),
         })
-    return LlamaModel(cfg, weights, dtype, shard), ByteTokenizer(cfg.vocab_size)
+    return LlamaModel(cfg, weights, dtype, parallel), ByteTokenizer(cfg.vocab_size)
 
 
 # -- entry point ------------------------------------------------------------------------------
 
 def resolve(name_or_path: str, *, random: bool = False, layers: int | None = None, dtype: str = "fp32",
-            seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None, shard=None):
+            seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None, parallel=None):
     """(LlamaModel, tokenizer, description) for a name or path; see the module docstring.
-    shard: a workbench.model.llama.ShardHook applied to each layer's weights before fusion."""
+    parallel: a workbench.model.llama.Parallel: this process is one rank of a tensor-parallel model."""
     if dtype not in WEIGHT_FORMATS:
         raise ModelLoadError(f"dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {dtype!r}")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
@@ -330,13 +330,13 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         cfg = preset(key)
         if layers is not None:
             cfg = cfg.with_layers(layers)
-        model, tok = random_model(cfg, dtype, seed, max_batch, max_seq_len, shard)
+        model, tok = random_model(cfg, dtype, seed, max_batch, max_seq_len, parallel)
         return model, tok, f"{key} (random weights, seed {seed})"
 
     path = Path(name_or_path).expanduser()
     if key == BUNDLED_MODEL:
         path = bundled_gguf_path()
-        model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, shard)
+        model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, parallel)
         model.source = str(path)
         how = {"int8": "dequantized to fp32, re-quantized to int8 per output row",
                "int8-g32": "dequantized to fp32, re-quantized to int8 per 32 weights"}.get(dtype, f"dequantized to {dtype}")
@@ -346,19 +346,19 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
             for candidate in (d / key, d / f"{key}.gguf"):
                 if candidate.exists():
                     return resolve(str(candidate), layers=layers, dtype=dtype, max_batch=max_batch,
-                                   max_seq_len=max_seq_len, shard=shard)
+                                   max_seq_len=max_seq_len, parallel=parallel)
         looked = ", ".join(str(d / key) + "[.gguf]" for d in models_dirs())
         raise ModelLoadError(f"no local weights for {key} (looked in {looked}). Use random=True "
                              f"(%load_model {key} --random) for its exact shapes with random weights, "
                              f"or pass a path to a model directory or .gguf file")
     if path.is_dir():
-        model, tok = load_hf_directory(path, dtype, layers, max_batch, max_seq_len, shard)
+        model, tok = load_hf_directory(path, dtype, layers, max_batch, max_seq_len, parallel)
         model.source = str(path)
         return model, tok, f"{path} ({dtype})"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a model directory")
-        model, tok = load_gguf(path, dtype, layers, None, max_batch, max_seq_len, shard)
+        model, tok = load_gguf(path, dtype, layers, None, max_batch, max_seq_len, parallel)
         model.source = str(path)
         return model, tok, f"{path} ({dtype})"
     raise ModelLoadError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(PRESETS))}), "

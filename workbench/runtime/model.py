@@ -235,14 +235,15 @@ class Model(SwitchProperties):
 
 def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,
                dtype: str = "fp32", seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None,
-               shard=None) -> Model:
+               parallel=None) -> Model:
     """Load a model by preset name or path (see workbench.model.loaders). Raises ModelLoadError.
-    shard: a hook that keeps part of each layer's weights (workbench.model.llama.ShardHook)."""
+    parallel: this process is one rank of a tensor-parallel model (workbench.model.llama.Parallel;
+    workbench.distributed.tp.TensorParallel), which keeps its shard of the weights."""
     from workbench.kernels import native
 
     native.ext  # compile the kernels now if they are not built yet, not inside the first timed step
     llama, tokenizer, description = resolve(name_or_path, random=random, layers=layers, dtype=dtype, seed=seed,
-                                            max_batch=max_batch, max_seq_len=max_seq_len, shard=shard)
+                                            max_batch=max_batch, max_seq_len=max_seq_len, parallel=parallel)
     model = Model(llama, tokenizer, description)
     model.load_args = {"name_or_path": name_or_path, "random": random, "layers": layers, "dtype": dtype, "seed": seed,
                        "max_batch": max_batch, "max_seq_len": max_seq_len}
