@@ -6,7 +6,8 @@
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
               decode ms/token, time over one process's and what the cost model predicts for
-              it (roofline / 1 rank, with the fits just measured), comm ms/token,
+              it (roofline / 1 rank, with the latency part's fits, or without it each
+              cluster's own, measured after its rounds), comm ms/token,
               % comm (rank 0's, and every rank's: a rank with less to do waits at the
               all-reduce), of each rank's comm the wait for the other rank to arrive and
               rank 0's collectives' own share without it (shm only: the backend that can tell),

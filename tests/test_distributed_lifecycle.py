@@ -145,11 +145,11 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert "rank 1: KV heads (1, 3), query heads (5, 9)" in out and "segment" in out  # a group cut: shard.py
         assert out.count("memory policy bind [") == 2  # --pin: each rank's memory bound to its node
         assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
-        # The shm all-reduce's fit, measured on these engines and cached: %ablate's roofline column reads it.
-        from workbench.distributed.allreduce import measure_allreduce
+        # The shm all-reduce's fit, measured on these engines and cached (the cost model reads it)
+        from workbench.distributed.allreduce import cached_fit, measure_allreduce
 
         fit = measure_allreduce("shm", 2, cluster=running(), repeats=3)
-        assert fit["alpha_us"] > 0
+        assert fit["alpha_us"] > 0 and cached_fit("shm", 2)["measured_at"] == fit["measured_at"]
     finally:
         out, err = run("%distributed stop")
     assert err is None and "cluster stopped" in out
@@ -190,9 +190,12 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert row.comm_wait_ms_by_rank[0] == pytest.approx(row.comm_wait_ms_per_token)
         assert all(0 < w < c for w, c in zip(row.comm_wait_ms_by_rank, row.comm_ms_by_rank))
         assert row.vs_tp1["median"] == pytest.approx(row.decode_ms_per_token / one.decode_ms_per_token)
-        # What the cost model predicts for vs_tp1 with the fit measured above: the 5 + 4 query-head
-        # split leaves rank 0 about 3% more than half the bytes, and the all-reduces add to that.
+        # What the cost model predicts for vs_tp1 with the fit %ablate measured on its own cluster
+        # after the rounds: the 5 + 4 query-head split leaves rank 0 about 3% more than half the
+        # bytes, and the all-reduces add to that.
         assert 1.03 < row.roofline_vs_tp1 < 1.5
+        assert row.allreduce_fit["source"] == "measured on the cluster after its rounds"
+        assert row.allreduce_fit["alpha_us"] > 0 and row.allreduce_fit["beta_gbps"] > 0
     # Each switch's saving: here zero copy alone, on against off in the one matched pair, its ms
     # the two rows' difference in their one round, its bytes the all-reduce payload not copied.
     assert "Each switch's saving per decode token" in out

@@ -30,8 +30,11 @@ tp_ablation rows (decode phase, batch 1 unless given):
                                 process's (costmodel.tp_roofline_ratio: each rank on 1 / ranks
                                 of the measured triad, the busiest rank's share of the weights,
                                 the backend's all-reduce fit), what vs_tp1 would be at the
-                                roofs (a prediction, not a bound); None where no fit of the
-                                backend is known (`comm`, else the cache of wb.measure_allreduce)
+                                roofs (a prediction, not a bound)
+    allreduce_fit               ranks > 1: the fit it used, {alpha_us, beta_gbps, source}: the one
+                                given (`comm`: bench/distributed.py's latency sweep of the same
+                                run), else measured on the cluster itself after its rounds
+                                (wb.measure_allreduce, which caches it)
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     decode_ms_by_round          decode_ms_per_token in each round, round 0 first (the rounds pair
                                 the settings of one cluster: workbench.analysis.tp_savings)
@@ -129,10 +132,11 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                 comm: dict[str, tuple[float, float]] | None = None,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
     """The rows above. comm: {backend: (alpha_us, beta_gbps)} all-reduce fits for the
-    roofline column (bench/distributed.py passes the ones it just measured)."""
+    roofline column (bench/distributed.py passes the ones it just measured); a backend
+    without one has its fit measured on its cluster after the timed rounds."""
     import workbench as wb
     from workbench.analysis.costmodel import tp_roofline_ratio
-    from workbench.distributed.allreduce import cached_fit
+    from workbench.distributed.allreduce import measure_allreduce
     from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
 
@@ -149,15 +153,18 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     cfg, weight_dtype, kv_cache = single.config, single.weight_dtype, single.switches.kv_cache
     comm = dict(comm or {})
 
-    def roofline(r: int, backend: str) -> float | None:
-        fit = comm.get(backend)
+    def roofline(cluster: Cluster) -> tuple[float, dict]:
+        """The cost model's vs_tp1 for this cluster's ranks and backend, and the all-reduce
+        fit it used: the one given, else measured on the cluster now (its rounds are done)."""
+        fit = comm.get(cluster.backend)
         if fit is None:
-            cached = cached_fit(backend, r)
-            if cached is None:
-                return None
-            fit = (cached["alpha_us"], cached["beta_gbps"])
-        return tp_roofline_ratio(cfg, r, comm=fit, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                                 kv_cache=kv_cache, weight_dtype=weight_dtype)
+            measured = measure_allreduce(cluster.backend, cluster.n, cluster=cluster)
+            fit, source = (measured["alpha_us"], measured["beta_gbps"]), "measured on the cluster after its rounds"
+        else:
+            source = "given (this run's latency sweep)"
+        ratio = tp_roofline_ratio(cfg, cluster.n, comm=fit, batch=batch, prompt_len=prompt_len,
+                                  new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
+        return ratio, {"alpha_us": fit[0], "beta_gbps": fit[1], "source": source}
 
     def one_rank() -> dict:
         set_threads(one_threads)
@@ -199,12 +206,12 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                     same[c] = same[c] and out.token_ids == ref.token_ids
                 one_samples.extend(one_here.values())
                 one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
-                roof = roofline(r, backend)  # one per cluster: the switches do not enter it
+                roof, fit = roofline(cluster)  # one per cluster: the switches do not enter it
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
                               "zero_copy": c[3], "threads": threads_per_rank}
                     row = _summarize(config, [s for _, s in samples[c]], same[c])  # in round order, as they ran
-                    row["roofline_vs_tp1"] = roof
+                    row["roofline_vs_tp1"], row["allreduce_fit"] = roof, fit
                     row["allreduce_bytes_per_token"] = 2 * cfg.n_layers * cfg.dim * 4 * batch  # fp32 residual rows
                     if 1 in ranks:
                         ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
