@@ -113,6 +113,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fill_normal_", &fill_normal_, py::arg("out"), py::arg("seed"), py::arg("stream"), py::arg("std"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+  m.def("topk_pairs", &topk_pairs, py::arg("logits"), py::arg("k"), py::arg("offset"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("merge_topk", &merge_topk, py::arg("pairs"), py::arg("vocab"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"),
         py::call_guard<py::gil_scoped_release>());

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "prefetch.h"
 
@@ -505,6 +507,86 @@ Tensor silu_mul(const Tensor& gate_up) {
   const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
   Tensor out = at::empty({T, F}, gate_up.options());
   if (out.numel() > 0) wbk::silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, F);
+  return out;
+}
+
+// -- the tensor-parallel LM head's exchange: each rank's best k, then the best k of them all -----
+
+namespace {
+
+// Candidate a ranks before b: the larger logit first (NaN above every number, as torch.topk
+// and argmax have it), equal logits by the lower token id (argmax's first index).
+inline bool ranks_before(float va, int64_t ia, float vb, int64_t ib) {
+  const bool na = std::isnan(va), nb = std::isnan(vb);
+  if (na != nb) return na;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+// Keep (v, id) in the best-first run vals / ids of `have` <= k entries if it belongs there.
+inline void offer(float* vals, int64_t* ids, int64_t k, int64_t& have, float v, int64_t id) {
+  if (have == k && !ranks_before(v, id, vals[k - 1], ids[k - 1])) return;
+  int64_t j = have < k ? have++ : k - 1;
+  for (; j > 0 && ranks_before(v, id, vals[j - 1], ids[j - 1]); --j) {
+    vals[j] = vals[j - 1];
+    ids[j] = ids[j - 1];
+  }
+  vals[j] = v;
+  ids[j] = id;
+}
+
+constexpr int64_t kExactIds = int64_t{1} << 24;  // token ids travel as fp32: exact below 2^24
+
+}  // namespace
+
+Tensor topk_pairs(const Tensor& logits, int64_t k, int64_t offset) {
+  const char* fn = "topk_pairs";
+  check_tensor(logits, fn, "logits", 2, "[rows, n]");
+  TORCH_CHECK_TYPE(logits.scalar_type() == at::kFloat, fn, ": logits must be float32, got ", logits.scalar_type());
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK_VALUE(k >= 1 && k <= n, fn, ": k must be in [1, n] = [1, ", n, "], got ", k);
+  TORCH_CHECK_VALUE(offset >= 0 && offset + n <= kExactIds, fn, ": offset + n must be in [n, 2^24] (token ids "
+                    "travel as float32), got offset ", offset, " and n ", n);
+  Tensor out = at::empty({rows, 2 * k}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  std::vector<int64_t> ids(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    float* vals = o + r * 2 * k;
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; ++i) offer(vals, ids.data(), k, have, row[i], i);
+    for (int64_t j = 0; j < k; ++j) vals[k + j] = static_cast<float>(ids[j] + offset);
+  }
+  return out;
+}
+
+Tensor merge_topk(const Tensor& pairs, int64_t vocab) {
+  const char* fn = "merge_topk";
+  check_tensor(pairs, fn, "pairs", 3, "[world, rows, 2k]");
+  TORCH_CHECK_TYPE(pairs.scalar_type() == at::kFloat, fn, ": pairs must be float32, got ", pairs.scalar_type());
+  const int64_t world = pairs.size(0), rows = pairs.size(1), k = pairs.size(2) / 2;
+  TORCH_CHECK_VALUE(pairs.size(2) % 2 == 0 && k >= 1, fn, ": pairs' last dimension must be 2k >= 2 (k values, "
+                    "then their k ids), got ", pairs.size(2));
+  TORCH_CHECK_VALUE(vocab >= 1 && vocab <= kExactIds, fn, ": vocab must be in [1, 2^24], got ", vocab);
+  Tensor out = at::full({rows, vocab}, -std::numeric_limits<float>::infinity(), pairs.options());
+  const float* p = pairs.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  std::vector<float> vals(k);
+  std::vector<int64_t> ids(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t have = 0;
+    for (int64_t w = 0; w < world; ++w) {
+      const float* c = p + (w * rows + r) * 2 * k;
+      for (int64_t j = 0; j < k; ++j) {
+        const float id = c[k + j];
+        TORCH_CHECK_VALUE(id >= 0 && id < static_cast<float>(vocab) && id == std::floor(id), fn, ": pairs[", w, ", ",
+                          r, "] holds token id ", id, ", not an integer in [0, ", vocab, ")");
+        offer(vals.data(), ids.data(), k, have, c[j], static_cast<int64_t>(id));
+      }
+    }
+    for (int64_t j = 0; j < have; ++j) o[r * vocab + ids[j]] = vals[j];
+  }
   return out;
 }
 

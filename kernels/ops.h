@@ -53,6 +53,13 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 
 Tensor silu_mul(const Tensor& gate_up);
 
+// The tensor-parallel LM head's exchange. topk_pairs: each row's k best logits of [rows, n],
+// best first (NaN first, ties by the lower index), as [rows, 2k]: the k values, then their
+// indices + offset as float32 (the rank's first token id). merge_topk: the k best of every
+// rank's pairs [world, rows, 2k] (same order), as logits [rows, vocab] that are -inf elsewhere.
+Tensor topk_pairs(const Tensor& logits, int64_t k, int64_t offset);
+Tensor merge_topk(const Tensor& pairs, int64_t vocab);
+
 void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t head_dim);
 
 // The shared-memory collectives (shm_comm.h); each returns the seconds this rank waited for

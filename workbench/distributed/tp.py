@@ -144,14 +144,10 @@ class TensorParallel:
             logits = self._full_logits(h)
         elif mode == "topk":
             local = llama.lm_head(h)
-            values, ids = local.topk(min(k, local.shape[1]), dim=-1)
-            # One exchange of (value, id) pairs; ids travel as fp32, exact below 2^24.
-            pairs = comm.all_gather(torch.cat([values, (ids + vocab[0]).float()], dim=1))  # [world, rows, 2k]
-            kk = values.shape[1]
-            all_values = pairs[:, :, :kk].permute(1, 0, 2).reshape(rows, -1)
-            all_ids = pairs[:, :, kk:].permute(1, 0, 2).reshape(rows, -1).long()
-            best, where = all_values.topk(kk, dim=-1)
-            logits = self._sparse(rows, all_ids.gather(1, where), best)
+            # One exchange of (value, id) pairs [world, rows, 2k], then the best k of them all:
+            # each a single pass in C++ (ties go to the lower token id, as one process's argmax)
+            pairs = comm.all_gather(kernels.topk_pairs(local, min(k, local.shape[1]), offset=vocab[0]))
+            logits = kernels.merge_topk(pairs, self.cfg.vocab_size)
         else:  # hidden-split: partial sums of every logit
             partial = self._hidden_split(h)  # [rows, vocab]
             _, ids = partial.topk(k, dim=-1)

@@ -295,6 +295,21 @@ class KernelSet:
         _check_tensor_args(gate_up=gate_up)
         return self.ext.silu_mul(gate_up)
 
+    def topk_pairs(self, logits, k: int, offset: int = 0) -> torch.Tensor:
+        """Each row's k best logits of [rows, n] fp32, best first (NaN first, as torch.topk; equal
+        logits by the lower index, as argmax): [rows, 2k], the k values and then their indices +
+        offset as float32 (exact below 2^24). A tensor-parallel rank's candidates (offset: its
+        first token id)."""
+        _check_tensor_args(logits=logits)
+        return self.ext.topk_pairs(logits, _positive_int("k", k), _positive_int("offset", offset, minimum=0))
+
+    def merge_topk(self, pairs, vocab: int) -> torch.Tensor:
+        """The k best of every rank's topk_pairs, gathered as [world, rows, 2k], as logits
+        [rows, vocab] that are -inf but at those k tokens (what sampling needs for greedy and
+        top-k): the exact global top-k, since each rank's k best hold every one of it."""
+        _check_tensor_args(pairs=pairs)
+        return self.ext.merge_topk(pairs, _positive_int("vocab", vocab))
+
     def random_normal(self, shape, *, seed: int, stream: int, std: float = 1.0,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A new `shape` tensor holding random stream `stream` of `seed`, times std: approximately
@@ -462,6 +477,8 @@ gemm_engines = native.gemm_engines
 matvec_max_rows = native.matvec_max_rows
 rope_ = native.rope_
 silu_mul = native.silu_mul
+topk_pairs = native.topk_pairs
+merge_topk = native.merge_topk
 rms_norm = native.rms_norm
 random_normal = native.random_normal
 decode_stack = native.decode_stack
