@@ -545,7 +545,7 @@ Tensor topk_pairs(const Tensor& logits, int64_t k, int64_t offset) {
   TORCH_CHECK_TYPE(logits.scalar_type() == at::kFloat, fn, ": logits must be float32, got ", logits.scalar_type());
   const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK_VALUE(k >= 1 && k <= n, fn, ": k must be in [1, n] = [1, ", n, "], got ", k);
-  TORCH_CHECK_VALUE(offset >= 0 && offset + n <= kExactIds, fn, ": offset + n must be in [n, 2^24] (token ids "
+  TORCH_CHECK_VALUE(offset >= 0 && offset <= kExactIds - n, fn, ": offset + n must be in [n, 2^24] (token ids "
                     "travel as float32), got offset ", offset, " and n ", n);
   Tensor out = at::empty({rows, 2 * k}, logits.options());
   const float* x = logits.data_ptr<float>();

@@ -34,7 +34,8 @@ tp_ablation rows (decode phase, batch 1 unless given):
     allreduce_fit               ranks > 1: the fit it used, {alpha_us, beta_gbps, source}: the one
                                 given (`comm`: bench/distributed.py's latency sweep of the same
                                 run), else measured on the cluster itself after its rounds
-                                (wb.measure_allreduce, which caches it)
+                                (wb.measure_allreduce, which caches it); where that measurement
+                                fails, roofline_vs_tp1 is None and source says why
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     decode_ms_by_round          decode_ms_per_token in each round, round 0 first (the rounds pair
                                 the settings of one cluster: workbench.analysis.tp_savings)
@@ -153,15 +154,19 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     cfg, weight_dtype, kv_cache = single.config, single.weight_dtype, single.switches.kv_cache
     comm = dict(comm or {})
 
-    def roofline(cluster: Cluster) -> tuple[float, dict]:
+    def roofline(cluster: Cluster) -> tuple[float | None, dict]:
         """The cost model's vs_tp1 for this cluster's ranks and backend, and the all-reduce
-        fit it used: the one given, else measured on the cluster now (its rounds are done)."""
+        fit it used: the one given, else measured on the cluster now (its rounds are done);
+        a measurement that fails leaves the column empty and says why, not the rows lost."""
         fit = comm.get(cluster.backend)
         if fit is None:
-            measured = measure_allreduce(cluster.backend, cluster.n, cluster=cluster)
+            try:
+                measured = measure_allreduce(cluster.backend, cluster.n, cluster=cluster)
+            except RuntimeError as e:  # DistributedError, CommError: an engine or its collective failed
+                return None, {"source": f"measurement failed: {e}"}
             fit, source = (measured["alpha_us"], measured["beta_gbps"]), "measured on the cluster after its rounds"
         else:
-            source = "given (this run's latency sweep)"
+            source = "given (comm=; bench/distributed.py: its latency sweep)"
         ratio = tp_roofline_ratio(cfg, cluster.n, comm=fit, batch=batch, prompt_len=prompt_len,
                                   new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
         return ratio, {"alpha_us": fit[0], "beta_gbps": fit[1], "source": source}

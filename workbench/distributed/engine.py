@@ -139,6 +139,9 @@ def generate(prompt, kwargs: dict, check_topk: bool):
     """One generation on this rank; rank 0 returns the result and streams its progress."""
     from dataclasses import replace
 
+    from workbench.distributed.comm import CommError
+    from workbench.kernels import native
+
     model, rank = _model(), STATE["rank"]
     tp = model.llama.parallel
     saved = tp.options
@@ -172,6 +175,8 @@ def generate(prompt, kwargs: dict, check_topk: bool):
         hooks = {"on_token": on_token, "on_step": on_step}
     try:
         out = model.generate(prompt, **kwargs, **hooks)
+    except native.ext.CollectiveError as e:  # the fused step's shm or oneCCL all-reduce failed:
+        raise CommError(str(e)) from None  # a CommError, as every other collective's failure
     finally:
         tp.options = saved
     if rank != 0:  # rank 0 returns the generation; the others, what their own records add to it

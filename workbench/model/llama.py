@@ -45,7 +45,6 @@ from workbench.model.timing import Clock, StepRecord
 NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
 
 
-
 class Parallel(Protocol):
     """One rank of a tensor-parallel model, given to LlamaModel at load. One process has none.
 
@@ -176,7 +175,7 @@ class LlamaModel:
         self.weight_dtype = weight_dtype_name
         self.format = fmt
         self.source: str | None = None  # the file or directory the weights came from (None: random)
-        keep = parallel.keep if parallel else (lambda cfg, layer, w: w)
+        keep = parallel.keep if parallel is not None else (lambda cfg, layer, w: w)
         # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
         # layer: a 7B model never exists twice in memory.
         self.layers = []
@@ -202,7 +201,7 @@ class LlamaModel:
         # groups, as in one process.
         self.head_map: tuple[int, int] | None = None
         self.parallel = parallel
-        if parallel:
+        if parallel is not None:
             parallel.attach(self)
 
     def _pack_weights(self) -> None:
@@ -244,24 +243,24 @@ class LlamaModel:
         return cache
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.parallel:
+        if self.parallel is not None:
             return self.parallel.embed(tokens)
         return self.embedding[tokens].float()
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel:
+        if self.parallel is not None:
             return self.parallel.head(x)
         return self.lm_head(rms_norm(x, self.final_norm, self.cfg.norm_eps))
 
     def _project(self, linear: Linear, x: torch.Tensor, layer: int, part: str) -> torch.Tensor:
         """o_proj or down_proj: on a tensor-parallel rank, its slice and the all-reduce."""
-        if self.parallel:
+        if self.parallel is not None:
             return self.parallel.reduce(linear, x, layer, part)
         return linear(x)
 
     def _clock(self, record: bool) -> Clock:
         """A step's clock (and, on a tensor-parallel rank, the start of its accounting)."""
-        if self.parallel:
+        if self.parallel is not None:
             self.parallel.begin(record)
         return Clock(record, len(self.layers))
 
@@ -303,7 +302,7 @@ class LlamaModel:
                              flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
                              head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s, path=path,
                              comm_bytes=comm_bytes)
-        return self.parallel.end(rec) if self.parallel else rec
+        return self.parallel.end(rec) if self.parallel is not None else rec
 
     def _packed(self, seq_lens: list[int], starts: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Packed pieces (piece b: seq_lens[b] tokens from position starts[b]) -> each piece's
@@ -419,6 +418,8 @@ class LlamaModel:
             return f"attention {switches.attention!r} decodes in PyTorch, not with our kernel"
         if type(cache) is not KVCache:
             return f"kv_cache {switches.kv_cache!r} runs on the torch reference path"
+        if self.parallel is not None and self.collective is None:  # the step would skip the all-reduces
+            return "tensor parallel without a collective for the fused step (model.collective)"
         return None
 
     def _fused_stack(self, cache: KVCache):
@@ -470,7 +471,7 @@ class LlamaModel:
         logits = self._head(x)
         cache.lengths = lengths
         # the fused step's all-reduces: two of [B, dim] fp32 a layer (the Python path's are logged)
-        step_comm = 2 * len(self.layers) * x.numel() * x.element_size() if fused and self.collective else 0
+        step_comm = 2 * len(self.layers) * x.numel() * x.element_size() if fused and self.collective is not None else 0
         return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
                                     cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0],
                                     wake_s, "fused" if fused else "reference", step_comm)
