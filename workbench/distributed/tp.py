@@ -77,8 +77,6 @@ class TensorParallel:
         self.comm = comm
         self.options = options or TPOptions()
         self.plan: ShardPlan | None = None  # known once the model's config is
-        self.collective = None  # the fused step's all-reduce (attach)
-        self.recording = False
         self.comm_s: dict = {}  # (layer, part) -> seconds of its all-reduce in this step
         self.topk_log: list[dict] = []
 
@@ -89,27 +87,28 @@ class TensorParallel:
         return take(self.plan, cfg.head_dim, layer, w)
 
     def attach(self, model) -> None:
-        self.llama, self.cfg = model, model.cfg
+        self.llama = model
         model.head_map = self.plan.head_map  # where the shard cut a group of query heads, which KV head each reads
-        self.collective = model.collective = self.comm.step_collective()  # called from C++ by the fused step
+        model.collective = self.comm.step_collective()  # called from C++ by the fused step
         self.head_hidden = model.extras["lm_head_hidden_split"]
-        world, vocab = self.comm.world, self.cfg.vocab_size
+        world, vocab = self.comm.world, model.cfg.vocab_size
         self.widths = [hi - lo for lo, hi in (split(vocab, world, r) for r in range(world))]
         self.slice_width = max(self.widths)  # gathered slices are padded to one width
 
     # -- every step ---------------------------------------------------------------------------
     def begin(self, record: bool) -> None:
-        self.recording = self.comm.recording = record
+        self.comm.recording = record
         self.comm_s.clear()
         self.comm.take_log()
-        if hasattr(self.collective, "zero_copy"):  # the switch, for the fused step too
-            self.collective.zero_copy = self.options.zero_copy
-        if hasattr(self.collective, "wait_s"):  # the fused step's waits, this step's only
-            self.collective.wait_s = 0.0
+        collective = self.llama.collective
+        if hasattr(collective, "zero_copy"):  # the switch, for the fused step too
+            collective.zero_copy = self.options.zero_copy
+        if hasattr(collective, "wait_s"):  # the fused step's waits, this step's only
+            collective.wait_s = 0.0
 
     def end(self, rec):
         if rec is not None:
-            _attribute_comm(rec, self, self.comm.take_log(), getattr(self.collective, "wait_s", None))
+            _attribute_comm(rec, self, self.comm.take_log(), getattr(self.llama.collective, "wait_s", None))
         return rec
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -117,7 +116,7 @@ class TensorParallel:
         if self.options.token_broadcast == "ids":
             tokens = comm.broadcast_(tokens.clone(), 0)
             return embedding[tokens].float()
-        x = embedding[tokens].float() if comm.rank == 0 else torch.empty(tokens.numel(), self.cfg.dim)
+        x = embedding[tokens].float() if comm.rank == 0 else torch.empty(tokens.numel(), self.llama.cfg.dim)
         return comm.broadcast_(x, 0)
 
     def reduce(self, linear, x: torch.Tensor, layer: int, part: str) -> torch.Tensor:
@@ -131,13 +130,13 @@ class TensorParallel:
         else:
             out.copy_(linear(x))
         comm.all_reduce_(out)
-        if self.recording and comm.log:  # the collective's own timing of this call
+        if comm.recording and comm.log:  # the collective's own timing of this call
             self.comm_s[(layer, part)] = self.comm_s.get((layer, part), 0.0) + comm.log[-1].seconds
         return out
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         llama, comm, vocab = self.llama, self.comm, self.plan.vocab
-        h = rms_norm(x, llama.final_norm, self.cfg.norm_eps)
+        h = rms_norm(x, llama.final_norm, llama.cfg.norm_eps)
         rows, k = h.shape[0], self.options.topk
         mode = self.options.lm_head
         if mode == "gather":
@@ -147,7 +146,7 @@ class TensorParallel:
             # One exchange of (value, id) pairs [world, rows, 2k], then the best k of them all:
             # each a single pass in C++ (ties go to the lower token id, as one process's argmax)
             pairs = comm.all_gather(kernels.topk_pairs(local, min(k, local.shape[1]), offset=vocab[0]))
-            logits = kernels.merge_topk(pairs, self.cfg.vocab_size)
+            logits = kernels.merge_topk(pairs, llama.cfg.vocab_size)
         else:  # hidden-split: partial sums of every logit
             partial = self._hidden_split(h)  # [rows, vocab]
             _, ids = partial.topk(k, dim=-1)
@@ -178,7 +177,7 @@ class TensorParallel:
 
     def _sparse(self, rows: int, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Logits that are -inf but at the candidates: what sample() needs for greedy / top-k."""
-        out = torch.full((rows, self.cfg.vocab_size), float("-inf"))
+        out = torch.full((rows, self.llama.cfg.vocab_size), float("-inf"))
         return out.scatter_(1, ids, values)
 
 
