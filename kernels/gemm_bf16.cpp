@@ -12,10 +12,10 @@
 // (it measures no peaks).
 //
 // Layout. The product is computed transposed, y^T = w x^T, as linear.cpp's FMA GEMM does:
-//   - the A operand is w itself: a tile is 16 rows of w by 32 values of K (64 bytes a row),
-//     loaded straight from the weight matrix with the row pitch 2K bytes, so the weights are
-//     never repacked and there is one copy of them (the matrix-vector kernel of batch-1
-//     decode reads the same rows);
+//   - the A operand is w, a task's rows copied one slice of K at a time into tile order (each
+//     16-row x 32-value tile 1 KB contiguous: pack_a_panel) and read from there for each 32
+//     tokens of the task's block, so the model keeps one copy of the weights, row-major, which
+//     the matrix-vector kernel of batch-1 decode reads as it is;
 //   - the B operand is x^T in the VNNI pairing AMX wants, [K/2][tokens][2]: x is converted to
 //     bf16 once per call and written in that order, tile by tile (x is small beside w);
 //   - a task owns up to kRows rows of w (balanced_task_rows) and one block of up to kTokens
@@ -25,9 +25,9 @@
 // The AVX512-BF16 micro-kernel uses the same packed x: a row of a tile is one pair of K for 16
 // tokens, exactly a vdpbf16ps operand; each row of w contributes one pair at a time as a
 // 32-bit broadcast. An 8-row x 32-token block of y^T stays in 16 registers over all of K.
-// Edges: tokens are zero padded to whole tiles in the packed x; rows of w past N, and the last
-// 32 values of K when K is not a multiple of 32, are copied into a zero-padded slice first, so
-// a tile never reads past the matrix.
+// Edges: tokens are zero padded to whole tiles in the packed x, and the packed panel of w is
+// zero past N and past K, so a tile never reads past either matrix; the AVX512-BF16 blocks
+// repeat w's last row for rows past N (never stored) and handle an odd K's last value alone.
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -231,6 +231,51 @@ WBK_AMX_TARGET void weight_slice(const Weights& w, int64_t n0, int64_t rows, int
       __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row + k)));
       if (w.group_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(w.group_scale[(n0 + r) * groups + k / kWeightGroup]));
       _mm256_mask_storeu_epi16(out + (k - k0), mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  }
+}
+
+// The A operand of one task's slice of K for the tiles: rows [n0, n0 + rows) of w over
+// [k0, k0 + kc) in bf16 (int8 converted as weight_slice does), tile by tile:
+// [16-row group][32-value step of K][16 rows][32 values], each tile 1 KB contiguous, zero past
+// `rows` (up to `groups` x 16) and past K. Loaded from w in place, a tile's 16 rows lie 2K bytes
+// apart: with K a power of two they all map to one set of the L1 (and few of the L2), and each
+// load touches 16 pages; packed, a tile load reads 16 consecutive lines.
+WBK_AMX_TARGET void pack_a_panel(const Weights& w, int64_t n0, int64_t rows, int64_t groups, int64_t k0, int64_t kc,
+                                 uint16_t* dst) {
+  const int64_t K = w.K, steps = kc / kTileK, n_groups = (K + kWeightGroup - 1) / kWeightGroup;
+  for (int64_t r = 0; r < groups * kTileRows; ++r) {
+    uint16_t* out = dst + (r / kTileRows) * steps * 512 + (r % kTileRows) * kTileK;
+    if (r >= rows) {
+      for (int64_t s = 0; s < steps; ++s) _mm512_storeu_si512(out + s * 512, _mm512_setzero_si512());
+      continue;
+    }
+    // The rows are short pieces far apart: the piece kSliceAhead rows on is asked for while
+    // this one is copied (the hardware prefetcher does not follow them).
+    const int64_t row_bytes = w.bf16 ? 2 * K : K;
+    const char* row = w.bf16 ? reinterpret_cast<const char*>(w.bf16 + (n0 + r) * K)
+                             : reinterpret_cast<const char*>(w.q + (n0 + r) * K);
+    if (r + kSliceAhead < rows) {
+      const int64_t first = (w.bf16 ? 2 : 1) * k0, last = (w.bf16 ? 2 : 1) * std::min(K, k0 + kc);
+      for (int64_t b = first; b < last; b += 64)
+        _mm_prefetch(row + kSliceAhead * row_bytes + b, _MM_HINT_T0);
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = k0 + s * kTileK, n = std::clamp<int64_t>(K - k, 0, kTileK);
+      uint16_t* tile_row = out + s * 512;
+      if (w.bf16) {
+        const __mmask32 mask = n == kTileK ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << n) - 1);
+        _mm512_storeu_si512(tile_row, _mm512_maskz_loadu_epi16(mask, w.bf16 + (n0 + r) * K + k));
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {  // two 16-value halves, each inside one group of the scales
+        const int64_t kh = k + 16 * h, nh = std::clamp<int64_t>(K - kh, 0, 16);
+        const __mmask16 mask = static_cast<__mmask16>((1u << nh) - 1);
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.q + (n0 + r) * K + kh)));
+        if (w.group_scale && nh > 0)
+          v = _mm512_mul_ps(v, _mm512_set1_ps(w.group_scale[(n0 + r) * n_groups + kh / kWeightGroup]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile_row + 16 * h), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      }
     }
   }
 }
@@ -461,8 +506,7 @@ struct Shape {
 
 // Tasks [begin, end) of one thread: its tiles configured once, released at the end.
 WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
-  const uint16_t* w = s.w.bf16;
-  const int64_t N = s.N, M = s.M, K = s.K, kp = s.kp, tokens_per_block = s.tokens_per_block;
+  const int64_t N = s.N, M = s.M, kp = s.kp, tokens_per_block = s.tokens_per_block;
   const int64_t token_tiles = s.token_tiles, n_blocks = s.n_blocks, task_rows = s.task_rows;
   configure_tiles();
   Scratch cs(0, kRows * tokens_per_block), ws(1, (kRows * kKC + 1) / 2);
@@ -476,27 +520,16 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
     const int64_t row_blocks = (rows + 31) / 32;
     const uint16_t* xb = s.xp + mb * s.block_elems;
     for (int64_t k0 = 0; k0 < kp; k0 += kKC) {
-      const int64_t kc = std::min(kKC, kp - k0);
-      // The A rows: bf16 w itself, or this slice copied (int8: converted) into a zero-padded
-      // buffer where the rows are int8 or a tile would read past the matrix (rows past N, or
-      // K's last partial tile).
-      const char* a = w ? reinterpret_cast<const char*>(w + n0 * K + k0) : nullptr;
-      int64_t lda_bytes = K * 2;
-      if (!w || rows < row_blocks * 32 || k0 + kc > K) {
-        const int64_t valid_k = std::min(kc, K - k0);
-        weight_slice(s.w, n0, rows, k0, k0 + valid_k, wpad, kc);
-        for (int64_t r = 0; r < row_blocks * 32; ++r) {
-          uint16_t* dst = wpad + r * kc;
-          std::fill(dst + (r < rows ? valid_k : 0), dst + kc, uint16_t{0});
-        }
-        a = reinterpret_cast<const char*>(wpad);
-        lda_bytes = kc * 2;
-      }
+      const int64_t kc = std::min(kKC, kp - k0), steps = kc / kTileK;
+      pack_a_panel(s.w, n0, rows, 2 * row_blocks, k0, kc, wpad);
       const uint16_t* bk = xb + (k0 / kTileK) * token_tiles * 512;
       for (int64_t j = 0; j < used_tiles; j += 2)
-        for (int64_t r = 0; r < row_blocks; ++r)
-          block_2x2(kc, reinterpret_cast<const uint16_t*>(a + r * 32 * lda_bytes), lda_bytes, bk + j * 512,
-                    token_tiles * 1024, ct + r * 32 * tokens_per_block + j * 16, tokens_per_block, k0 > 0);
+        for (int64_t r = 0; r < row_blocks; ++r) {
+          const char* top = reinterpret_cast<const char*>(wpad + 2 * r * steps * 512);
+          const TileA a{top, top + steps * 1024, 64, 1024};
+          block_2x2(kc, a, bk + j * 512, token_tiles * 1024, ct + r * 32 * tokens_per_block + j * 16, tokens_per_block,
+                    k0 > 0);
+        }
     }
     store_transposed(ct, tokens_per_block, rows, tokens, s.y + m0 * N + n0, N, s.stream);
   }

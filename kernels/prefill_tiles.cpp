@@ -94,7 +94,7 @@ WBK_AMX_TARGET void write_row(const float* o, int64_t D, float f, uint16_t* out)
 WBK_AMX_TARGET inline void block(bool amx, int64_t kc, const uint16_t* a, int64_t lda_bytes, const uint16_t* b,
                                  float* c, int64_t ldc, bool accumulate, int64_t rows) {
   if (amx) {
-    block_2x2(kc, a, lda_bytes, b, 2048, c, ldc, accumulate);
+    block_2x2(kc, row_major_a(a, lda_bytes), b, 2048, c, ldc, accumulate);
   } else {
     block_2x2_dp(kc, a, lda_bytes, b, 2048, c, ldc, accumulate, rows);
   }

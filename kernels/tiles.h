@@ -44,12 +44,28 @@ WBK_AMX_TARGET inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Where block_2x2 reads its A operand: at each 32-long step of the reduction, the top and the
+// bottom 16-row tile, their rows `pitch` bytes apart, the next step's tiles `step` bytes on.
+// Row-major A (rows lda_bytes apart) is {a, a + 16 rows, lda_bytes, 64}; A packed tile by tile
+// (each tile's 1 KB contiguous) is {top, bottom, 64, 1024}.
+struct TileA {
+  const char* top;
+  const char* bottom;
+  int64_t pitch;
+  int64_t step;
+};
+
+inline TileA row_major_a(const uint16_t* a, int64_t lda_bytes) {
+  const char* p = reinterpret_cast<const char*>(a);
+  return {p, p + 16 * lda_bytes, lda_bytes, 2 * kTileK};
+}
+
 // C (32 rows x 32 columns, fp32, ldc floats a row) = or += the product over kc (a multiple of
-// 32) of A (32 rows of bf16, lda_bytes apart) and packed B: at each 32-long step of the
+// 32) of A (32 rows of bf16, read as `a` says) and packed B: at each 32-long step of the
 // reduction, two 1 KB tiles side by side (columns 0-15, then 16-31), b_step bytes apart from
 // one step to the next. Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B.
-WBK_AMX_TARGET inline void block_2x2(int64_t kc, const uint16_t* a, int64_t lda_bytes, const uint16_t* b,
-                                     int64_t b_step, float* c, int64_t ldc, bool accumulate) {
+WBK_AMX_TARGET inline void block_2x2(int64_t kc, const TileA& a, const uint16_t* b, int64_t b_step, float* c,
+                                     int64_t ldc, bool accumulate) {
   const int64_t ldc_bytes = ldc * 4;
   if (accumulate) {
     _tile_loadd(0, c, ldc_bytes);
@@ -62,18 +78,20 @@ WBK_AMX_TARGET inline void block_2x2(int64_t kc, const uint16_t* a, int64_t lda_
     _tile_zero(2);
     _tile_zero(3);
   }
-  const char* a0 = reinterpret_cast<const char*>(a);
-  const char* a1 = a0 + 16 * lda_bytes;
+  const char* a0 = a.top;
+  const char* a1 = a.bottom;
   const char* bp = reinterpret_cast<const char*>(b);
   for (int64_t k = 0; k < kc; k += kTileK) {
-    _tile_loadd(4, a0 + 2 * k, lda_bytes);
-    _tile_loadd(5, a1 + 2 * k, lda_bytes);
+    _tile_loadd(4, a0, a.pitch);
+    _tile_loadd(5, a1, a.pitch);
     _tile_loadd(6, bp, 64);
     _tile_loadd(7, bp + 1024, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    a0 += a.step;
+    a1 += a.step;
     bp += b_step;
   }
   _tile_stored(0, c, ldc_bytes);
