@@ -8,7 +8,9 @@ as torch's oneDNN bf16 path does), the AVX512-BF16 peak for `ours bf16 avx512`, 
 bf16 the peak of the best bf16 unit the CPU has (AMX, else AVX512-BF16). `ours bf16 fma`
 is the same GEMM on fp32 FMAs (x kept in fp32); at M = 16 and 32 the matrix-vector kernel
 forced on (`matvec only`) shows what the GEMM gains. `ours int8 ...`: weight-only int8 (one
-scale per row) on each engine, converted to bf16 slice by slice on the bf16 engines. Peers: torch's F.linear on fp32
+scale per row) on each engine, converted to bf16 slice by slice on the bf16 engines; `ours
+int8 w8a8` (where the CPU has AMX int8): the same weights times x quantized to int8 per
+token on the AMX int8 tiles, against the AMX int8 peak (giga-ops). Peers: torch's F.linear on fp32
 weights, and on bf16 weights with bf16 activations.
 
     python bench/linear.py [--repeats 7] [--m 16,512]
@@ -42,6 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     peak = measured_peaks()
     bf16_engines = [e for e in ("amx_bf16", "avx512_bf16") if kernels.gemm_engines()[e][0]]
+    w8a8 = kernels.gemm_engines()["amx_int8"][0]  # per-row int8 weights as W8A8 on the AMX int8 tiles
 
     def engine(name):  # run our bf16 GEMM on one engine (restored to auto at the end)
         def run(x, w, **kw):
@@ -65,6 +68,8 @@ def main() -> None:
                 for e in bf16_engines:
                     cases[f"ours int8 {e.split('_')[0]}"] = lambda e=e: engine(e)(x, q8, scale=s8)
                 cases["ours int8 fma"] = lambda: engine("fma")(x, q8, scale=s8)
+                if w8a8:
+                    cases["ours int8 w8a8"] = lambda: engine("amx_int8")(x, q8, scale=s8)
             else:
                 cases["ours bf16"] = lambda: kernels.linear(x, w16)
                 cases["ours int8"] = lambda: kernels.linear(x, q8, scale=s8)
@@ -84,10 +89,10 @@ def main() -> None:
                 st["gflops"] = 2 * m * n * k / secs / 1e9
                 # torch bf16 runs oneDNN on the best bf16 unit the CPU has, as our auto engine does
                 best_bf16 = bf16_engines[0] if bf16_engines else "fma"
-                unit = ("amx_bf16" if "amx" in name else "avx512_bf16" if "avx512" in name else
+                unit = ("amx_int8" if "w8a8" in name else "amx_bf16" if "amx" in name else "avx512_bf16" if "avx512" in name else
                         best_bf16 if name == "torch bf16" else "fma")
                 st["peak_unit"], st["peak_gflops"] = unit, peak.compute_peak_gflops(unit)
-                label_unit = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16"}.get(unit, "FMA")
+                label_unit = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16", "amx_int8": "AMX int8"}.get(unit, "FMA")
                 metric = (f"{st['gbps']:.1f} GB/s ({100 * st['gbps'] / triad:.0f}% triad)" if m == 1
                           else f"{st['gflops']:.0f} GFLOP/s ({100 * st['gflops'] / st['peak_gflops']:.0f}% {label_unit})")
                 rows.append({"weights": label, "M": m, "case": name, "ms median (min-max)": fmt_ms(st),
@@ -98,7 +103,8 @@ def main() -> None:
                                  ("ours bf16 amx", "ours bf16 fma"),
                                  ("ours bf16 avx512", "ours bf16 fma"), ("ours int8 amx", "ours int8 fma"),
                                  ("ours int8 avx512", "ours int8 fma"), ("ours int8 amx", "torch bf16"),
-                                 ("ours int8 avx512", "torch bf16"), ("ours fp32", "torch fp32")):
+                                 ("ours int8 avx512", "torch bf16"), ("ours int8 w8a8", "ours int8 amx"),
+                                 ("ours int8 w8a8", "torch bf16"), ("ours fp32", "torch fp32")):
                 if ours in stats and theirs in stats:
                     ratios[f"{ours} / {theirs}"] = stats[theirs]["median_ms"] / stats[ours]["median_ms"]
             results.append({"shape": [n, k], "M": m, "triad_gbps": triad, "stats": stats, "speedups": ratios})
@@ -106,7 +112,8 @@ def main() -> None:
                   + "".join(f"; {r}: {v:.2f}x" for r, v in ratios.items()), flush=True)
     print_table(rows, ["weights", "M", "case", "ms median (min-max)", "throughput"],
                 title=f"Linear layers, {torch.get_num_threads()} threads; peaks: FMA {peak.fma_gflops:.0f}, "
-                      f"AVX512-BF16 {peak.avx512_bf16_gflops:.0f}, AMX bf16 {peak.amx_bf16_gflops:.0f} GFLOP/s")
+                      f"AVX512-BF16 {peak.avx512_bf16_gflops:.0f}, AMX bf16 {peak.amx_bf16_gflops:.0f} GFLOP/s, "
+                      f"AMX int8 {peak.amx_int8_gops:.0f} GOP/s")
     write_results("linear", {"repeats": args.repeats, "results": results}, args.out)
 
 

@@ -153,9 +153,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         : name == "fma" ? wbk::GemmEngine::kFma
                         : name == "amx_bf16" ? wbk::GemmEngine::kAmxBf16
                         : name == "avx512_bf16" ? wbk::GemmEngine::kAvx512Bf16
+                        : name == "amx_int8" ? wbk::GemmEngine::kAmxInt8
                                              : static_cast<wbk::GemmEngine>(-1);
-    TORCH_CHECK_VALUE(static_cast<int>(e) >= 0,
-                      "set_gemm_engine: engine must be 'auto', 'fma', 'amx_bf16' or 'avx512_bf16', got '", name, "'");
+    TORCH_CHECK_VALUE(static_cast<int>(e) >= 0, "set_gemm_engine: engine must be 'auto', 'fma', 'amx_bf16', ",
+                      "'avx512_bf16' or 'amx_int8', got '", name, "'");
     std::string why;
     TORCH_CHECK(wbk::set_gemm_engine(e, &why), "set_gemm_engine: ", name, " cannot run here: ", why);
   });
@@ -168,6 +169,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::string why512;
     const bool dp = wbk::avx512_bf16_available(&why512);
     d["avx512_bf16"] = py::make_tuple(dp, why512);
+    std::string why8;
+    const bool int8 = wbk::amx_int8_available(&why8);
+    d["amx_int8"] = py::make_tuple(int8, int8 ? why8 + ": per-row int8 weights as W8A8 (x quantized per token), "
+                                                       "the rest on amx_bf16"
+                                              : why8);
     return d;
   });
   m.def("amx_bf16_loop", &wbk::amx_bf16_loop, py::arg("iterations"), py::call_guard<py::gil_scoped_release>());

@@ -35,10 +35,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cache.h"
 #include "kernels.h"
@@ -584,6 +587,205 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_amx(shape, begin, end); });
 }
 
+// -- W8A8: per-row int8 weights x per-token int8 activations on the AMX int8 tiles ------------
+//
+// x is quantized per token (row m of x): s[m] = max|x[m]| / 127 and q[m][k] = x[m][k] times
+// 127 / max|x[m]|, rounded to nearest even (so |q| <= 127). tdpbssd multiplies the int8 weights
+// (the A operand: 16 rows x 64 values of K a tile, copied into tile order per task and slice of
+// K, as pack_a_panel does for bf16) by q (the B operand: 16 quads of K x 16 tokens x 4 values,
+// the order tdpbssd reads) with exact int32 sums, and the finished sums become
+// y^T[n][m] = sum * s[m]; the caller applies the weights' row scales, as for the bf16 engines.
+// K is zero padded to whole 64-value tiles in both operands. No sum can overflow int32: each is
+// at most 127 x 127 x K in size, below 2^31 up to K = 133 143. A token whose x is not finite
+// gets a non-finite scale, so its outputs are not finite either (never silently finite).
+constexpr int64_t kTileK8 = 64;    // int8 values of K per tile row
+constexpr int64_t kKC8 = 2 * kKC;  // K per slice: the same bytes of w as a bf16 slice
+
+// inv[m] = 127 / max|x[m]| (0 for a row of zeros) and s[m] = max|x[m]| / 127 for rows [m0, m1).
+WBK_AMX_INT8_TARGET void token_scales(const float* x, int64_t K, int64_t m0, int64_t m1, float* inv, float* s) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = x + m * K;
+    // max|x| lane by lane, and x * 0 summed: NaN exactly when some x is not finite (MAXPS
+    // would pass a NaN over rather than keep it)
+    __m512 mx = _mm512_setzero_ps(), nonfinite = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, K - k)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(mask, row + k);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(v, _mm512_setzero_ps()));
+    }
+    alignas(64) float lanes[16];
+    _mm512_storeu_ps(lanes, mx);
+    float amax = 0.0f;
+    for (float v : lanes) amax = std::max(amax, v);
+    if (std::isnan(_mm512_reduce_add_ps(nonfinite))) amax = std::numeric_limits<float>::quiet_NaN();
+    s[m] = amax / 127.0f;
+    inv[m] = amax > 0.0f && std::isfinite(amax) ? 127.0f / amax : 0.0f;
+  }
+}
+
+// Packed q for one block of tokens from m0: [K / 64 steps][token tiles][16 quads][16 tokens][4],
+// zero past M and past K.
+WBK_AMX_INT8_TARGET void quantize_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t token_tiles,
+                                          int64_t k_steps, const float* inv, int8_t* dst) {
+  for (int64_t jt = 0; jt < token_tiles; ++jt) {
+    for (int64_t ks = 0; ks < k_steps; ++ks) {
+      const int64_t k = ks * kTileK8;
+      // Row t: token m0 + 16 jt + t's 64 values of K as 16 quads; transposed, row p is quad p
+      // of the 16 tokens: one row of the B tile.
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) {
+        const int64_t m = m0 + jt * 16 + t;
+        if (m >= M) {
+          r[t] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512 scale = _mm512_set1_ps(inv[m]);
+        alignas(64) int8_t row[kTileK8];
+        for (int c = 0; c < 4; ++c) {
+          const int64_t n = std::clamp<int64_t>(K - k - 16 * c, 0, 16);
+          const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+          const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k + 16 * c), scale);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * c), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+        }
+        r[t] = _mm512_loadu_si512(row);
+      }
+      transpose16(r);
+      int8_t* tile = dst + (ks * token_tiles + jt) * 1024;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 64, r[p]);
+    }
+  }
+}
+
+// pack_a_panel for int8 weights on the int8 tiles: rows [n0, n0 + rows) of w over [k0, k0 + kc)
+// as [16-row group][64-value step][16 rows][64 values], zero past `rows` and past K.
+WBK_AMX_INT8_TARGET void pack_a_panel_int8(const int8_t* w, int64_t K, int64_t n0, int64_t rows, int64_t groups,
+                                           int64_t k0, int64_t kc, int8_t* dst) {
+  const int64_t steps = kc / kTileK8;
+  for (int64_t r = 0; r < groups * kTileRows; ++r) {
+    int8_t* out = dst + (r / kTileRows) * steps * 1024 + (r % kTileRows) * kTileK8;
+    if (r >= rows) {
+      for (int64_t s = 0; s < steps; ++s) _mm512_storeu_si512(out + s * 1024, _mm512_setzero_si512());
+      continue;
+    }
+    const int8_t* row = w + (n0 + r) * K;
+    if (r + kSliceAhead < rows)  // the piece kSliceAhead rows on (as pack_a_panel)
+      for (int64_t b = k0; b < std::min(K, k0 + kc); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kSliceAhead * K + b), _MM_HINT_T0);
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = k0 + s * kTileK8, n = std::clamp<int64_t>(K - k, 0, kTileK8);
+      const __mmask64 mask = n == kTileK8 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+      _mm512_storeu_si512(out + s * 1024, _mm512_maskz_loadu_epi8(mask, row + k));
+    }
+  }
+}
+
+// block_2x2 on the int8 tiles: C (32 x 32 int32, ldc a row) = or += the sum over `steps` 64-value
+// steps of K of A (packed tiles, top and bottom 16 rows, 1 KB a step) times B (two 1 KB tiles
+// side by side, b_step bytes apart from one step to the next).
+WBK_AMX_INT8_TARGET inline void block_2x2_int8(int64_t steps, const int8_t* top, const int8_t* bottom,
+                                               const int8_t* b, int64_t b_step, int32_t* c, int64_t ldc,
+                                               bool accumulate) {
+  const int64_t ldc_bytes = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, ldc_bytes);
+    _tile_loadd(1, c + 16, ldc_bytes);
+    _tile_loadd(2, c + 16 * ldc, ldc_bytes);
+    _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, top + s * 1024, 64);
+    _tile_loadd(5, bottom + s * 1024, 64);
+    _tile_loadd(6, b + s * b_step, 64);
+    _tile_loadd(7, b + s * b_step + 1024, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, c, ldc_bytes);
+  _tile_stored(1, c + 16, ldc_bytes);
+  _tile_stored(2, c + 16 * ldc, ldc_bytes);
+  _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
+}
+
+struct ShapeW8A8 {
+  const int8_t* w;
+  float* y;
+  int64_t M, N, K, kp, task_rows, tokens_per_block, token_tiles, block_bytes, n_blocks;
+  const int8_t* xq;  // packed q, block after block
+  const float* s;    // per-token scales, 0 past M
+  bool stream;
+};
+
+// Tasks [begin, end) of one thread, as run_tasks_amx: the int32 sums of a task live in its
+// buffer across slices of K, then become fp32 (times each token's scale) in place before the
+// transposed store.
+WBK_AMX_INT8_TARGET void run_tasks_w8a8(const ShapeW8A8& s, int64_t begin, int64_t end) {
+  const int64_t tokens_per_block = s.tokens_per_block, token_tiles = s.token_tiles;
+  configure_tiles();
+  Scratch cs(0, kRows * tokens_per_block), ws(1, (kRows * kKC8 + 3) / 4);
+  int32_t* ct = reinterpret_cast<int32_t*>(cs.data());
+  float* cf = cs.data();
+  int8_t* wpad = reinterpret_cast<int8_t*>(ws.data());
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t nb = t % s.n_blocks, mb = t / s.n_blocks;
+    const int64_t n0 = nb * s.task_rows, rows = std::min(s.task_rows, s.N - n0);
+    const int64_t m0 = mb * tokens_per_block, tokens = std::min(tokens_per_block, s.M - m0);
+    const int64_t used_tiles = (tokens + 31) / 32 * 2;
+    const int64_t row_blocks = (rows + 31) / 32;
+    const int8_t* xb = s.xq + mb * s.block_bytes;
+    for (int64_t k0 = 0; k0 < s.kp; k0 += kKC8) {
+      const int64_t kc = std::min(kKC8, s.kp - k0), steps = kc / kTileK8;
+      pack_a_panel_int8(s.w, s.K, n0, rows, 2 * row_blocks, k0, kc, wpad);
+      const int8_t* bk = xb + (k0 / kTileK8) * token_tiles * 1024;
+      for (int64_t j = 0; j < used_tiles; j += 2)
+        for (int64_t r = 0; r < row_blocks; ++r) {
+          const int8_t* top = wpad + 2 * r * steps * 1024;
+          block_2x2_int8(steps, top, top + steps * 1024, bk + j * 1024, token_tiles * 1024,
+                         ct + r * 32 * tokens_per_block + j * 16, tokens_per_block, k0 > 0);
+        }
+    }
+    for (int64_t r = 0; r < row_blocks * 32; ++r)  // whole 16-row blocks: store_transposed reads them
+      for (int64_t m = 0; m < used_tiles * 16; m += 16) {
+        const int64_t i = r * tokens_per_block + m;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + i));
+        _mm512_storeu_ps(cf + i, _mm512_mul_ps(v, _mm512_loadu_ps(s.s + m0 + m)));
+      }
+    store_transposed(cf, tokens_per_block, rows, tokens, s.y + m0 * s.N + n0, s.N, s.stream);
+  }
+  if (s.stream) _mm_sfence();
+  _tile_release();
+}
+
+void gemm_w8a8(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t k_steps = (K + kTileK8 - 1) / kTileK8, kp = k_steps * kTileK8;
+  // Token blocks and tasks as gemm_bf16's.
+  const int64_t m_blocks = (M + kTokens - 1) / kTokens;
+  const int64_t tokens_per_block = ((M + m_blocks - 1) / m_blocks + 31) / 32 * 32;
+  const int64_t token_tiles = tokens_per_block / 16;
+  const int64_t block_bytes = k_steps * token_tiles * 1024;
+  const int64_t task_rows = balanced_task_rows(N, m_blocks, 32);
+  const int64_t n_blocks = (N + task_rows - 1) / task_rows;
+
+  std::vector<float> inv(M), scale(m_blocks * tokens_per_block, 0.0f);
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) { token_scales(x, K, begin, end, inv.data(), scale.data()); });
+  std::unique_ptr<int8_t[]> xq(new int8_t[static_cast<size_t>(m_blocks * block_bytes)]);
+  at::parallel_for(0, m_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mb = begin; mb < end; ++mb)
+      quantize_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_steps, inv.data(), xq.get() + mb * block_bytes);
+  });
+  const ShapeW8A8 shape{w, y, M, N, K, kp, task_rows, tokens_per_block, token_tiles, block_bytes, n_blocks,
+                        xq.get(), scale.data(), M * N * 4 >= kStreamBytes};
+  at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_w8a8(shape, begin, end); });
+}
+
+
 }  // namespace
 
 GemmEngine gemm_engine() {
@@ -599,7 +801,10 @@ GemmEngine gemm_engine() {
 }
 
 GemmEngine gemm_engine_for(WeightDtype dtype) {
-  return dtype == WeightDtype::kFloat32 ? GemmEngine::kFma : gemm_engine();
+  if (dtype == WeightDtype::kFloat32) return GemmEngine::kFma;
+  const GemmEngine engine = gemm_engine();
+  if (engine != GemmEngine::kAmxInt8) return engine;
+  return dtype == WeightDtype::kInt8 ? GemmEngine::kAmxInt8 : GemmEngine::kAmxBf16;  // W8A8: per-row int8 only
 }
 
 bool set_gemm_engine(GemmEngine engine, std::string* why_not) {
@@ -611,6 +816,7 @@ bool set_gemm_engine(GemmEngine engine, std::string* why_not) {
     if (why_not) *why_not = status().avx512_reason;
     return false;
   }
+  if (engine == GemmEngine::kAmxInt8 && !amx_int8_available(why_not)) return false;
   g_engine.store(static_cast<int>(engine), std::memory_order_relaxed);
   return true;
 }
@@ -630,6 +836,10 @@ void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, floa
   gemm_bf16(x, Weights{w, nullptr, nullptr, K}, y, M, N, engine == GemmEngine::kAmxBf16);
 }
 
+void linear_gemm_w8a8(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  gemm_w8a8(x, w, y, M, N, K);
+}
+
 void linear_gemm_int8_bf16(GemmEngine engine, const float* x, const int8_t* w, const float* group_scale, float* y,
                            int64_t M, int64_t N, int64_t K) {
   gemm_bf16(x, Weights{nullptr, w, group_scale, K}, y, M, N, engine == GemmEngine::kAmxBf16);
@@ -637,11 +847,6 @@ void linear_gemm_int8_bf16(GemmEngine engine, const float* x, const int8_t* w, c
 
 // The matrix engine's peak: independent tdpbf16ps on tiles already loaded, on every thread.
 namespace {
-#ifndef WBK_AMX_INT8_TARGET  // (the emulated test build defines it empty: emulate_isa.h)
-#define WBK_AMX_INT8_TARGET \
-  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-#endif
-
 // Four independent tile products per iteration on tiles already loaded (zeros): tdpbssd
 // (int8 x int8 -> int32) with Int8, else tdpbf16ps. The matrix engine's peak on one thread.
 template <bool Int8>
@@ -730,7 +935,11 @@ bool amx_int8_available(std::string* reason) {
     return false;
   }
   const bool ok = amx_int8_cpu();
+#if defined(WBK_EMULATE_ISA)
+  if (reason) *reason = "AMX int8 tiles emulated in software (the 'emulated' test build)";
+#else
   if (reason) *reason = ok ? "AMX int8 tiles available and permitted" : "this CPU has AMX bf16 but no AMX int8";
+#endif
   return ok;
 }
 

@@ -151,11 +151,13 @@ void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* 
 // time from the CPU's flags and the kernel's permission, never fixed at compile time. kAuto
 // picks the fastest that may run (AMX, then AVX512-BF16, in a build for an AVX-512 CPU).
 // kAmxBf16 and kAvx512Bf16 round x to bf16 (fp32 accumulation; int8 weights converted to bf16
-// slice by slice); kFma is linear.cpp's fp32 FMA GEMM, x kept in fp32.
-enum class GemmEngine { kAuto, kFma, kAmxBf16, kAvx512Bf16 };
+// slice by slice); kFma is linear.cpp's fp32 FMA GEMM, x kept in fp32. kAmxInt8 (never chosen
+// by kAuto) runs per-row int8 weights as W8A8 on the AMX int8 tiles (x quantized to int8 per
+// token, int32 sums) and everything else as kAmxBf16.
+enum class GemmEngine { kAuto, kFma, kAmxBf16, kAvx512Bf16, kAmxInt8 };
 GemmEngine gemm_engine();  // the engine in force (kAuto resolved)
 // The engine the GEMM runs a weight dtype on: fp32 weights always on FMAs (the exact path),
-// the others on the engine in force.
+// the others on the engine in force (under kAmxInt8: per-row int8 on it, the rest on kAmxBf16).
 GemmEngine gemm_engine_for(WeightDtype dtype);
 // Set the engine; false (with the reason) when the CPU, the OS or the kernel refuses it.
 bool set_gemm_engine(GemmEngine engine, std::string* why_not);
@@ -167,6 +169,9 @@ void linear_gemm_bf16(GemmEngine engine, const float* x, const uint16_t* w, floa
 // nullptr (per-row scales are the caller's, applied to the outputs).
 void linear_gemm_int8_bf16(GemmEngine engine, const float* x, const int8_t* w, const float* group_scale, float* y,
                            int64_t M, int64_t N, int64_t K);
+// Per-row int8 weights times x quantized per token on the AMX int8 tiles (W8A8): y = the int32
+// sums times each token's scale; the row scales are the caller's, applied to the outputs.
+void linear_gemm_w8a8(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K);
 // Prefill attention on a bf16 engine (prefill_tiles.cpp): SlimAttention (slim) or
 // FlashAttention-2 with Q K^T and P V as bf16 products accumulated in fp32, the softmax in
 // fp32. q [B, H, N, D] bf16 bits; kp / vp: k and v [B*Hkv, Nk, D] packed by pack_kv_tiles;

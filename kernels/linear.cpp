@@ -642,6 +642,10 @@ void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float
 void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                  int64_t N, int64_t K) {
   const GemmEngine engine = gemm_engine_for(dtype);
+  if (engine == GemmEngine::kAmxInt8) {  // per-row int8 weights only (gemm_engine_for)
+    linear_gemm_w8a8(x, static_cast<const int8_t*>(w), y, M, N, K);
+    return scale_columns(y, row_scale, M, N);
+  }
   if (engine == GemmEngine::kAmxBf16 || engine == GemmEngine::kAvx512Bf16) {
     if (dtype == WeightDtype::kBFloat16) return linear_gemm_bf16(engine, x, static_cast<const uint16_t*>(w), y, M, N, K);
     const bool grouped = dtype == WeightDtype::kInt8Group;

@@ -127,7 +127,7 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
   if (q.numel() == 0) return at::empty({B, H, N, D}, q.options());
   // bf16 inputs run on the bf16 engine in force (prefill_tiles.cpp), as the GEMM does for bf16
   // weights; set_gemm_engine("fma") sends them to the fp32 kernels below.
-  const wbk::GemmEngine engine = wbk::gemm_engine();
+  const wbk::GemmEngine engine = wbk::gemm_engine_for(wbk::WeightDtype::kBFloat16);
   if (q.scalar_type() == at::kBFloat16 &&
       (engine == wbk::GemmEngine::kAmxBf16 || engine == wbk::GemmEngine::kAvx512Bf16)) {
     Tensor qb = q.contiguous(), kb = k.contiguous(), vb = v.contiguous();
@@ -269,7 +269,10 @@ void check_probe_buffer(const Tensor& t, const char* name) {
 // -- what ops.h declares -------------------------------------------------------------------
 
 const char* engine_name(wbk::GemmEngine e) {
-  return e == wbk::GemmEngine::kAmxBf16 ? "amx_bf16" : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16" : "fma";
+  return e == wbk::GemmEngine::kAmxBf16      ? "amx_bf16"
+         : e == wbk::GemmEngine::kAvx512Bf16 ? "avx512_bf16"
+         : e == wbk::GemmEngine::kAmxInt8    ? "amx_int8"
+                                             : "fma";
 }
 
 // A weight kernel by its name (WeightFormat.kernel, constants()["weight_kernels"]).

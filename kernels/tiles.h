@@ -17,6 +17,10 @@
 #ifndef WBK_AMX_TARGET  // (the emulated test build defines it empty: emulate_isa.h)
 #define WBK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
+#ifndef WBK_AMX_INT8_TARGET  // the same with AMX int8 (tdpbssd)
+#define WBK_AMX_INT8_TARGET \
+  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
 
 namespace wbk {
 

@@ -88,9 +88,9 @@ class Hardware:
                 alpha, beta = comm
                 how = f"; all-reduce as given: {alpha:.1f} us + bytes / {beta:.2f} GB/s"
         peaks = measured_peaks()
-        from workbench.kernels import gemm_engine
+        from workbench.kernels import gemm_engine_for
 
-        engine = gemm_engine()
+        engine = gemm_engine_for("bfloat16")  # the bf16 GEMMs' engine (amx_int8 runs them on amx_bf16)
         matrix = peaks.compute_peak_gflops(engine) / ranks if engine != "fma" else 0.0
         if matrix:
             how += f"; bf16 GEMMs on {engine}: {peaks.compute_peak_gflops(engine):.0f} GFLOP/s measured"

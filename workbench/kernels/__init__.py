@@ -216,16 +216,17 @@ class KernelSet:
         the GEMM: measured on this host when the kernels load (workbench/kernels/crossover.py)."""
         return self.ext.matvec_max_rows(kernel)
 
-    GEMM_ENGINES = ("auto", "fma", "amx_bf16", "avx512_bf16")
+    GEMM_ENGINES = ("auto", "fma", "amx_bf16", "avx512_bf16", "amx_int8")
 
     def gemm_engines(self) -> dict[str, tuple[bool, str]]:
-        """Each micro-kernel the GEMM can run for bf16 weights: name -> (may it run here, why)."""
+        """Each engine the GEMM can be set to: name -> (may it run here, why)."""
         return {name: (bool(ok), why) for name, (ok, why) in self.ext.gemm_engines().items()}
 
     def gemm_engine(self) -> str:
-        """The micro-kernel the GEMM runs for bf16 weights now: "amx_bf16" (x rounded to bf16,
-        fp32 accumulation, on the AMX tiles), "avx512_bf16" (the same rounding, vdpbf16ps) or
-        "fma" (fp32 FMAs, x kept in fp32). The matrix-vector kernel of few rows is the same
+        """The GEMM's engine in force: "amx_bf16" (x rounded to bf16, fp32 accumulation, on the
+        AMX tiles), "avx512_bf16" (the same rounding, vdpbf16ps), "fma" (fp32 FMAs, x kept in
+        fp32) or "amx_int8" (per-row int8 weights as W8A8 on the AMX int8 tiles, the rest as
+        amx_bf16; gemm_engine_for says which runs a weight kernel). The matrix-vector kernel of few rows is the same
         for all. Prefill attention (slim_attention, flash_attention) of bf16 q / k / v runs on
         the same engine: Q K^T and P V as bf16 products (kernels/prefill_tiles.cpp), or, under
         "fma", widened to fp32."""
@@ -234,13 +235,17 @@ class KernelSet:
     def gemm_engine_for(self, kernel: str) -> str:
         """The micro-kernel the GEMM runs weights of this kernel (WeightFormat.kernel: "float32",
         "bfloat16", "int8", "int8_group") on: fp32 weights always on "fma" (the exact path),
-        the others on gemm_engine() (int8 converted to bf16 one slice of K at a time)."""
+        the others on gemm_engine() (int8 converted to bf16 one slice of K at a time), except
+        under "amx_int8": per-row "int8" weights on it (x quantized to int8 per token: s[m] =
+        max|x[m]| / 127, x / s[m] rounded to nearest even; exact int32 sums times s[m] and the
+        row scale), "bfloat16" and "int8_group" on "amx_bf16"."""
         return self.ext.gemm_engine_for(kernel)
 
     def set_gemm_engine(self, engine: str) -> None:
-        """Choose the GEMM's micro-kernel for bf16 weights: "auto" (the fastest that may run:
-        AMX, then AVX512-BF16, then FMA), "fma", "amx_bf16" or "avx512_bf16" (a RuntimeError
-        with the reason where it may not)."""
+        """Choose the GEMM's engine: "auto" (the fastest that may run: AMX, then AVX512-BF16,
+        then FMA), "fma", "amx_bf16", "avx512_bf16" or "amx_int8" (W8A8 for per-row int8
+        weights, never chosen by auto: it quantizes the activations), a RuntimeError with the
+        reason where it may not run."""
         if engine not in self.GEMM_ENGINES:
             raise ValueError(f"engine must be one of {', '.join(self.GEMM_ENGINES)}, got {engine!r}")
         self.ext.set_gemm_engine(engine)

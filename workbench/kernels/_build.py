@@ -269,8 +269,9 @@ def build_info(variant: str | None = None) -> dict:
         # up to how many rows each weight kernel runs the matrix-vector kernel (measured here)
         "matvec_max_rows": {k: module.matvec_max_rows(k) for k in ("float32", "bfloat16", "int8", "int8_group")},
         # prefill attention per input dtype: bf16 q / k / v on the same engine (prefill_tiles.cpp)
-        "prefill_attention": {"float32": "fma", "bfloat16": module.gemm_engine()},
+        "prefill_attention": {"float32": "fma", "bfloat16": module.gemm_engine_for("bfloat16")},
         "amx_bf16": module.gemm_engines()["amx_bf16"][1],
+        "amx_int8": module.gemm_engines()["amx_int8"][1],
         "prefetch": dict(zip(("bytes", "hint", "pipeline"), module.get_prefetch())),
         "matvec_prefetch": {name: dict(zip(("bytes", "hint", "max_chunk_bytes"), module.get_matvec_prefetch(name)))
                             for name in ("float32", "bfloat16", "int8")},
