@@ -133,7 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("triad", &triad, py::call_guard<py::gil_scoped_release>());
   m.def("read_sum", &read_sum, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &wbk::isa);
-  // The GEMM's micro-kernel for bf16 weights: "fma" or "amx_bf16" (chosen at run time).
+  // The GEMM's engine in force: "fma", "amx_bf16", "avx512_bf16" or "amx_int8" (chosen at run time).
   m.def("gemm_engine", [] { return engine_name(wbk::gemm_engine()); });
   // The engine the GEMM runs a weight kernel (WeightFormat.kernel) on.
   m.def("gemm_engine_for", [](const std::string& kernel) {

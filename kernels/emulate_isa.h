@@ -45,7 +45,6 @@
 
 // The engines' functions compile for the build's ISA (their intrinsics are emulated below).
 #define WBK_AMX_TARGET
-#define WBK_AMX_INT8_TARGET
 #define WBK_AVX512_TARGET
 
 namespace wbk_emu {

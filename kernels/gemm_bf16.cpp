@@ -1,7 +1,8 @@
-// The GEMM's bf16 micro-kernels: y [M, N] = x [M, K] . w^T for bf16 weights w [N, K], with x
-// rounded to bf16 and fp32 accumulation, on AMX tiles (tdpbf16ps) or, on CPUs with
-// AVX512-BF16 and no AMX (Zen 4, Cooper Lake), with vdpbf16ps. Both read the same packed x
-// and w as it is, through one driver (tasks, packing, the transposed store).
+// The GEMM's matrix-engine micro-kernels: y [M, N] = x [M, K] . w^T for bf16 (or int8) weights
+// w [N, K], with x rounded to bf16 and fp32 accumulation, on AMX tiles (tdpbf16ps) or, on CPUs
+// with AVX512-BF16 and no AMX (Zen 4, Cooper Lake), with vdpbf16ps; both read the same packed x
+// through one driver (tasks, packing, the transposed store). At the end of the file, W8A8: per-row
+// int8 weights times x quantized per token, on the AMX int8 tiles (tdpbssd).
 //
 // This unit is compiled into every build (native, avx2, scalar): its functions carry their
 // own target attributes, so a build for a CPU without AMX still compiles and links them, and
@@ -40,6 +41,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -200,8 +202,9 @@ WBK_AMX_TARGET void pack_x_block(const float* x, int64_t M, int64_t K, int64_t m
   }
 }
 
-// The weights a call multiplies by: bf16 rows read in place, or int8 rows (weight-only int8)
-// that the tasks convert to bf16 one slice of K at a time into a buffer of their own: q as it
+// The weights a call multiplies by: bf16 rows, or int8 rows (weight-only int8) that the tasks
+// convert to bf16 one slice of K at a time (into the tile-ordered panel on AMX, into a
+// row-major buffer of their own on AVX512-BF16): q as it
 // is with per-row scales (exact in bf16: |q| <= 127; the scale is applied to the finished
 // outputs by the caller), q times its group's scale rounded to bf16 with group scales.
 struct Weights {
@@ -211,7 +214,7 @@ struct Weights {
   int64_t K = 0;
 };
 
-constexpr int64_t kSliceAhead = 8;  // rows of int8 weights prefetched ahead of their conversion
+constexpr int64_t kSliceAhead = 8;  // rows of w prefetched ahead of their copy / conversion
 
 // dst[r][0 : k1 - k0] = row n0 + r of w over [k0, k1) in bf16, for r < rows (rows ld values
 // apart). k0 is a multiple of kWeightGroup, so a 16-value piece never straddles two groups.
@@ -596,13 +599,15 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
 // the order tdpbssd reads) with exact int32 sums, and the finished sums become
 // y^T[n][m] = sum * s[m]; the caller applies the weights' row scales, as for the bf16 engines.
 // K is zero padded to whole 64-value tiles in both operands. No sum can overflow int32: each is
-// at most 127 x 127 x K in size, below 2^31 up to K = 133 143. A token whose x is not finite
-// gets a non-finite scale, so its outputs are not finite either (never silently finite).
+// at most 128 x 127 x K in size (an int8 weight may be -128), below 2^31 up to K = kW8A8MaxK;
+// a longer K is refused. A token whose x is not finite gets a non-finite scale, so its outputs
+// are not finite either (never silently finite).
 constexpr int64_t kTileK8 = 64;    // int8 values of K per tile row
 constexpr int64_t kKC8 = 2 * kKC;  // K per slice: the same bytes of w as a bf16 slice
+constexpr int64_t kW8A8MaxK = (int64_t{1} << 31) / (128 * 127);
 
 // inv[m] = 127 / max|x[m]| (0 for a row of zeros) and s[m] = max|x[m]| / 127 for rows [m0, m1).
-WBK_AMX_INT8_TARGET void token_scales(const float* x, int64_t K, int64_t m0, int64_t m1, float* inv, float* s) {
+WBK_AMX_TARGET void token_scales(const float* x, int64_t K, int64_t m0, int64_t m1, float* inv, float* s) {
   for (int64_t m = m0; m < m1; ++m) {
     const float* row = x + m * K;
     // max|x| lane by lane, and x * 0 summed: NaN exactly when some x is not finite (MAXPS
@@ -619,14 +624,16 @@ WBK_AMX_INT8_TARGET void token_scales(const float* x, int64_t K, int64_t m0, int
     float amax = 0.0f;
     for (float v : lanes) amax = std::max(amax, v);
     if (std::isnan(_mm512_reduce_add_ps(nonfinite))) amax = std::numeric_limits<float>::quiet_NaN();
-    s[m] = amax / 127.0f;
-    inv[m] = amax > 0.0f && std::isfinite(amax) ? 127.0f / amax : 0.0f;
+    // A row so small that 127 / max|x| overflows (max|x| < 127 / FLT_MAX) counts as zeros.
+    const float up = 127.0f / amax;
+    s[m] = std::isfinite(up) || !std::isfinite(amax) ? amax / 127.0f : 0.0f;
+    inv[m] = amax > 0.0f && std::isfinite(up) ? up : 0.0f;
   }
 }
 
 // Packed q for one block of tokens from m0: [K / 64 steps][token tiles][16 quads][16 tokens][4],
 // zero past M and past K.
-WBK_AMX_INT8_TARGET void quantize_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t token_tiles,
+WBK_AMX_TARGET void quantize_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t token_tiles,
                                           int64_t k_steps, const float* inv, int8_t* dst) {
   for (int64_t jt = 0; jt < token_tiles; ++jt) {
     for (int64_t ks = 0; ks < k_steps; ++ks) {
@@ -659,7 +666,7 @@ WBK_AMX_INT8_TARGET void quantize_x_block(const float* x, int64_t M, int64_t K, 
 
 // pack_a_panel for int8 weights on the int8 tiles: rows [n0, n0 + rows) of w over [k0, k0 + kc)
 // as [16-row group][64-value step][16 rows][64 values], zero past `rows` and past K.
-WBK_AMX_INT8_TARGET void pack_a_panel_int8(const int8_t* w, int64_t K, int64_t n0, int64_t rows, int64_t groups,
+WBK_AMX_TARGET void pack_a_panel_int8(const int8_t* w, int64_t K, int64_t n0, int64_t rows, int64_t groups,
                                            int64_t k0, int64_t kc, int8_t* dst) {
   const int64_t steps = kc / kTileK8;
   for (int64_t r = 0; r < groups * kTileRows; ++r) {
@@ -680,40 +687,6 @@ WBK_AMX_INT8_TARGET void pack_a_panel_int8(const int8_t* w, int64_t K, int64_t n
   }
 }
 
-// block_2x2 on the int8 tiles: C (32 x 32 int32, ldc a row) = or += the sum over `steps` 64-value
-// steps of K of A (packed tiles, top and bottom 16 rows, 1 KB a step) times B (two 1 KB tiles
-// side by side, b_step bytes apart from one step to the next).
-WBK_AMX_INT8_TARGET inline void block_2x2_int8(int64_t steps, const int8_t* top, const int8_t* bottom,
-                                               const int8_t* b, int64_t b_step, int32_t* c, int64_t ldc,
-                                               bool accumulate) {
-  const int64_t ldc_bytes = ldc * 4;
-  if (accumulate) {
-    _tile_loadd(0, c, ldc_bytes);
-    _tile_loadd(1, c + 16, ldc_bytes);
-    _tile_loadd(2, c + 16 * ldc, ldc_bytes);
-    _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, top + s * 1024, 64);
-    _tile_loadd(5, bottom + s * 1024, 64);
-    _tile_loadd(6, b + s * b_step, 64);
-    _tile_loadd(7, b + s * b_step + 1024, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  }
-  _tile_stored(0, c, ldc_bytes);
-  _tile_stored(1, c + 16, ldc_bytes);
-  _tile_stored(2, c + 16 * ldc, ldc_bytes);
-  _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
-}
-
 struct ShapeW8A8 {
   const int8_t* w;
   float* y;
@@ -726,7 +699,7 @@ struct ShapeW8A8 {
 // Tasks [begin, end) of one thread, as run_tasks_amx: the int32 sums of a task live in its
 // buffer across slices of K, then become fp32 (times each token's scale) in place before the
 // transposed store.
-WBK_AMX_INT8_TARGET void run_tasks_w8a8(const ShapeW8A8& s, int64_t begin, int64_t end) {
+WBK_AMX_TARGET void run_tasks_w8a8(const ShapeW8A8& s, int64_t begin, int64_t end) {
   const int64_t tokens_per_block = s.tokens_per_block, token_tiles = s.token_tiles;
   configure_tiles();
   Scratch cs(0, kRows * tokens_per_block), ws(1, (kRows * kKC8 + 3) / 4);
@@ -747,8 +720,9 @@ WBK_AMX_INT8_TARGET void run_tasks_w8a8(const ShapeW8A8& s, int64_t begin, int64
       for (int64_t j = 0; j < used_tiles; j += 2)
         for (int64_t r = 0; r < row_blocks; ++r) {
           const int8_t* top = wpad + 2 * r * steps * 1024;
-          block_2x2_int8(steps, top, top + steps * 1024, bk + j * 1024, token_tiles * 1024,
-                         ct + r * 32 * tokens_per_block + j * 16, tokens_per_block, k0 > 0);
+          const TileA a{reinterpret_cast<const char*>(top), reinterpret_cast<const char*>(top + steps * 1024), 64, 1024};
+          block_2x2<true>(kc, a, bk + j * 1024, token_tiles * 1024, ct + r * 32 * tokens_per_block + j * 16,
+                          tokens_per_block, k0 > 0);
         }
     }
     for (int64_t r = 0; r < row_blocks * 32; ++r)  // whole 16-row blocks: store_transposed reads them
@@ -764,6 +738,10 @@ WBK_AMX_INT8_TARGET void run_tasks_w8a8(const ShapeW8A8& s, int64_t begin, int64
 }
 
 void gemm_w8a8(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (K > kW8A8MaxK)
+    throw std::invalid_argument("amx_int8: rows of K = " + std::to_string(K) + " values are longer than " +
+                                std::to_string(kW8A8MaxK) + ", the most whose int32 sums cannot overflow; "
+                                "set_gemm_engine('amx_bf16') runs them");
   const int64_t k_steps = (K + kTileK8 - 1) / kTileK8, kp = k_steps * kTileK8;
   // Token blocks and tasks as gemm_bf16's.
   const int64_t m_blocks = (M + kTokens - 1) / kTokens;
@@ -775,13 +753,24 @@ void gemm_w8a8(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, 
 
   std::vector<float> inv(M), scale(m_blocks * tokens_per_block, 0.0f);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) { token_scales(x, K, begin, end, inv.data(), scale.data()); });
-  std::unique_ptr<int8_t[]> xq(new int8_t[static_cast<size_t>(m_blocks * block_bytes)]);
+  // Packed q for the whole call, as gemm_bf16's packed x: up to 16 MB in the calling thread's
+  // scratch (kept for the next call), more allocated for this call only.
+  const int64_t xq_floats = (m_blocks * block_bytes + 3) / 4;
+  std::unique_ptr<float[]> owned;
+  float* xf;
+  if (xq_floats <= (int64_t{1} << 22)) {
+    xf = Scratch(Scratch::kSlots - 1, xq_floats).data();
+  } else {
+    owned.reset(new float[static_cast<size_t>(xq_floats)]);
+    xf = owned.get();
+  }
+  int8_t* xq = reinterpret_cast<int8_t*>(xf);
   at::parallel_for(0, m_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t mb = begin; mb < end; ++mb)
-      quantize_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_steps, inv.data(), xq.get() + mb * block_bytes);
+      quantize_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_steps, inv.data(), xq + mb * block_bytes);
   });
   const ShapeW8A8 shape{w, y, M, N, K, kp, task_rows, tokens_per_block, token_tiles, block_bytes, n_blocks,
-                        xq.get(), scale.data(), M * N * 4 >= kStreamBytes};
+                        xq, scale.data(), M * N * 4 >= kStreamBytes};
   at::parallel_for(0, n_blocks * m_blocks, 1, [&](int64_t begin, int64_t end) { run_tasks_w8a8(shape, begin, end); });
 }
 
@@ -850,7 +839,7 @@ namespace {
 // Four independent tile products per iteration on tiles already loaded (zeros): tdpbssd
 // (int8 x int8 -> int32) with Int8, else tdpbf16ps. The matrix engine's peak on one thread.
 template <bool Int8>
-WBK_AMX_INT8_TARGET double tile_loop_thread(int64_t iterations) {
+WBK_AMX_TARGET double tile_loop_thread(int64_t iterations) {
   configure_tiles();
   alignas(64) static const uint8_t zeros[1024] = {};
   _tile_loadd(4, zeros, 64);

@@ -14,12 +14,11 @@
 
 #include "transpose.h"
 
+// Every AMX CPU so far has both AMX-BF16 and AMX-INT8; the attribute only lets the compiler
+// emit those instructions where a function asks for them.
 #ifndef WBK_AMX_TARGET  // (the emulated test build defines it empty: emulate_isa.h)
-#define WBK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-#endif
-#ifndef WBK_AMX_INT8_TARGET  // the same with AMX int8 (tdpbssd)
-#define WBK_AMX_INT8_TARGET \
-  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define WBK_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
 
 namespace wbk {
@@ -64,18 +63,23 @@ inline TileA row_major_a(const uint16_t* a, int64_t lda_bytes) {
   return {p, p + 16 * lda_bytes, lda_bytes, 2 * kTileK};
 }
 
-// C (32 rows x 32 columns, fp32, ldc floats a row) = or += the product over kc (a multiple of
-// 32) of A (32 rows of bf16, read as `a` says) and packed B: at each 32-long step of the
-// reduction, two 1 KB tiles side by side (columns 0-15, then 16-31), b_step bytes apart from
-// one step to the next. Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B.
-WBK_AMX_TARGET inline void block_2x2(int64_t kc, const TileA& a, const uint16_t* b, int64_t b_step, float* c,
-                                     int64_t ldc, bool accumulate) {
+// C (32 rows x 32 columns, ldc elements a row) = or += the product over kc values of the
+// reduction (a multiple of 32, or with Int8 of 64) of A (32 rows, read as `a` says) and packed
+// B: at each step of the reduction, two 1 KB tiles side by side (columns 0-15, then 16-31),
+// b_step bytes apart from one step to the next. bf16 operands and fp32 sums (tdpbf16ps: A
+// rows of 32 values, B rows of 16 pairs), or with Int8 int8 operands and int32 sums (tdpbssd:
+// A rows of 64 values, B rows of 16 quads). Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B.
+template <bool Int8 = false>
+WBK_AMX_TARGET inline void block_2x2(int64_t kc, const TileA& a, const void* b, int64_t b_step, void* c, int64_t ldc,
+                                     bool accumulate) {
   const int64_t ldc_bytes = ldc * 4;
+  char* c0 = static_cast<char*>(c);
+  char* c2 = c0 + 16 * ldc_bytes;  // the bottom 16 rows
   if (accumulate) {
-    _tile_loadd(0, c, ldc_bytes);
-    _tile_loadd(1, c + 16, ldc_bytes);
-    _tile_loadd(2, c + 16 * ldc, ldc_bytes);
-    _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
+    _tile_loadd(0, c0, ldc_bytes);
+    _tile_loadd(1, c0 + 64, ldc_bytes);
+    _tile_loadd(2, c2, ldc_bytes);
+    _tile_loadd(3, c2 + 64, ldc_bytes);
   } else {
     _tile_zero(0);
     _tile_zero(1);
@@ -84,24 +88,31 @@ WBK_AMX_TARGET inline void block_2x2(int64_t kc, const TileA& a, const uint16_t*
   }
   const char* a0 = a.top;
   const char* a1 = a.bottom;
-  const char* bp = reinterpret_cast<const char*>(b);
-  for (int64_t k = 0; k < kc; k += kTileK) {
+  const char* bp = static_cast<const char*>(b);
+  for (int64_t k = 0; k < kc; k += Int8 ? 2 * kTileK : kTileK) {
     _tile_loadd(4, a0, a.pitch);
     _tile_loadd(5, a1, a.pitch);
     _tile_loadd(6, bp, 64);
     _tile_loadd(7, bp + 1024, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (Int8) {
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
     a0 += a.step;
     a1 += a.step;
     bp += b_step;
   }
-  _tile_stored(0, c, ldc_bytes);
-  _tile_stored(1, c + 16, ldc_bytes);
-  _tile_stored(2, c + 16 * ldc, ldc_bytes);
-  _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
+  _tile_stored(0, c0, ldc_bytes);
+  _tile_stored(1, c0 + 64, ldc_bytes);
+  _tile_stored(2, c2, ldc_bytes);
+  _tile_stored(3, c2 + 64, ldc_bytes);
 }
 
 // The same block on AVX512-BF16 (vdpbf16ps), for CPUs without AMX: identical operands and

@@ -33,7 +33,8 @@ def w8a8_reference(x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor) ->
     """The amx_int8 engine's product for per-row int8 weights in float64: x quantized per
     token in fp32 exactly as the kernel quantizes it, the sums exact, then both scales."""
     amax = x.abs().amax(dim=1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # a tensor over a tensor: one IEEE division, as the kernel's (127 / t is 127 * (1 / t) in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     qx = (x * inv[:, None]).round()  # fp32 product, half to even: the kernel's cvtps2dq
     assert qx.abs().max() <= 127
     return (qx.double() @ q.double().t()) * (amax / 127).double()[:, None] * row_scale.double()[None, :]
@@ -107,10 +108,27 @@ def test_outputs_large_enough_to_stream(kernels, engines, M, N, K):
     check_engines(kernels, engines, M, N, K, seed=M)
 
 
+@pytest.mark.parametrize("M,N,K", [(40, 70, 2047), (33, 129, 2049), (5, 40, 4200)])
+def test_w8a8_sums_across_slices_of_k(kernels, engines, M, N, K):
+    """W8A8 cuts K into slices of 2048 int8 values (the bytes of a bf16 slice), its int32 sums
+    carried across them in the task's buffer: exact there too, and with a weight of -128."""
+    if "amx_int8" not in engines:
+        pytest.skip(f"amx_int8 may not run here: {kernels.gemm_engines()['amx_int8'][1]}")
+    from workbench.kernels import quantize_weight_int8
+
+    gen = torch.Generator().manual_seed(K)
+    x = torch.randn(M, K, generator=gen)
+    q, row_scale = quantize_weight_int8(torch.randn(N, K, generator=gen))
+    q[0, :64] = -128
+    kernels.set_gemm_engine("amx_int8")
+    torch.testing.assert_close(kernels.linear(x, q, scale=row_scale, matvec_max_rows=0).double(),
+                               w8a8_reference(x, q, row_scale), atol=0, rtol=1e-6)
+
+
 def test_w8a8_gives_a_token_that_is_not_finite_outputs_that_are_not(kernels, engines):
     """A token with an inf or a NaN has no int8 scale: its outputs come out inf or NaN (as on
-    the bf16 engines), never finite numbers from a clamped quantization, and the other tokens'
-    are unaffected."""
+    the bf16 engines), never finite numbers from a clamped quantization; a token too small for
+    any scale gives zeros; and the other tokens' outputs are unaffected."""
     if "amx_int8" not in engines:
         pytest.skip(f"amx_int8 may not run here: {kernels.gemm_engines()['amx_int8'][1]}")
     from workbench.kernels import quantize_weight_int8
@@ -118,11 +136,13 @@ def test_w8a8_gives_a_token_that_is_not_finite_outputs_that_are_not(kernels, eng
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(20, 100, generator=gen)
     x[3, 7], x[5, 1] = float("inf"), float("nan")
+    x[8] *= 1e-38  # so small that 127 / max|x| overflows: counted as zeros, its outputs 0
     q, row_scale = quantize_weight_int8(torch.randn(40, 100, generator=gen))
     kernels.set_gemm_engine("amx_int8")
     y = kernels.linear(x, q, scale=row_scale, matvec_max_rows=0)
     assert not y[3].isfinite().any() and not y[5].isfinite().any()
-    keep = [m for m in range(20) if m not in (3, 5)]
+    assert (y[8] == 0).all()
+    keep = [m for m in range(20) if m not in (3, 5, 8)]
     torch.testing.assert_close(y[keep].double(), w8a8_reference(x[keep], q, row_scale), atol=0, rtol=1e-6)
 
 

@@ -116,7 +116,8 @@ class KernelSet:
         causal: query i sees keys 0 .. i + (Nk - N) (needs Nk >= N); only those are computed.
         scale: softmax scale, default 1/sqrt(D). block_m: query rows per task (default from L2).
 
-        bf16 inputs run on the bf16 engine in force (gemm_engine(): AMX tiles or AVX512-BF16):
+        bf16 inputs run on the bf16 engine in force (gemm_engine_for("bfloat16"): AMX tiles or
+        AVX512-BF16):
         Q K^T and P V as bf16 products with fp32 accumulation, the softmax in fp32 and each
         row's probabilities rounded to bf16 for P V; block_m rounds up to whole 32-row pairs.
         Under "fma" they are widened to fp32 and run the fp32 kernels.

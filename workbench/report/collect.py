@@ -55,7 +55,8 @@ def model_identity(model) -> dict:
 
 
 def _gemm_engine() -> str | None:
-    """The micro-kernel our GEMM runs for bf16 weights now (workbench.kernels.gemm_engine)."""
+    """Our GEMM's engine in force (workbench.kernels.gemm_engine: with "amx_int8", per-row int8
+    weights run W8A8 and the rest the bf16 tiles)."""
     from workbench import kernels
 
     return kernels.gemm_engine()  # a generation ran, so the kernels are built
