@@ -543,6 +543,16 @@ WBK_AMX_TARGET void run_tasks_amx(const Shape& s, int64_t begin, int64_t end) {
   _tile_release();
 }
 
+// Where a call's packed x goes (small beside w): up to 16 MB in the calling thread's last
+// scratch slot (kept for the next call; the tasks use the first ones), a long prefill's
+// allocated for this call only, into `owned`.
+void* packed_x_buffer(int64_t bytes, std::unique_ptr<float[]>& owned) {
+  const int64_t floats = (bytes + 3) / 4;
+  if (floats <= (int64_t{1} << 22)) return Scratch(Scratch::kSlots - 1, floats).data();  // outlives the handle
+  owned.reset(new float[static_cast<size_t>(floats)]);
+  return owned.get();
+}
+
 void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N, bool tiles) {
   const int64_t K = w.K;
   if (!tiles && w.bf16 && M <= kDotMaxTokens) return gemm_dot_bf16(x, w.bf16, y, M, N, K);
@@ -558,18 +568,8 @@ void gemm_bf16(const float* x, const Weights& w, float* y, int64_t M, int64_t N,
   const int64_t task_rows = balanced_task_rows(N, m_blocks, tiles ? 32 : kDpRows);
   const int64_t n_blocks = (N + task_rows - 1) / task_rows;
 
-  // Packed x for the whole call (small beside w): up to 16 MB in the calling thread's scratch
-  // (kept for the next call), a long prefill's allocated for this call only.
-  const int64_t xp_floats = (m_blocks * block_elems + 1) / 2;
   std::unique_ptr<float[]> owned;
-  float* xf;
-  if (xp_floats <= (int64_t{1} << 22)) {
-    xf = Scratch(Scratch::kSlots - 1, xp_floats).data();  // the buffer outlives the handle
-  } else {
-    owned.reset(new float[static_cast<size_t>(xp_floats)]);
-    xf = owned.get();
-  }
-  uint16_t* xp = reinterpret_cast<uint16_t*>(xf);
+  uint16_t* xp = reinterpret_cast<uint16_t*>(packed_x_buffer(m_blocks * block_elems * 2, owned));
   at::parallel_for(0, m_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t mb = begin; mb < end; ++mb)
       pack_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_tiles, xp + mb * block_elems);
@@ -753,18 +753,8 @@ void gemm_w8a8(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, 
 
   std::vector<float> inv(M), scale(m_blocks * tokens_per_block, 0.0f);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) { token_scales(x, K, begin, end, inv.data(), scale.data()); });
-  // Packed q for the whole call, as gemm_bf16's packed x: up to 16 MB in the calling thread's
-  // scratch (kept for the next call), more allocated for this call only.
-  const int64_t xq_floats = (m_blocks * block_bytes + 3) / 4;
   std::unique_ptr<float[]> owned;
-  float* xf;
-  if (xq_floats <= (int64_t{1} << 22)) {
-    xf = Scratch(Scratch::kSlots - 1, xq_floats).data();
-  } else {
-    owned.reset(new float[static_cast<size_t>(xq_floats)]);
-    xf = owned.get();
-  }
-  int8_t* xq = reinterpret_cast<int8_t*>(xf);
+  int8_t* xq = reinterpret_cast<int8_t*>(packed_x_buffer(m_blocks * block_bytes, owned));
   at::parallel_for(0, m_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t mb = begin; mb < end; ++mb)
       quantize_x_block(x, M, K, mb * tokens_per_block, token_tiles, k_steps, inv.data(), xq + mb * block_bytes);
