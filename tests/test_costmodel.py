@@ -79,6 +79,19 @@ def test_roofline_names_the_bound_and_adds_communication():
     assert one.layers["decode"]["comm"].comm_s == 0.0
 
 
+def test_the_gemms_are_set_against_the_peak_of_the_unit_they_run_on():
+    """Prefill's linear FLOPs (more rows than the matrix-vector kernel takes) on the matrix
+    engine's roof; under W8A8 (amx_int8) per-row int8 weights on the int8 tiles' roof, grouped
+    int8 and bf16 still on the bf16 one; the rest of the part's FLOPs on the FMA roof."""
+    tiles = Hardware("tiles", bandwidth_gbps=20.0, fma_gflops=200.0, matrix_gflops=1000.0)
+    w8a8 = Hardware("w8a8", bandwidth_gbps=20.0, fma_gflops=200.0, matrix_gflops=1000.0, matrix_int8_gops=2000.0)
+    linear = 2 * 1024 * 3 * 4096 * 11008  # gate, up and down of 1024 tokens
+    for dtype, hw, roof in (("int8", tiles, 1000), ("int8", w8a8, 2000), ("int8-g32", w8a8, 1000), ("bf16", w8a8, 1000),
+                            ("fp32", w8a8, 200)):
+        mlp = predict("llama2-7b", prompt_len=1024, new_tokens=8, weight_dtype=dtype, hardware=hw).layers["prefill"]["mlp"]
+        assert mlp.compute_s == pytest.approx((mlp.flops - linear) / 200e9 + linear / (roof * 1e9)), (dtype, hw.name)
+
+
 def test_uneven_head_splits_are_predicted_at_the_busiest_ranks_share():
     """The bundled model's 9 query heads over 2 ranks are 5 + 4, each rank reading 2 of the 3
     KV heads: its attention part is predicted at rank 0's 5 query + 2 KV heads (the ranks

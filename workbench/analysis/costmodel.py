@@ -65,6 +65,9 @@ class Hardware:
     # The bf16 unit's peak where the GEMM runs bf16 weights on one (AMX tiles, vdpbf16ps), else 0: the
     # linear layers' FLOPs of more rows than the matrix-vector kernel takes are set against it.
     matrix_gflops: float = 0.0
+    # The AMX int8 peak (giga-ops) where the GEMM runs per-row int8 weights as W8A8 (engine
+    # amx_int8), else 0: those weights' FLOPs of more rows are set against it instead.
+    matrix_int8_gops: float = 0.0
 
     @classmethod
     def this_machine(cls, ranks: int = 1, backend: str | None = None, comm: tuple[float, float] | None = None):
@@ -94,10 +97,13 @@ class Hardware:
         matrix = peaks.compute_peak_gflops(engine) / ranks if engine != "fma" else 0.0
         if matrix:
             how += f"; bf16 GEMMs on {engine}: {peaks.compute_peak_gflops(engine):.0f} GFLOP/s measured"
+        w8a8 = peaks.amx_int8_gops / ranks if gemm_engine_for("int8") == "amx_int8" else 0.0
+        if w8a8:
+            how += f"; int8 GEMMs W8A8 on amx_int8: {peaks.amx_int8_gops:.0f} GOP/s measured"
         l3 = machine_info().cache_bytes(3) or 0
         return cls(name=f"this machine / {ranks} rank(s)", bandwidth_gbps=peaks.triad_gbps / ranks,
                    fma_gflops=peaks.fma_gflops / ranks, comm_alpha_us=alpha, comm_beta_gbps=beta,
-                   matrix_gflops=matrix,
+                   matrix_gflops=matrix, matrix_int8_gops=w8a8,
                    cache_bytes=int(l3) // ranks,
                    notes=f"measured peaks ({peaks.measured_at}): triad {peaks.triad_gbps:.1f} GB/s, fp32 FMA "
                          f"{peaks.fma_gflops:.0f} GFLOP/s on {peaks.threads} threads, shared by {ranks} rank(s){how}")
@@ -126,7 +132,7 @@ class PartCost:
     bytes: int
     flops: int
     memory_s: float  # bytes / bandwidth
-    compute_s: float  # FLOPs / FMA peak
+    compute_s: float  # FLOPs / the peak of the unit each runs on (FMA, matrix engine)
     comm_s: float = 0.0  # collectives (their own roof: alpha + bytes / beta)
 
     @property
@@ -350,9 +356,13 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     def cost(nbytes, flops, comm_s=0.0, linear_flops=0, rows=1) -> PartCost:
         """linear_flops of `flops` are matrix products of `rows` rows: on the matrix engine's
         roof where the GEMM runs them there (bf16 and int8 weights, more rows than the
-        matrix-vector kernel takes), else on the FMA roof like the rest."""
-        on_tiles = wfmt.matrix_engine and hw.matrix_gflops > 0 and rows > matvec_rows
-        compute = ((flops - linear_flops) / hw.fma_gflops + linear_flops / (hw.matrix_gflops if on_tiles else hw.fma_gflops)) / 1e9
+        matrix-vector kernel takes; per-row int8 under W8A8 on the int8 tiles' roof), else on
+        the FMA roof like the rest."""
+        roof = hw.fma_gflops
+        if wfmt.matrix_engine and rows > matvec_rows:
+            w8a8 = wfmt.kernel == "int8" and hw.matrix_int8_gops > 0
+            roof = hw.matrix_int8_gops if w8a8 else hw.matrix_gflops or hw.fma_gflops
+        compute = ((flops - linear_flops) / hw.fma_gflops + linear_flops / roof) / 1e9
         return PartCost(int(nbytes), int(flops), nbytes / (hw.bandwidth_gbps * 1e9), compute, comm_s)
 
     layers, head = {}, {}
