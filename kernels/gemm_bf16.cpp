@@ -216,6 +216,16 @@ struct Weights {
 
 constexpr int64_t kSliceAhead = 8;  // rows of w prefetched ahead of their copy / conversion
 
+// Values [k, k + count) of int8 row n of w in bf16, zero past count (count <= 16, inside one
+// group of the scales; `groups` of them a row): q as it is with per-row scales, q times its
+// group's scale with group scales.
+WBK_AMX_TARGET inline __m256i int8_piece_bf16(const Weights& w, int64_t groups, int64_t n, int64_t k, int64_t count) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.q + n * w.K + k)));
+  if (w.group_scale && count > 0) v = _mm512_mul_ps(v, _mm512_set1_ps(w.group_scale[n * groups + k / kWeightGroup]));
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+}
+
 // dst[r][0 : k1 - k0] = row n0 + r of w over [k0, k1) in bf16, for r < rows (rows ld values
 // apart). k0 is a multiple of kWeightGroup, so a 16-value piece never straddles two groups.
 WBK_AMX_TARGET void weight_slice(const Weights& w, int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t* dst,
@@ -233,10 +243,9 @@ WBK_AMX_TARGET void weight_slice(const Weights& w, int64_t n0, int64_t rows, int
     if (r + kSliceAhead < rows)
       for (int64_t k = k0; k < k1; k += 64) _mm_prefetch(reinterpret_cast<const char*>(row + kSliceAhead * K + k), _MM_HINT_T0);
     for (int64_t k = k0; k < k1; k += 16) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, k1 - k)) - 1);
-      __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row + k)));
-      if (w.group_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(w.group_scale[(n0 + r) * groups + k / kWeightGroup]));
-      _mm256_mask_storeu_epi16(out + (k - k0), mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      const int64_t count = std::min<int64_t>(16, k1 - k);
+      _mm256_mask_storeu_epi16(out + (k - k0), static_cast<__mmask16>((1u << count) - 1),
+                               int8_piece_bf16(w, groups, n0 + r, k, count));
     }
   }
 }
@@ -274,13 +283,10 @@ WBK_AMX_TARGET void pack_a_panel(const Weights& w, int64_t n0, int64_t rows, int
         _mm512_storeu_si512(tile_row, _mm512_maskz_loadu_epi16(mask, w.bf16 + (n0 + r) * K + k));
         continue;
       }
-      for (int h = 0; h < 2; ++h) {  // two 16-value halves, each inside one group of the scales
-        const int64_t kh = k + 16 * h, nh = std::clamp<int64_t>(K - kh, 0, 16);
-        const __mmask16 mask = static_cast<__mmask16>((1u << nh) - 1);
-        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.q + (n0 + r) * K + kh)));
-        if (w.group_scale && nh > 0)
-          v = _mm512_mul_ps(v, _mm512_set1_ps(w.group_scale[(n0 + r) * n_groups + kh / kWeightGroup]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile_row + 16 * h), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      for (int h = 0; h < 2; ++h) {  // two 16-value halves, zero past K
+        const int64_t kh = k + 16 * h;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile_row + 16 * h),
+                            int8_piece_bf16(w, n_groups, n0 + r, kh, std::clamp<int64_t>(K - kh, 0, 16)));
       }
     }
   }
