@@ -58,18 +58,19 @@ PREFETCH_SETTINGS = {"off": (0, 0, 0), "8192 B prefetcht1": (8192, 2, 3072), "16
 
 
 def _apply_prefetch(setting) -> str:
-    """On an engine: fp32 and bf16 weights' matrix-vector prefetch set to `setting`, or
-    to this host's tuned choice (None); returns what is in force, in words."""
+    """On an engine: fp32 and bf16 weights' matrix-vector prefetch set to `setting` (the row
+    order kept as tuned), or to this host's tuned choice (None); returns what is in force,
+    in words."""
     from workbench.kernels import native, prefetch
 
-    if setting is None:
-        prefetch.apply(native.ext)
-    else:
+    prefetch.apply(native.ext)
+    if setting is not None:
         for name in ("float32", "bfloat16"):
-            native.ext.set_matvec_prefetch(name, *setting)
+            serial = native.ext.get_matvec_prefetch(name)[3]
+            native.ext.set_matvec_prefetch(name, *setting, serial)
 
     def said(name):
-        ahead, hint, _ = native.ext.get_matvec_prefetch(name)
+        ahead, hint, _, _ = native.ext.get_matvec_prefetch(name)
         return f"{ahead} B {prefetch.HINTS[hint]}" if ahead else "off"
 
     return f"fp32 {said('float32')}, bf16 {said('bfloat16')}"

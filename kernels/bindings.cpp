@@ -95,15 +95,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_prefetch", [] {
     return std::make_tuple(wbk::g_prefetch.bytes, wbk::g_prefetch.hint, wbk::g_prefetch.pipeline);
   });
-  m.def("set_matvec_prefetch", [](const std::string& weights, int64_t bytes, int hint, int64_t max_chunk_bytes) {
-    TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3 && max_chunk_bytes >= 0,
-                      "set_matvec_prefetch: bytes >= 0, hint in 0..3, max_chunk_bytes >= 0, got ", bytes, ", ", hint,
-                      ", ", max_chunk_bytes);
-    wbk::g_matvec_prefetch[matvec_weights(weights)] = {bytes, hint, max_chunk_bytes};
-  }, py::arg("weights"), py::arg("bytes"), py::arg("hint"), py::arg("max_chunk_bytes"));
+  m.def("set_matvec_prefetch", [](const std::string& weights, int64_t bytes, int hint, int64_t max_chunk_bytes,
+                                  int64_t serial_max_chunk_bytes) {
+    TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3 && max_chunk_bytes >= 0 && serial_max_chunk_bytes >= 0,
+                      "set_matvec_prefetch: bytes >= 0, hint in 0..3, max_chunk_bytes >= 0, "
+                      "serial_max_chunk_bytes >= 0, got ", bytes, ", ", hint, ", ", max_chunk_bytes, ", ",
+                      serial_max_chunk_bytes);
+    wbk::g_matvec_prefetch[matvec_weights(weights)] = {bytes, hint, max_chunk_bytes, serial_max_chunk_bytes};
+  }, py::arg("weights"), py::arg("bytes"), py::arg("hint"), py::arg("max_chunk_bytes"),
+     py::arg("serial_max_chunk_bytes") = 0);
   m.def("get_matvec_prefetch", [](const std::string& weights) {
     const auto& p = wbk::g_matvec_prefetch[matvec_weights(weights)];
-    return std::make_tuple(p.bytes, p.hint, p.max_chunk_bytes);
+    return std::make_tuple(p.bytes, p.hint, p.max_chunk_bytes, p.serial_max_chunk_bytes);
   }, py::arg("weights"));
   m.def("decode_default_splits", [](int64_t B, int64_t Hkv, int64_t max_length) {
     return wbk::decode_default_splits(B, Hkv, max_length, at::get_num_threads());

@@ -11,7 +11,9 @@
 //   chunk, four W rows are widened to fp32 in registers and multiplied with a block of rows
 //   of x at a time (4, or 2 on AVX2 for fp32 and int8 weights: kMatvecMB), so every weight
 //   byte is read from memory once per call and again from cache once per further block of
-//   x rows; short row chunks are software-prefetched about 8 KB ahead.
+//   x rows. With fewer than 4 rows of x, short rows may instead be read one after another
+//   (serial_dot). The row order and the software prefetch of short row chunks are measured
+//   per host (MatvecPrefetch, workbench/kernels/prefetch.py).
 //
 // linear_gemm, for more rows (batched decode, prefill): compute-bound. It computes
 //   y^T = W x^T with a register-blocked micro-kernel whose broadcast operand is W and whose
@@ -164,6 +166,66 @@ inline void block_dot_bf16(const float* x, const float* xp, int64_t ldx, const B
   }
 }
 
+// block_dot<T, 1> and block_dot_bf16<1> with the nr rows of W read one after another
+// instead of side by side. The rows of a task are adjacent in memory, so this reads them as
+// one ascending stream, where side by side is four streams a row apart. Which is faster
+// depends on the host's prefetchers and the row chunk's length (short rows: few lines per
+// stream for the hardware prefetcher to follow), so it is measured per host and weight type
+// like the software prefetch (MatvecPrefetch::serial_max_chunk_bytes). Four accumulators per
+// row keep as many independent FMA chains as the side-by-side kernel's four rows.
+template <typename T>
+inline VecF row_dot(const float* x, const T* w, const float* gs, int64_t kc) {
+  VecF a[4] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+  int64_t k = 0;
+  for (; k + 4 * W <= kc; k += 4 * W)
+    for (int i = 0; i < 4; ++i) a[i] = fmadd(VecF::load(x + k + i * W), load_w(w, gs, k + i * W), a[i]);
+  for (; k + W <= kc; k += W) a[0] = fmadd(VecF::load(x + k), load_w(w, gs, k), a[0]);
+  if (k < kc) {
+    const int n = static_cast<int>(kc - k);
+    a[1] = fmadd(VecF::load(x + k, n), load_w_part(w, gs, k, n), a[1]);
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+inline VecF row_dot_bf16(const float* x, const float* xp, const BFloat16* w, int64_t kc) {
+  VecF a[4] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(w);
+  int64_t k = 0;
+  for (; k + 4 * W <= kc; k += 4 * W)
+    for (int i = 0; i < 2; ++i) {
+      VecF we, wo;
+      VecF::load_bf16_pairs(bits + k + 2 * i * W, we, wo);
+      a[2 * i] = fmadd(VecF::load(xp + k + 2 * i * W), we, a[2 * i]);
+      a[2 * i + 1] = fmadd(VecF::load(xp + k + 2 * i * W + W), wo, a[2 * i + 1]);
+    }
+  for (; k + 2 * W <= kc; k += 2 * W) {
+    VecF we, wo;
+    VecF::load_bf16_pairs(bits + k, we, wo);
+    a[0] = fmadd(VecF::load(xp + k), we, a[0]);
+    a[1] = fmadd(VecF::load(xp + k + W), wo, a[1]);
+  }
+  for (; k < kc; k += W) {  // what is not whole pair blocks: x as it is (permute_pairs copied it)
+    const int n = static_cast<int>(std::min<int64_t>(W, kc - k));
+    a[2] = fmadd(VecF::load(x + k, n), Load<BFloat16>::part(w + k, n), a[2]);
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+template <typename T>
+inline void serial_dot(const float* x, const float* xp, const T* const* w, int64_t kc, float* y, int nr,
+                       const float* const* gs) {
+  VecF acc[4] = {VecF::zero(), VecF::zero(), VecF::zero(), VecF::zero()};
+  for (int j = 0; j < nr; ++j) {
+    if constexpr (std::is_same_v<T, BFloat16>)
+      acc[j] = row_dot_bf16(x, xp, w[j], kc);
+    else
+      acc[j] = row_dot(x, w[j], gs ? gs[j] : nullptr, kc);
+  }
+  float out[4];
+  reduce_add4(acc[0], acc[1], acc[2], acc[3], out);
+  for (int j = 0; j < nr; ++j) y[j] += out[j];
+}
+
 // xp [M, K]: each row of x with every whole block of 2W elements (from k = 0) reordered to
 // its W even then its W odd elements; what is left of a row is copied as it is.
 void permute_pairs(const float* x, float* xp, int64_t M, int64_t K) {
@@ -220,6 +282,7 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
         const int64_t chunk_bytes = kc * static_cast<int64_t>(sizeof(T));
         const int64_t ahead_rows = 4 * std::max<int64_t>(1, pf.bytes / (4 * chunk_bytes));
         const bool prefetch = pf.bytes > 0 && chunk_bytes <= pf.max_chunk_bytes;
+        const bool serial = chunk_bytes <= pf.serial_max_chunk_bytes;
         for (int64_t n = n0; n < n1; n += 4) {
           const int64_t pf_end = prefetch ? std::min(last_row, n + ahead_rows + 4) : 0;
           for (int64_t r = n + ahead_rows; r < pf_end; ++r) {
@@ -236,7 +299,9 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
           }
           const float* const* g = gscale ? gs : nullptr;
           int64_t m = 0;
-          if constexpr (kBf16) {
+          if (serial && M < 4) {  // rows of x one at a time, each against the rows one after another
+            for (; m < M; ++m) serial_dot<T>(x + m * K + k0, xp ? xp + m * K + k0 : nullptr, rows, kc, y + m * N + n, nr, g);
+          } else if constexpr (kBf16) {
             for (; M >= 4 && m + kMatvecMB<T> <= M; m += kMatvecMB<T>)
               block_dot_bf16<kMatvecMB<T>>(x + m * K + k0, xp + m * K + k0, K, rows, kc, y + m * N + n, N, nr);
             for (; m < M; ++m)

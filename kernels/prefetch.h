@@ -27,11 +27,15 @@ inline PrefetchConfig g_prefetch;  // set by set_prefetch (bindings), read by th
 // which the hardware prefetcher follows by itself on the hosts measured so far). Per type
 // because the best choice differs with the arithmetic per byte: fp32 rows, the least work per
 // byte, can stream fastest with no software prefetch while bf16 and int8 rows gain from it.
+// The same probe chooses the order the kernel reads a task's rows in at one row of x: row
+// chunks of at most `serial_max_chunk_bytes` one row after another (one ascending stream),
+// longer ones four rows side by side (0: always side by side).
 // The defaults stand until a host's own probe has run.
 struct MatvecPrefetch {
   int64_t bytes = 8192;
   int hint = 3;
   int64_t max_chunk_bytes = 3072;
+  int64_t serial_max_chunk_bytes = 0;
 };
 enum MatvecWeights { kMatvecF32, kMatvecBF16, kMatvecInt8, kMatvecKinds };
 inline MatvecPrefetch g_matvec_prefetch[kMatvecKinds];

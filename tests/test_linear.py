@@ -2,8 +2,9 @@
 on every ISA build, on both of its paths: the matrix-vector kernel (few rows, decode)
 and the packed GEMM (more rows: batched decode, prefill), whose shapes here cover a
 partial block of W rows (N not a multiple of the 48-row task), several K slices of unequal
-length, one- and two-vector token tiles, and several 256-token blocks (M > 256). fp32 rows
-of W are read where they are, except at K = 1024, whose rows are a whole number of L1 ways
+length, both orders the matrix-vector kernel may read a task's rows in (one after another or
+four side by side, chosen per host), one- and two-vector token tiles, and several 256-token
+blocks (M > 256). fp32 rows of W are read where they are, except at K = 1024, whose rows are a whole number of L1 ways
 apart: there the GEMM copies each slice first (both paths are drawn). Where a block's slice of
 x^T fits in L1d (up to 40 rows at any K here) the micro-tiles prefetch the next slice of W a
 line at a time, elsewhere (255 rows and more at K >= 64) it is prefetched all at once.
@@ -17,6 +18,8 @@ it rounds x to bf16 first, and the reference does the same.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given
@@ -29,19 +32,33 @@ from reference import int8_weights_reference
 ALSO_EMULATED = True
 
 
+@contextmanager
+def row_order(kernels, weights: str, serial: bool):
+    """The matrix-vector kernel reading a task's rows one after another (serial) or four side
+    by side, whatever this host's probe chose (workbench/kernels/prefetch.py)."""
+    before = kernels.ext.get_matvec_prefetch(weights)
+    kernels.ext.set_matvec_prefetch(weights, *before[:3], 1 << 30 if serial else 0)
+    try:
+        yield
+    finally:
+        kernels.ext.set_matvec_prefetch(weights, *before)
+
+
 @given(
     M=st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 530])),
     N=st.integers(1, 130),
     K=st.sampled_from([1, 7, 64, 129, 576, 1000, 1024]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
+    serial=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed):
+def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, serial, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen).to(dtype)
-    y = kernels.linear(x, w, matvec_max_rows=matvec_max_rows)
+    with row_order(kernels, "float32" if dtype == torch.float32 else "bfloat16", serial):
+        y = kernels.linear(x, w, matvec_max_rows=matvec_max_rows)
     on_tiles = dtype == torch.bfloat16 and M > matvec_max_rows and kernels.gemm_engine() != "fma"
     ref = (x.bfloat16() if on_tiles else x).double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (M, N)
@@ -55,9 +72,10 @@ def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seed
     K=st.sampled_from([1, 7, 64, 129, 576, 1000]),
     matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
     group=st.sampled_from([None, 32]),
+    serial=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, seed):
+def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, serial, seed):
     """Weight-only int8 (one scale per output row, or per 32 weights of a row) on both paths
     against float64 over the dequantized weights (as a bf16 engine sees them where the GEMM
     runs on one): only fp32 accumulation differs, as for fp32 and bf16 (K = 129, 1000 leave a partial last group; the GEMM's K slices do not start
@@ -68,7 +86,8 @@ def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, 
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 3  # rows of different ranges
     q, s = quantize_weight_int8(w, group)
-    y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
+    with row_order(kernels, "int8", serial):
+        y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
     # The GEMM on a bf16 engine rounds x to bf16, and a grouped weight times its scale to bf16
     # (a per-row int8 value is exact in bf16; its scale applies to the output).
     on_engine = M > matvec_max_rows and kernels.gemm_engine_for("int8") != "fma"
@@ -81,7 +100,8 @@ def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, 
     scale = K**0.5 * x.abs().max().item() * deq.abs().max().item()
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
     out = torch.empty(M, N)
-    assert kernels.linear(x, q, scale=s, out=out, matvec_max_rows=matvec_max_rows) is not None
+    with row_order(kernels, "int8", serial):
+        assert kernels.linear(x, q, scale=s, out=out, matvec_max_rows=matvec_max_rows) is not None
     torch.testing.assert_close(out.double(), ref, atol=1e-4 * scale, rtol=0)  # into a caller's buffer
 
 

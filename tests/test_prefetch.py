@@ -82,15 +82,20 @@ def test_the_matrix_vector_kernel_runs_with_its_measured_choice_per_weight_type(
     found = json.loads(prefetch._path().read_text())["matvec"]
     keys = {":".join(map(str, c)) for c in prefetch.MATVEC_CANDIDATES}
     assert set(found) == {"float32", "bfloat16", "int8"}
+    sizes = {"float32": 4, "bfloat16": 2, "int8": 1}
     for name, mv in found.items():
-        setting = (mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
+        setting = (mv["bytes"], mv["hint"], mv["max_chunk_bytes"], mv["serial_max_chunk_bytes"])
         assert ext.get_matvec_prefetch(name) == setting
-        assert set(mv["gbps"]) == keys and ":".join(map(str, setting)) == _kept(mv, prefetch.MATVEC_CANDIDATES)
-        assert kernels.build_info()["matvec_prefetch"][name]["bytes"] == mv["bytes"]
+        kept = (*setting[:3], setting[3] // sizes[name])  # the candidates count the serial rows in values
+        assert set(mv["gbps"]) == keys and ":".join(map(str, kept)) == _kept(mv, prefetch.MATVEC_CANDIDATES)
+        assert kernels.build_info()["matvec_prefetch"][name]["serial_max_chunk_bytes"] == setting[3]
 
 
-@pytest.mark.parametrize("setting", prefetch.MATVEC_CANDIDATES)
-def test_linear_results_do_not_depend_on_the_prefetch(setting):
+@pytest.mark.parametrize("serial_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("setting", prefetch.MATVEC_PREFETCH)
+def test_linear_results_do_not_depend_on_the_prefetch(setting, serial_bytes):
+    """Bit for bit, in either row order (the order changes the summation order, so the two
+    orders are each checked against float64 in test_linear.py instead)."""
     ks = KernelSet("native")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 576, generator=gen)
@@ -100,9 +105,10 @@ def test_linear_results_do_not_depend_on_the_prefetch(setting):
              "int8": (torch.randn(2, 1536, generator=gen), w8, s8)}
     for name, (xi, w, scale) in cases.items():
         before = ks.ext.get_matvec_prefetch(name)
-        ref = ks.linear(xi, w, scale=scale)
         try:
-            ks.ext.set_matvec_prefetch(name, *setting)
+            ks.ext.set_matvec_prefetch(name, 0, 0, 0, serial_bytes)
+            ref = ks.linear(xi, w, scale=scale)
+            ks.ext.set_matvec_prefetch(name, *setting, serial_bytes)
             out = ks.linear(xi, w, scale=scale)
         finally:
             ks.ext.set_matvec_prefetch(name, *before)
@@ -114,5 +120,7 @@ def test_bad_matvec_prefetch_settings_are_refused():
         kernels.native.ext.set_matvec_prefetch("float32", 4096, 9, 3072)
     with pytest.raises(ValueError, match="max_chunk_bytes >= 0"):
         kernels.native.ext.set_matvec_prefetch("bfloat16", 4096, 3, -1)
+    with pytest.raises(ValueError, match="serial_max_chunk_bytes >= 0, got 4096, 3, 3072, -2"):
+        kernels.native.ext.set_matvec_prefetch("bfloat16", 4096, 3, 3072, -2)
     with pytest.raises(ValueError, match="weights must be 'float32', 'bfloat16' or 'int8', got 'fp16'"):
         kernels.native.ext.set_matvec_prefetch("fp16", 4096, 3, 3072)

@@ -273,7 +273,8 @@ def build_info(variant: str | None = None) -> dict:
         "amx_bf16": module.gemm_engines()["amx_bf16"][1],
         "amx_int8": module.gemm_engines()["amx_int8"][1],
         "prefetch": dict(zip(("bytes", "hint", "pipeline"), module.get_prefetch())),
-        "matvec_prefetch": {name: dict(zip(("bytes", "hint", "max_chunk_bytes"), module.get_matvec_prefetch(name)))
+        "matvec_prefetch": {name: dict(zip(("bytes", "hint", "max_chunk_bytes", "serial_max_chunk_bytes"),
+                                           module.get_matvec_prefetch(name)))
                             for name in ("float32", "bfloat16", "int8")},
         "build_dir": str(_build_dir(variant)),
         "sources": [str(SOURCE_DIR / s) for s in SOURCES],

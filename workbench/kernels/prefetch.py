@@ -6,8 +6,9 @@ spread (`choose`: its slowest round faster than no prefetch's fastest),
 cached per CPU and thread count like the peaks:
   - decode attention (the tiled int8 kernel, Llama-2-7B head shapes): bytes ahead and hint;
   - the matrix-vector kernel at small K (SmolLM2's four layer shapes, one row of x), for each
-    weight type (fp32, bf16, int8): bytes ahead, hint, and up to which row-chunk length to
-    prefetch at all.
+    weight type (fp32, bf16, int8): bytes ahead, hint, up to which row-chunk length to
+    prefetch at all, and up to which row length to read a task's rows one after another
+    rather than four side by side (kernels/linear.cpp, serial_dot), timed together.
 The best distance and hint differ between hosts and between weight types (a hint that
 helps one stream halves another), so nothing here is a constant; the figures measured on
 each development host are in docs/measurements.md. No constant is right on every host.
@@ -28,9 +29,18 @@ HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
 # past the end of a task's K and V into the next task's; kernels/decode_tiled.cpp).
 CANDIDATES = ((0, 0, 0), (512, 3, 0), (1024, 3, 0), (2048, 3, 0), (3072, 3, 0), (4096, 2, 0), (8192, 2, 0),
               (4096, 0, 0), (1024, 3, 1), (2048, 3, 1), (3072, 2, 1), (8192, 2, 1))
-# The matrix-vector kernel's: (bytes ahead, hint, longest row chunk prefetched); the first is off.
-MATVEC_CANDIDATES = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072),
-                     (8192, 3, 1 << 20), (8192, 2, 3072), (4096, 0, 3072))
+# The matrix-vector kernel's prefetch: (bytes ahead, hint, longest row chunk prefetched); the
+# first is off.
+MATVEC_PREFETCH = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072), (16384, 3, 3072),
+                   (8192, 3, 1 << 20), (8192, 2, 3072), (4096, 0, 3072))
+# ... and the order it reads a task's rows in at one row of x: rows of at most this many
+# values of K one after another (one ascending stream), longer rows four side by side (0:
+# always side by side). The probe's shapes have K = 576 and 1536, so it can tell these apart
+# and nothing longer: longer rows stay side by side.
+MATVEC_SERIAL_K = (0, 1024, 2048)
+# Every pair of the two, timed together (the best prefetch differs with the order); the first
+# is today's default: no prefetch, rows side by side.
+MATVEC_CANDIDATES = tuple((*p, k) for k in MATVEC_SERIAL_K for p in MATVEC_PREFETCH)
 # ... chosen for each weight type the kernel streams (kernels/prefetch.h: MatvecWeights).
 MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 # Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
@@ -39,8 +49,8 @@ MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 
 # hint, which made its prefetches cheaper; 6: the tiled kernel reads K and V block by block,
 # its pipelined prefetches run on into the next task; 7: a candidate must beat no prefetch in
 # every round; 8: beyond the spread, its slowest round faster than no prefetch's fastest, see
-# choose), so a cached choice is measured again.
-VERSION = 8
+# choose; 9: the matrix-vector kernel's row order), so a cached choice is measured again.
+VERSION = 9
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
@@ -153,11 +163,13 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
                 for w, scale in weights:
                     ext.linear(xs[w.shape[1]], w, 10, None, scale)
 
-            seconds = _seconds_by_round(MATVEC_CANDIDATES, lambda *cand: ext.set_matvec_prefetch(name, *cand), run,
-                                        repeats)
-            b, h, c = (int(x) for x in choose(seconds, _key(MATVEC_CANDIDATES[0])).split(":"))
-            found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "hint_name": HINTS[h],
-                           **_rates(seconds, nbytes)}
+            def set_candidate(b, h, c, k, size=dtype.itemsize):  # k: values of K, the kernel takes bytes
+                ext.set_matvec_prefetch(name, b, h, c, k * size)
+
+            seconds = _seconds_by_round(MATVEC_CANDIDATES, set_candidate, run, repeats)
+            b, h, c, k = (int(x) for x in choose(seconds, _key(MATVEC_CANDIDATES[0])).split(":"))
+            found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "serial_max_chunk_bytes": k * dtype.itemsize,
+                           "hint_name": HINTS[h], **_rates(seconds, nbytes)}
             del run, weights, arena  # freed before the next type's arena is filled
     finally:
         for name, setting in before.items():
@@ -209,5 +221,5 @@ def apply(ext, measure_if_missing: bool = True) -> dict | None:
         return None
     ext.set_prefetch(found["bytes"], found["hint"], found["pipeline"])
     for name, mv in found["matvec"].items():
-        ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"])
+        ext.set_matvec_prefetch(name, mv["bytes"], mv["hint"], mv["max_chunk_bytes"], mv["serial_max_chunk_bytes"])
     return found
