@@ -78,16 +78,16 @@ def test_bad_prefetch_settings_are_refused():
 
 
 def test_the_matrix_vector_kernel_runs_with_its_measured_choice_per_weight_type():
+    """The row order kept by the rule from its own rounds, then the prefetch kept in that order."""
     ext = kernels.native.ext
     found = json.loads(prefetch._path().read_text())["matvec"]
-    keys = {":".join(map(str, c)) for c in prefetch.MATVEC_CANDIDATES}
-    assert set(found) == {"float32", "bfloat16", "int8"}
     sizes = {"float32": 4, "bfloat16": 2, "int8": 1}
+    assert set(found) == set(sizes)
     for name, mv in found.items():
         setting = (mv["bytes"], mv["hint"], mv["max_chunk_bytes"], mv["serial_max_chunk_bytes"])
         assert ext.get_matvec_prefetch(name) == setting
-        kept = (*setting[:3], setting[3] // sizes[name])  # the candidates count the serial rows in values
-        assert set(mv["gbps"]) == keys and ":".join(map(str, kept)) == _kept(mv, prefetch.MATVEC_CANDIDATES)
+        assert f"0:0:0:{setting[3] // sizes[name]}" == _kept(mv["order"], prefetch.MATVEC_ORDERS)
+        assert ":".join(map(str, setting[:3])) == _kept(mv["prefetch"], prefetch.MATVEC_PREFETCH)
         assert kernels.build_info()["matvec_prefetch"][name]["serial_max_chunk_bytes"] == setting[3]
 
 

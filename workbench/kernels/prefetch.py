@@ -6,9 +6,9 @@ spread (`choose`: its slowest round faster than no prefetch's fastest),
 cached per CPU and thread count like the peaks:
   - decode attention (the tiled int8 kernel, Llama-2-7B head shapes): bytes ahead and hint;
   - the matrix-vector kernel at small K (SmolLM2's four layer shapes, one row of x), for each
-    weight type (fp32, bf16, int8): bytes ahead, hint, up to which row-chunk length to
-    prefetch at all, and up to which row length to read a task's rows one after another
-    rather than four side by side (kernels/linear.cpp, serial_dot), timed together.
+    weight type (fp32, bf16, int8): up to which row length to read a task's rows one after
+    another rather than four side by side (kernels/linear.cpp, serial_dot), then, in that
+    order, bytes ahead, hint, and up to which row-chunk length to prefetch at all.
 The best distance and hint differ between hosts and between weight types (a hint that
 helps one stream halves another), so nothing here is a constant; the figures measured on
 each development host are in docs/measurements.md. No constant is right on every host.
@@ -38,9 +38,14 @@ MATVEC_PREFETCH = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072),
 # always side by side). The probe's shapes have K = 576 and 1536, so it can tell these apart
 # and nothing longer: longer rows stay side by side.
 MATVEC_SERIAL_K = (0, 1024, 2048)
-# Every pair of the two, timed together (the best prefetch differs with the order); the first
-# is today's default: no prefetch, rows side by side.
-MATVEC_CANDIDATES = tuple((*p, k) for k in MATVEC_SERIAL_K for p in MATVEC_PREFETCH)
+# The order is chosen first, with no prefetch, then the prefetch in that order. It moves a
+# decode step more than any prefetch choice has (the bundled model's fp32 step 1.15x on a Zen
+# 1 VM), and a single pass over the probe's weights is short enough (tens of ms) for a VM's
+# jitter to hide that, so each of its rounds passes over them ORDER_PASSES times, and it runs
+# ORDER_REPEATS rounds.
+MATVEC_ORDERS = tuple((0, 0, 0, k) for k in MATVEC_SERIAL_K)
+ORDER_REPEATS = 5
+ORDER_PASSES = 2
 # ... chosen for each weight type the kernel streams (kernels/prefetch.h: MatvecWeights).
 MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 # Bumped whenever what is measured changes (2: the prefetch instructions are really emitted,
@@ -49,8 +54,8 @@ MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 
 # hint, which made its prefetches cheaper; 6: the tiled kernel reads K and V block by block,
 # its pipelined prefetches run on into the next task; 7: a candidate must beat no prefetch in
 # every round; 8: beyond the spread, its slowest round faster than no prefetch's fastest, see
-# choose; 9: the matrix-vector kernel's row order), so a cached choice is measured again.
-VERSION = 9
+# choose; 9: the matrix-vector kernel's row order; 10: chosen before the prefetch), so a cached choice is measured again.
+VERSION = 10
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
@@ -129,11 +134,12 @@ def _rates(seconds: dict[str, list[float]], nbytes: int) -> dict:
 
 
 def measure_matvec(ext, repeats: int = 3) -> dict:
-    """Time every MATVEC_CANDIDATES entry on `ext` for each weight type of MATVEC_WEIGHTS:
-    one row of x against SmolLM2's layer shapes, the weights rotated over at least twice the
-    last-level cache (256 MiB or more, int8 with its scale per 32 weights) on huge pages.
-    Returns, per weight type, the candidate `choose` keeps and every candidate's GB/s: the
-    choice differs with the type (the arithmetic per byte differs, so does how far ahead pays)."""
+    """For each weight type of MATVEC_WEIGHTS, on `ext`: one row of x against SmolLM2's layer
+    shapes, the weights rotated over at least twice the last-level cache (256 MiB or more,
+    int8 with its scale per 32 weights) on huge pages; first every MATVEC_ORDERS entry, then
+    every MATVEC_PREFETCH entry in the order kept (`repeats` rounds). Returns, per weight type,
+    the choices `choose` keeps and every candidate's GB/s ("order", "prefetch"): the choice
+    differs with the type (the arithmetic per byte differs, so does how far ahead pays)."""
     from workbench.hw import memory
     from workbench.hw.machine import machine_info
 
@@ -159,17 +165,21 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
                     weights.append((w, scale))
             nbytes = sum(t.nbytes for pair in weights for t in pair if t is not None)
 
-            def run(weights=weights):  # bound now: `weights` is deleted below
-                for w, scale in weights:
-                    ext.linear(xs[w.shape[1]], w, 10, None, scale)
+            def run(weights=weights, passes=1):  # bound now: `weights` is deleted below
+                for _ in range(passes):
+                    for w, scale in weights:
+                        ext.linear(xs[w.shape[1]], w, 10, None, scale)
 
-            def set_candidate(b, h, c, k, size=dtype.itemsize):  # k: values of K, the kernel takes bytes
-                ext.set_matvec_prefetch(name, b, h, c, k * size)
-
-            seconds = _seconds_by_round(MATVEC_CANDIDATES, set_candidate, run, repeats)
-            b, h, c, k = (int(x) for x in choose(seconds, _key(MATVEC_CANDIDATES[0])).split(":"))
-            found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "serial_max_chunk_bytes": k * dtype.itemsize,
-                           "hint_name": HINTS[h], **_rates(seconds, nbytes)}
+            size = dtype.itemsize  # the candidates count serial rows in values of K, the kernel in bytes
+            order = _seconds_by_round(MATVEC_ORDERS, lambda b, h, c, k: ext.set_matvec_prefetch(name, b, h, c, k * size),
+                                      lambda: run(passes=ORDER_PASSES), ORDER_REPEATS)
+            serial = int(choose(order, _key(MATVEC_ORDERS[0])).split(":")[3]) * size
+            ahead = _seconds_by_round(MATVEC_PREFETCH, lambda b, h, c: ext.set_matvec_prefetch(name, b, h, c, serial),
+                                      run, repeats)
+            b, h, c = (int(x) for x in choose(ahead, _key(MATVEC_PREFETCH[0])).split(":"))
+            found[name] = {"bytes": b, "hint": h, "max_chunk_bytes": c, "serial_max_chunk_bytes": serial,
+                           "hint_name": HINTS[h], "order": _rates(order, ORDER_PASSES * nbytes),
+                           "prefetch": _rates(ahead, nbytes)}
             del run, weights, arena  # freed before the next type's arena is filled
     finally:
         for name, setting in before.items():
@@ -180,10 +190,11 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
 def _complete(found: dict) -> bool:
     """A cached measurement of both choices over today's candidates (else measure again)."""
     try:
-        keys = {_key(c) for c in MATVEC_CANDIDATES}
+        orders, ahead = {_key(c) for c in MATVEC_ORDERS}, {_key(c) for c in MATVEC_PREFETCH}
         return (found.get("version") == VERSION and set(found["gbps"]) == {_key(c) for c in CANDIDATES}
                 and set(found["matvec"]) == set(MATVEC_WEIGHTS)
-                and all(set(mv["gbps"]) == keys for mv in found["matvec"].values()))
+                and all(set(mv["order"]["gbps"]) == orders and set(mv["prefetch"]["gbps"]) == ahead
+                        for mv in found["matvec"].values()))
     except (KeyError, TypeError):
         return False
 
