@@ -300,7 +300,8 @@ void matvec_with(const float* x, const T* w, float* y, int64_t M, int64_t N, int
           const float* const* g = gscale ? gs : nullptr;
           int64_t m = 0;
           if (serial && M < 4) {  // rows of x one at a time, each against the rows one after another
-            for (; m < M; ++m) serial_dot<T>(x + m * K + k0, xp ? xp + m * K + k0 : nullptr, rows, kc, y + m * N + n, nr, g);
+            for (; m < M; ++m)
+              serial_dot<T>(x + m * K + k0, xp ? xp + m * K + k0 : nullptr, rows, kc, y + m * N + n, nr, g);
           } else if constexpr (kBf16) {
             for (; M >= 4 && m + kMatvecMB<T> <= M; m += kMatvecMB<T>)
               block_dot_bf16<kMatvecMB<T>>(x + m * K + k0, xp + m * K + k0, K, rows, kc, y + m * N + n, N, nr);

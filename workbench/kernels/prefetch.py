@@ -36,14 +36,12 @@ MATVEC_PREFETCH = ((0, 0, 0), (2048, 3, 3072), (4096, 3, 3072), (8192, 3, 3072),
 # ... and the order it reads a task's rows in at one row of x: rows of at most this many
 # values of K one after another (one ascending stream), longer rows four side by side (0:
 # always side by side). The probe's shapes have K = 576 and 1536, so it can tell these apart
-# and nothing longer: longer rows stay side by side.
-MATVEC_SERIAL_K = (0, 1024, 2048)
-# The order is chosen first, with no prefetch, then the prefetch in that order. It moves a
-# decode step more than any prefetch choice has (the bundled model's fp32 step 1.15x on a Zen
-# 1 VM), and a single pass over the probe's weights is short enough (tens of ms) for a VM's
-# jitter to hide that, so each of its rounds passes over them ORDER_PASSES times, and it runs
-# ORDER_REPEATS rounds.
-MATVEC_ORDERS = tuple((0, 0, 0, k) for k in MATVEC_SERIAL_K)
+# and nothing longer: longer rows stay side by side. The order is chosen first, with no
+# prefetch, then the prefetch in that order. It moves a decode step more than any prefetch
+# choice has (the bundled model's fp32 step 1.15x on a Zen 1 VM), and a single pass over the
+# probe's weights is short enough (tens of ms) for a VM's jitter to hide that, so each of its
+# rounds passes over them ORDER_PASSES times, and it runs ORDER_REPEATS rounds.
+MATVEC_ORDERS = ((0,), (1024,), (2048,))
 ORDER_REPEATS = 5
 ORDER_PASSES = 2
 # ... chosen for each weight type the kernel streams (kernels/prefetch.h: MatvecWeights).
@@ -54,7 +52,8 @@ MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 
 # hint, which made its prefetches cheaper; 6: the tiled kernel reads K and V block by block,
 # its pipelined prefetches run on into the next task; 7: a candidate must beat no prefetch in
 # every round; 8: beyond the spread, its slowest round faster than no prefetch's fastest, see
-# choose; 9: the matrix-vector kernel's row order; 10: chosen before the prefetch), so a cached choice is measured again.
+# choose; 9: the matrix-vector kernel's row order; 10: chosen before the prefetch), so a
+# cached choice is measured again.
 VERSION = 10
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
@@ -171,9 +170,9 @@ def measure_matvec(ext, repeats: int = 3) -> dict:
                         ext.linear(xs[w.shape[1]], w, 10, None, scale)
 
             size = dtype.itemsize  # the candidates count serial rows in values of K, the kernel in bytes
-            order = _seconds_by_round(MATVEC_ORDERS, lambda b, h, c, k: ext.set_matvec_prefetch(name, b, h, c, k * size),
+            order = _seconds_by_round(MATVEC_ORDERS, lambda k: ext.set_matvec_prefetch(name, 0, 0, 0, k * size),
                                       lambda: run(passes=ORDER_PASSES), ORDER_REPEATS)
-            serial = int(choose(order, _key(MATVEC_ORDERS[0])).split(":")[3]) * size
+            serial = int(choose(order, _key(MATVEC_ORDERS[0]))) * size
             ahead = _seconds_by_round(MATVEC_PREFETCH, lambda b, h, c: ext.set_matvec_prefetch(name, b, h, c, serial),
                                       run, repeats)
             b, h, c = (int(x) for x in choose(ahead, _key(MATVEC_PREFETCH[0])).split(":"))
