@@ -17,6 +17,7 @@ each development host are in docs/measurements.md. No constant is right on every
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -52,9 +53,9 @@ MATVEC_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 
 # hint, which made its prefetches cheaper; 6: the tiled kernel reads K and V block by block,
 # its pipelined prefetches run on into the next task; 7: a candidate must beat no prefetch in
 # every round; 8: beyond the spread, its slowest round faster than no prefetch's fastest, see
-# choose; 9: the matrix-vector kernel's row order; 10: chosen before the prefetch), so a
-# cached choice is measured again.
-VERSION = 10
+# choose; 9: the matrix-vector kernel's row order; 10: chosen before the prefetch; 11: winners
+# ranked by their median), so a cached choice is measured again.
+VERSION = 11
 MATVEC_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate/up, down
 
 
@@ -77,9 +78,10 @@ def _seconds_by_round(candidates, apply, run, repeats: int) -> dict[str, list[fl
 
 
 def choose(seconds: dict[str, list[float]], off: str) -> str:
-    """The candidate to use: the fastest (by its best round) of those faster than `off`, no
+    """The candidate to use: the fastest (by its median round) of those faster than `off`, no
     software prefetch, beyond the run-to-run spread: its slowest round faster than off's
-    fastest; `off` where none was. A prefetch costs instructions and cache space, and pays
+    fastest; `off` where none was. (By the best round, two winners a few percent apart at the
+    median had tied on one lucky round each, and the slower was kept.) A prefetch costs instructions and cache space, and pays
     only where the stream outruns the hardware prefetcher: a candidate that only ties with
     off here is not kept, since a tie in this measurement was a loss elsewhere (two
     tensor-parallel ranks streaming at once, docs/distributed.md). Winning each round is not
@@ -87,7 +89,7 @@ def choose(seconds: dict[str, list[float]], off: str) -> str:
     then measured 4-13% slower than none (the int8 matrix-vector kernel, docs/measurements.md)."""
     fastest_off = min(seconds[off])
     winners = [k for k, times in seconds.items() if k != off and max(times) < fastest_off]
-    return min(winners, key=lambda k: min(seconds[k])) if winners else off
+    return min(winners, key=lambda k: statistics.median(seconds[k])) if winners else off
 
 
 def _path():
