@@ -66,6 +66,24 @@ def test_a_killed_engine_is_a_clear_error_and_nothing_is_left(single):
     Cluster(2, backend="gloo").start().stop()  # and a new cluster can start
 
 
+def test_a_clean_stop_leaves_no_process_even_with_a_hung_nanny():
+    """Cluster.stop() waits for every process of the cluster, the engines' nannies too
+    (ipyparallel starts one beside each engine, in its own session). One was found still
+    running after a CI run, hung in zmq's Context.term after its engine had exited; here a
+    nanny stopped with SIGSTOP is the hung one, and stop() must leave it gone."""
+    from workbench.distributed.cluster import _cmdline, _descendants
+
+    cluster = Cluster(2, backend="shm").start()
+    try:
+        procs = [p for p in _descendants(os.getpid()) if "ipyparallel" in _cmdline(p)]
+        nannies = [p for p in procs if "ipyparallel.engine.nanny" in _cmdline(p)]
+        assert len(nannies) == 2, [_cmdline(p) for p in procs]
+        os.kill(nannies[0], signal.SIGSTOP)
+    finally:
+        cluster.stop()
+    assert [p for p in procs if _alive(p)] == []
+
+
 def test_the_controller_options_we_pass_exist():
     """ipyparallel's controller only logs a warning for an option it does not know, and the
     setting is lost (a misspelt heartbeat limit once left engines declared dead after 5 s of

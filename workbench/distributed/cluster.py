@@ -154,6 +154,10 @@ class Cluster:
         self.model: DistributedModel | None = None
         self._watchdog = None  # the process that cleans up if this one dies (_start_watchdog)
         self.watchdog_log = None
+        # This host's processes of the cluster when it had started, {pid: start time}: the
+        # controller, the engines, and the nannies ipyparallel starts beside each engine in
+        # their own sessions, which stop() must also see gone (_start_watchdog)
+        self._processes: dict[int, int | None] = {}
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -230,6 +234,7 @@ class Cluster:
 
         ours = [pid for pid in _descendants(os.getpid()) if "ipyparallel" in _cmdline(pid)]
         pids = sorted({*ours, *(e["pid"] for e in self.engines if _on_this_host(e))})
+        self._processes = {pid: watchdog.start_time(pid) for pid in pids}
         security = Path(self.ipp_cluster.profile_dir) / "security"
         files = [*security.glob(f"*{self.ipp_cluster.cluster_id}*")]
         if self.shm_path is not None:
@@ -273,10 +278,19 @@ class Cluster:
                 self.ipp_cluster.stop_cluster_sync()
             except Exception:
                 pass
+        # The engines and the controller, and the cluster's other processes: an engine's nanny
+        # normally exits with its engine, but one was found in zmq's Context.term for good after
+        # its engine and the controller had gone (in CI, 2026-12-06), so they are waited for too
+        pids += [p for p in self._processes if p not in pids]
+
+        def ours(p):  # alive, and not a later process given the pid of one recorded at start
+            return _alive(p) and (p not in self._processes or self._processes[p] == watchdog.start_time(p))
+
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(ours(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        watchdog.signal_all([p for p in pids if _alive(p)], signal.SIGKILL)  # what ignored the polite stop
+        watchdog.signal_all([p for p in pids if ours(p)], signal.SIGKILL)  # what ignored the polite stop
+        self._processes = {}
         if self.shm_path is not None and self.shm_path.exists():
             self.shm_path.unlink()
         self.client = self.ipp_cluster = None
