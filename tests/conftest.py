@@ -164,5 +164,53 @@ def pytest_collection_finish(session):
         background.start(_build_variants)
 
 
+# Every process a test starts inherits this mark, so the session can tell at its end whether
+# any is still running: a process left behind (an engine's nanny once was, in CI) fails the run.
+SESSION_MARK = "WORKBENCH_TEST_SESSION"
+os.environ[SESSION_MARK] = str(os.getpid())
+LEFTOVER_GRACE_S = 20.0  # for processes a test has just stopped to finish exiting
+
+
+def _marked_processes() -> dict[int, str]:
+    """pid -> command line of every live process (not this one) carrying this session's mark."""
+    mark = f"{SESSION_MARK}={os.getpid()}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
 def pytest_sessionfinish(session, exitstatus):
     background.stop()
+    if not sys.platform.startswith("linux"):
+        return
+    import signal
+    import time
+
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = _marked_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _marked_processes()
+    if left:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        listing = "\n".join(f"  {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
+        sys.stderr.write(f"\nthe run fails: processes started by the tests were still running "
+                         f"{LEFTOVER_GRACE_S:.0f} s after the last test (killed now):\n{listing}\n")
+        session.exitstatus = 1
