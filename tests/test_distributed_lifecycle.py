@@ -81,7 +81,8 @@ def test_a_clean_stop_leaves_no_process_even_with_a_hung_nanny():
         os.kill(nannies[0], signal.SIGSTOP)
     finally:
         cluster.stop()
-    assert [p for p in procs if _alive(p)] == []
+    left = {p: _cmdline(p) for p in procs if _alive(p)}
+    assert not left, f"still running after stop(): {left}"
 
 
 def test_the_controller_options_we_pass_exist():

@@ -289,7 +289,11 @@ class Cluster:
         deadline = time.monotonic() + 10
         while any(ours(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        watchdog.signal_all([p for p in pids if ours(p)], signal.SIGKILL)  # what ignored the polite stop
+        stubborn = [p for p in pids if ours(p)]
+        watchdog.signal_all(stubborn, signal.SIGKILL)  # what ignored the polite stop
+        deadline = time.monotonic() + 5  # SIGKILL is not instant: return once they are gone
+        while any(ours(p) for p in stubborn) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._processes = {}
         if self.shm_path is not None and self.shm_path.exists():
             self.shm_path.unlink()
