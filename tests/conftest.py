@@ -173,23 +173,19 @@ LEFTOVER_GRACE_S = 20.0  # for processes a test has just stopped to finish exiti
 
 def _marked_processes() -> dict[int, str]:
     """pid -> command line of every live process (not this one) carrying this session's mark."""
+    from workbench.distributed.watchdog import alive, cmdline
+
     mark = f"{SESSION_MARK}={os.getpid()}".encode()
-    found = {}
+    marked = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return found
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        marked.append(int(entry))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return {pid: cmdline(pid) for pid in marked if alive(pid)}
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -95,12 +95,7 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+_cmdline = watchdog.cmdline  # the process's command line ("" if it is gone)
 
 
 def mpi_defaults(iface: str | None) -> dict:

@@ -39,6 +39,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def cmdline(pid: int) -> str:
+    """The process's command line, its arguments joined by spaces ("" if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def start_time(pid: int) -> int | None:
     """When the process started (clock ticks after boot, /proc/PID/stat field 22), None if it
     is gone: with its pid, what tells a process from a later one given the same pid."""
