@@ -9,11 +9,15 @@ kernels, the measured peaks, named models' weights.
                     the native one ($WORKBENCH_KERNELS_BUILD): the peaks measured through
                     one build are not the other's (prefetch and crossovers are only ever
                     measured on the native build, and keyed by cpu_key())
+    write_json()    store a measurement whole or not at all: the ranks of a tensor-parallel
+                    run may measure and write the same file at once, and a reader must never
+                    see half of one
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -36,3 +40,15 @@ KERNELS_BUILD_ENV = "WORKBENCH_KERNELS_BUILD"
 def measured_key() -> str:
     build = os.environ.get(KERNELS_BUILD_ENV, "native")
     return cpu_key() if build == "native" else f"{cpu_key()}-{build}"
+
+
+def write_json(path: Path, data) -> None:
+    """Write data to path as indented JSON through a file of this process's own, renamed over
+    path (a rename is atomic): concurrent writers leave one whole version, never a mixture."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

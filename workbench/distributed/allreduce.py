@@ -10,7 +10,7 @@ import json
 import statistics
 import time
 
-from workbench.cache import cache_dir, cpu_key
+from workbench.cache import cache_dir, cpu_key, write_json
 from workbench.distributed.backends import backend as backend_record
 
 def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2) -> dict:
@@ -86,6 +86,5 @@ def measure_allreduce(backend: str, ranks: int = 2, cluster=None, repeats: int =
     fit = {"backend": backend, "ranks": ranks, "alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"],
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sizes": measured["sizes"]}
     path = _fit_path(backend, ranks)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(fit, indent=2))
+    write_json(path, fit)
     return fit

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from workbench.cache import cache_dir, cpu_key
+from workbench.cache import cache_dir, cpu_key, write_json
 
 ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # candidate row counts, ascending
 K = 4096  # a Llama-2-7B layer's input width
@@ -100,10 +100,7 @@ def tuned(ext, sources_key: str, refresh: bool = False) -> dict:
         except (ValueError, KeyError, TypeError):
             pass
     found = {"version": VERSION, "kernels": measure(ext), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{id(found)}.tmp")
-    tmp.write_text(json.dumps(found, indent=2))
-    tmp.replace(path)  # whole or not at all: another process may be reading it
+    write_json(path, found)  # whole or not at all: another process may be reading it
     return found
 
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from workbench.cache import cache_dir, measured_key
+from workbench.cache import cache_dir, measured_key, write_json
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,5 @@ def measured_peaks(refresh: bool = False) -> Peaks:
         amx_int8_gops=amx_int8,
         amx_int8_reason=amx_int8_reason,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(peaks.as_dict(), indent=2))
+    write_json(path, peaks.as_dict())
     return peaks

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from workbench.cache import cache_dir, cpu_key
+from workbench.cache import cache_dir, cpu_key, write_json
 from workbench.hw.rounds import interleaved_rounds
 
 HINTS = {0: "prefetchnta", 1: "prefetcht2", 2: "prefetcht1", 3: "prefetcht0"}
@@ -219,8 +219,7 @@ def tuned(ext, refresh: bool = False) -> dict:
     found = measure(ext)
     found["matvec"] = measure_matvec(ext)
     found["version"] = VERSION
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(found, indent=2))
+    write_json(path, found)  # the ranks of a TP run may both measure and write it
     return found
 
 
