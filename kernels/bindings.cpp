@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
 
+#include <algorithm>
+#include <chrono>
 #include <iterator>
 #include <string>
 #include <utility>
@@ -43,6 +45,25 @@ class PyCollective : public wbk::StepCollective {
  private:
   py::function fn_;
 };
+
+// The step's collective called `calls` times in a row on `floats` values, nothing between
+// (every rank makes the same calls): the seconds per call, the least communication a decode
+// step's all-reduces can cost. The values are zeros, so the sums stay finite.
+double time_collective(wbk::StepCollective& collective, int64_t floats, int64_t calls) {
+  TORCH_CHECK_VALUE(floats >= 1, "time_collective: floats must be at least 1, got ", floats);
+  TORCH_CHECK_VALUE(calls >= 1, "time_collective: calls must be at least 1, got ", calls);
+  std::vector<float> own;
+  float* data = collective.buffer(floats);  // where the step's kernels would write (zero copy)
+  if (data == nullptr) {
+    own.assign(floats, 0.0f);
+    data = own.data();
+  } else {
+    std::fill(data, data + floats, 0.0f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < calls; ++i) collective.all_reduce(data, floats);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / static_cast<double>(calls);
+}
 
 }  // namespace
 
@@ -87,6 +108,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
   m.def("wake_threads", &wbk::wake_threads, py::call_guard<py::gil_scoped_release>());
+  m.def("time_collective", &time_collective, py::arg("collective"), py::arg("floats"), py::arg("calls"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_prefetch", [](int64_t bytes, int hint, bool pipeline) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
                       bytes, ", ", hint);

@@ -284,6 +284,30 @@ LATE_ALL_REDUCE = """(lambda comm, late: (comm.barrier(), comm.__setattr__('reco
     __import__('workbench.distributed.engine', fromlist=['STATE']).STATE['comm'], {late})"""
 
 
+def test_the_steps_own_all_reduce_timed_in_a_row_leaves_the_ranks_in_step(tp2, single):
+    """bench/distributed.py's floor of a step's all-reduce: the step's collective object,
+    called natively on every rank; afterwards the ranks still meet where they should."""
+    cluster, model = tp2
+    rows = cluster.step_collective_latency([576, 5], calls=20, repeats=2)
+    assert [(r["floats"], r["bytes"]) for r in rows] == [(576, 2304), (5, 20)]
+    assert all(len(r["seconds"]) == 2 and all(0 < s < 1 for s in r["seconds"]) for r in rows)
+    run = dict(max_new_tokens=4, stop_at_eos=False)
+    assert model.generate(PROMPTS[0], **run).token_ids == single.generate(PROMPTS[0], **run).token_ids
+
+
+def test_time_collective_calls_the_collective_as_asked_and_names_a_bad_argument():
+    from workbench.kernels import native
+
+    seen = []
+    collective = native.ext.PyCollective(lambda t: seen.append((t.numel(), float(t.abs().sum()))))
+    assert native.ext.time_collective(collective, 7, 3) > 0
+    assert seen == [(7, 0.0)] * 3
+    with pytest.raises(ValueError, match="floats must be at least 1, got 0"):
+        native.ext.time_collective(collective, 0, 3)
+    with pytest.raises(ValueError, match="calls must be at least 1, got -2"):
+        native.ext.time_collective(collective, 7, -2)
+
+
 def test_a_collective_says_how_long_it_waited_for_a_late_rank(tp2):
     """shm's collectives time their first barrier, where a rank waits for the others' data.
     With rank 1 a fifth of a second late, that wait is rank 0's, not rank 1's (which finds

@@ -13,9 +13,14 @@ import time
 from workbench.cache import cache_dir, cpu_key, write_json
 from workbench.distributed.backends import backend as backend_record
 
-def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2) -> dict:
+def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2,
+                      step_sizes=(576, 4096), step_calls: int = 1000) -> dict:
     """Median all-reduce seconds per payload size (1 KB to 16 MB by default) for each backend,
-    and the alpha-beta fit t = alpha + bytes / beta (least squares on the medians)."""
+    from Python with a barrier before each call, and the alpha-beta fit t = alpha + bytes /
+    beta (least squares on the medians); and under "step", the fused decode step's own
+    all-reduce called natively `step_calls` times in a row at each of step_sizes (floats: the
+    bundled model's and Llama-2-7B's hidden sizes), `repeats` rounds: what one of a step's
+    all-reduces costs at least, with no rank to wait for."""
     sizes = sizes or [256 * 4 ** i for i in range(8)]  # 256 floats (1 KB) .. 4M floats (16 MB)
     from workbench.distributed.cluster import Cluster  # here: cached_fit needs no ipyparallel
 
@@ -24,12 +29,14 @@ def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, r
         cluster = Cluster(ranks, backend=backend, pin=True).start()
         try:
             rows = cluster.comm_latency(sizes, repeats)
+            step = cluster.step_collective_latency(list(step_sizes), step_calls, repeats) if step_sizes else []
         finally:
             cluster.stop()
-        for row in rows:
+        for row in rows + step:
             s = row.pop("seconds")
             row.update(median_us=1e6 * statistics.median(s), min_us=1e6 * min(s), max_us=1e6 * max(s))
-        out[backend] = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
+        out[backend] = {"sizes": rows, "step": step,
+                        **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
     return out
 
 

@@ -400,6 +400,11 @@ class Cluster:
         results, _ = self.run(engine.comm_latency, sizes, repeats, what="timing all-reduce")
         return results[0]
 
+    def step_collective_latency(self, sizes: list[int], calls: int = 1000, repeats: int = 5) -> list[dict]:
+        """The fused step's own all-reduce, `calls` in a row per round (engine.step_collective_latency)."""
+        results, _ = self.run(engine.step_collective_latency, sizes, calls, repeats, what="timing the step's all-reduce")
+        return results[0]
+
 
 class DistributedModel(SwitchProperties):
     """A model sharded over a cluster's engines, with the Model API."""
