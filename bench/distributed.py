@@ -23,6 +23,7 @@
               process round by round
 
     python bench/distributed.py [--only latency,tp,prefetch] [--repeats 3] [--models smollm2-135m,llama2-7b]
+                                [--backends gloo,shm] [--switches all|default] [--new-tokens 32]
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,llama2-7b")
     parser.add_argument("--backends", default="gloo,shm")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--switches", choices=("all", "default"), default="all",
+                        help="tp: every setting of the three switches, or only the default one (token ids, "
+                             "top-k head, zero copy on), for more rounds in the same time")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     parts, backends = args.only.split(","), tuple(args.backends.split(","))
@@ -159,8 +163,10 @@ def main() -> None:
         payload["tp"] = {}
         for key in args.models.split(","):
             name, kwargs = MODELS[key]
+            switches = {} if args.switches == "all" else dict(token_broadcast=("ids",), lm_head=("topk",),
+                                                                   zero_copy=(True,))
             rows = tp_ablation(name, kwargs, backends=backends, repeats=args.repeats, new_tokens=args.new_tokens,
-                               comm=fits, progress=lambda msg: print("  " + msg, flush=True))
+                               comm=fits, progress=lambda msg: print("  " + msg, flush=True), **switches)
             payload["tp"][key] = rows
             table = [{**r, "decode ms/token (min-max)": _ms(r), "comm ms": f"{r['comm_ms_per_token']:.2f}",
                       "% comm": f"{r['pct_comm']:.0f}",
@@ -182,15 +188,16 @@ def main() -> None:
                                  "medians' ratio, worst and best pairing (the single process ran apart)"))
             savings = switch_savings(rows)
             payload.setdefault("tp_savings", {})[key] = savings
-            print_table([{**s, "sent bytes saved": f"{s['sent_bytes_saved_per_token']:.0f}",
-                          "copied bytes saved": f"{s['copied_bytes_saved_per_token']:.0f}",
-                          "ms saved (min-max)": "-" if s["ms_saved_per_token"] is None else
-                          "{median:.2f} ({min:.2f}-{max:.2f})".format(**s["ms_saved_per_token"]),
-                          "% saved": "-" if s["pct_saved"] is None else f"{s['pct_saved']:.1f}"} for s in savings],
-                        ["ranks", "backend", "switch", "setting", "against", "pairs", "sent bytes saved",
-                         "copied bytes saved", "ms saved (min-max)", "% saved"],
-                        title=f"Each switch's saving per decode token, {key}: rows matched on the other switches, "
-                              "ms paired round by round")
+            if savings:  # none with --switches default: nothing to match a setting against
+                print_table([{**s, "sent bytes saved": f"{s['sent_bytes_saved_per_token']:.0f}",
+                              "copied bytes saved": f"{s['copied_bytes_saved_per_token']:.0f}",
+                              "ms saved (min-max)": "-" if s["ms_saved_per_token"] is None else
+                              "{median:.2f} ({min:.2f}-{max:.2f})".format(**s["ms_saved_per_token"]),
+                              "% saved": "-" if s["pct_saved"] is None else f"{s['pct_saved']:.1f}"} for s in savings],
+                            ["ranks", "backend", "switch", "setting", "against", "pairs", "sent bytes saved",
+                             "copied bytes saved", "ms saved (min-max)", "% saved"],
+                            title=f"Each switch's saving per decode token, {key}: rows matched on the other switches, "
+                                  "ms paired round by round")
     if "prefetch" in parts:
         payload["prefetch"] = {}
         for key in args.models.split(","):
