@@ -5,7 +5,7 @@ binding with the workbench's environment (workbench/distributed/ccl.py) plus one
 under test, and call the step's own all-reduce (its StepCollective, natively, oneCCL's
 operation cached) `--calls` times in a row with nothing between, at each of `--floats`. The
 settings run interleaved, round by round, each round in two new processes; the table gives
-microseconds per call, median (min-max) over the rounds, and each setting over the
+microseconds per call (each round's median call), median (min-max) over the rounds, and each setting over the
 workbench's own in the same rounds. This is the floor bench/distributed.py --only latency
 reports for the ccl backend, swept over what oneCCL and libfabric let one change.
 
@@ -70,7 +70,7 @@ def rank(rank: int, address_file: str, floats: list[int], calls: int) -> None:
     ext.connect(rank, 2, path.read_bytes())
     collective = native.ext.ForeignCollective(ext.step_collective())
     native.ext.time_collective(collective, floats[0], 200)  # warm-up: the cached operation built
-    print(json.dumps([native.ext.time_collective(collective, n, calls) for n in floats]), flush=True)
+    print(json.dumps([statistics.median(native.ext.time_collective(collective, n, calls)) for n in floats]), flush=True)
     ext.disconnect()
 
 

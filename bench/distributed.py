@@ -3,9 +3,10 @@
     latency   all-reduce latency of each backend from 1 KB to 16 MB (median, min-max over
               repeats, a barrier before each call) and its alpha-beta fit
               t = alpha + bytes / beta, which the cost model and reports reuse; and the
-              fused step's own all-reduce (called natively, as the step does) 1,000 times in
-              a row at the bundled model's and Llama-2-7B's hidden sizes: the least each of
-              a decode step's all-reduces costs
+              fused step's own all-reduce (called natively, as the step does) 1,000 times
+              at the bundled model's and Llama-2-7B's hidden sizes, in a row (the least each
+              of a decode step's all-reduces costs) and each after the ranks have read 4 MiB
+              (the caches swept, as the step's kernels sweep them between all-reduces)
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
               decode ms/token, time over one process's and what the cost model predicts for
@@ -153,11 +154,13 @@ def main() -> None:
         print_table(rows, ["backend", "bytes", "median us (min-max)"], title="All-reduce latency, 2 ranks")
         print_table([{"backend": b, "alpha us": f"{v['alpha_us']:.1f}", "beta GB/s": f"{v['beta_gbps']:.2f}"}
                      for b, v in lat.items()], ["backend", "alpha us", "beta GB/s"], title="alpha-beta fit")
-        rows = [{"backend": b, "floats": r["floats"], "bytes": r["bytes"], "us per call, median (min-max)":
-                 f"{r['median_us']:.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})"} for b, v in lat.items() for r in v["step"]]
-        print_table(rows, ["backend", "floats", "bytes", "us per call, median (min-max)"],
-                    title="The fused step's all-reduce, 1,000 calls in a row per round (no barrier, nothing between): "
-                          "its least cost per call")
+        rows = [{"backend": b, "floats": r["floats"], "bytes": r["bytes"],
+                 "between calls": "nothing" if not r["stream_bytes"] else f"each rank reads {r['stream_bytes'] >> 20} MiB",
+                 "us per call, median (min-max)": f"{r['median_us']:.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})"}
+                for b, v in lat.items() for r in v["step"]]
+        print_table(rows, ["backend", "floats", "bytes", "between calls", "us per call, median (min-max)"],
+                    title="The fused step's all-reduce, called natively 1,000 times per round (no barrier): with "
+                          "nothing between, its least cost; after a sweep of the caches, what a step's call pays")
     fits = {b: (v["alpha_us"], v["beta_gbps"]) for b, v in payload.get("allreduce_latency", {}).items()}
     if "tp" in parts:
         payload["tp"] = {}

@@ -46,12 +46,18 @@ class PyCollective : public wbk::StepCollective {
   py::function fn_;
 };
 
-// The step's collective called `calls` times in a row on `floats` values, nothing between
-// (every rank makes the same calls): the seconds per call, the least communication a decode
-// step's all-reduces can cost. The values are zeros, so the sums stay finite.
-double time_collective(wbk::StepCollective& collective, int64_t floats, int64_t calls) {
+// The step's collective called `calls` times on `floats` values (every rank makes the same
+// calls): the seconds each call took. With stream_bytes 0 the calls follow one another with
+// nothing between, the least a decode step's all-reduces can cost; otherwise each rank first
+// reads stream_bytes of its own memory (a buffer larger than the caches, as the step's
+// matrix-vector kernels stream their weights between two all-reduces), so each call starts
+// with the caches holding what a step leaves in them. The values are zeros, so the sums stay
+// finite.
+std::vector<double> time_collective(wbk::StepCollective& collective, int64_t floats, int64_t calls,
+                                    int64_t stream_bytes) {
   TORCH_CHECK_VALUE(floats >= 1, "time_collective: floats must be at least 1, got ", floats);
   TORCH_CHECK_VALUE(calls >= 1, "time_collective: calls must be at least 1, got ", calls);
+  TORCH_CHECK_VALUE(stream_bytes >= 0, "time_collective: stream_bytes must be 0 or more, got ", stream_bytes);
   std::vector<float> own;
   float* data = collective.buffer(floats);  // where the step's kernels would write (zero copy)
   if (data == nullptr) {
@@ -60,9 +66,23 @@ double time_collective(wbk::StepCollective& collective, int64_t floats, int64_t 
   } else {
     std::fill(data, data + floats, 0.0f);
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < calls; ++i) collective.all_reduce(data, floats);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / static_cast<double>(calls);
+  // Streamed as 16 lanes summed apart, so the reads are not one dependent chain.
+  const int64_t lanes = 16, rows = stream_bytes / static_cast<int64_t>(sizeof(float) * lanes);
+  std::vector<float> stream(static_cast<size_t>(rows * lanes), 1.0f);
+  float sink = 0.0f;
+  std::vector<double> seconds(static_cast<size_t>(calls));
+  for (int64_t i = 0; i < calls; ++i) {
+    float acc[lanes] = {};
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t l = 0; l < lanes; ++l) acc[l] += stream[r * lanes + l];
+    for (int64_t l = 0; l < lanes; ++l) sink += acc[l];
+    const auto t0 = std::chrono::steady_clock::now();
+    collective.all_reduce(data, floats);
+    seconds[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  volatile float keep = sink;  // the reads stay
+  (void)keep;
+  return seconds;
 }
 
 }  // namespace
@@ -109,7 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_dot_isa", &wbk::decode_dot_isa);
   m.def("wake_threads", &wbk::wake_threads, py::call_guard<py::gil_scoped_release>());
   m.def("time_collective", &time_collective, py::arg("collective"), py::arg("floats"), py::arg("calls"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("stream_bytes") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("set_prefetch", [](int64_t bytes, int hint, bool pipeline) {
     TORCH_CHECK_VALUE(bytes >= 0 && hint >= 0 && hint <= 3, "set_prefetch: bytes >= 0 and hint in 0..3, got ",
                       bytes, ", ", hint);

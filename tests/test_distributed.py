@@ -288,9 +288,10 @@ def test_the_steps_own_all_reduce_timed_in_a_row_leaves_the_ranks_in_step(tp2, s
     """bench/distributed.py's floor of a step's all-reduce: the step's collective object,
     called natively on every rank; afterwards the ranks still meet where they should."""
     cluster, model = tp2
-    rows = cluster.step_collective_latency([576, 5], calls=20, repeats=2)
-    assert [(r["floats"], r["bytes"]) for r in rows] == [(576, 2304), (5, 20)]
-    assert all(len(r["seconds"]) == 2 and all(0 < s < 1 for s in r["seconds"]) for r in rows)
+    for stream in (0, 1 << 20):
+        rows = cluster.step_collective_latency([576, 5], calls=20, repeats=2, stream_bytes=stream)
+        assert [(r["floats"], r["bytes"], r["stream_bytes"]) for r in rows] == [(576, 2304, stream), (5, 20, stream)]
+        assert all(len(r["seconds"]) == 2 and all(0 < s < 1 for s in r["seconds"]) for r in rows)
     run = dict(max_new_tokens=4, stop_at_eos=False)
     assert model.generate(PROMPTS[0], **run).token_ids == single.generate(PROMPTS[0], **run).token_ids
 
@@ -300,12 +301,16 @@ def test_time_collective_calls_the_collective_as_asked_and_names_a_bad_argument(
 
     seen = []
     collective = native.ext.PyCollective(lambda t: seen.append((t.numel(), float(t.abs().sum()))))
-    assert native.ext.time_collective(collective, 7, 3) > 0
+    seconds = native.ext.time_collective(collective, 7, 3)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
     assert seen == [(7, 0.0)] * 3
+    assert len(native.ext.time_collective(collective, 7, 2, stream_bytes=1 << 16)) == 2 and len(seen) == 5
     with pytest.raises(ValueError, match="floats must be at least 1, got 0"):
         native.ext.time_collective(collective, 0, 3)
     with pytest.raises(ValueError, match="calls must be at least 1, got -2"):
         native.ext.time_collective(collective, 7, -2)
+    with pytest.raises(ValueError, match="stream_bytes must be 0 or more, got -1"):
+        native.ext.time_collective(collective, 7, 2, stream_bytes=-1)
 
 
 def test_a_collective_says_how_long_it_waited_for_a_late_rank(tp2):

@@ -14,13 +14,15 @@ from workbench.cache import cache_dir, cpu_key, write_json
 from workbench.distributed.backends import backend as backend_record
 
 def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2,
-                      step_sizes=(576, 4096), step_calls: int = 1000) -> dict:
+                      step_sizes=(576, 4096), step_calls: int = 1000, step_stream_bytes=(0, 4 << 20)) -> dict:
     """Median all-reduce seconds per payload size (1 KB to 16 MB by default) for each backend,
     from Python with a barrier before each call, and the alpha-beta fit t = alpha + bytes /
     beta (least squares on the medians); and under "step", the fused decode step's own
-    all-reduce called natively `step_calls` times in a row at each of step_sizes (floats: the
-    bundled model's and Llama-2-7B's hidden sizes), `repeats` rounds: what one of a step's
-    all-reduces costs at least, with no rank to wait for."""
+    all-reduce called natively `step_calls` times per round at each of step_sizes (floats: the
+    bundled model's and Llama-2-7B's hidden sizes), `repeats` rounds, with each of
+    step_stream_bytes read by every rank before each call: 0, the calls in a row, what one of
+    a step's all-reduces costs at least; 4 MiB, each call after the caches have been swept as
+    the step's matrix-vector kernels sweep them between two all-reduces."""
     sizes = sizes or [256 * 4 ** i for i in range(8)]  # 256 floats (1 KB) .. 4M floats (16 MB)
     from workbench.distributed.cluster import Cluster  # here: cached_fit needs no ipyparallel
 
@@ -29,7 +31,8 @@ def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, r
         cluster = Cluster(ranks, backend=backend, pin=True).start()
         try:
             rows = cluster.comm_latency(sizes, repeats)
-            step = cluster.step_collective_latency(list(step_sizes), step_calls, repeats) if step_sizes else []
+            step = [row for stream in (step_stream_bytes if step_sizes else ())
+                    for row in cluster.step_collective_latency(list(step_sizes), step_calls, repeats, stream)]
         finally:
             cluster.stop()
         for row in rows + step:

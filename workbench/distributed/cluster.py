@@ -400,9 +400,12 @@ class Cluster:
         results, _ = self.run(engine.comm_latency, sizes, repeats, what="timing all-reduce")
         return results[0]
 
-    def step_collective_latency(self, sizes: list[int], calls: int = 1000, repeats: int = 5) -> list[dict]:
-        """The fused step's own all-reduce, `calls` in a row per round (engine.step_collective_latency)."""
-        results, _ = self.run(engine.step_collective_latency, sizes, calls, repeats, what="timing the step's all-reduce")
+    def step_collective_latency(self, sizes: list[int], calls: int = 1000, repeats: int = 5,
+                                stream_bytes: int = 0) -> list[dict]:
+        """The fused step's own all-reduce, `calls` per round, in a row or each after the ranks
+        have streamed stream_bytes (engine.step_collective_latency)."""
+        results, _ = self.run(engine.step_collective_latency, sizes, calls, repeats, stream_bytes,
+                              what="timing the step's all-reduce")
         return results[0]
 
 

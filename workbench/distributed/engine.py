@@ -221,16 +221,21 @@ def comm_latency(sizes: list[int], repeats: int) -> list[dict] | None:
     return rows if STATE["rank"] == 0 else None
 
 
-def step_collective_latency(sizes: list[int], calls: int, repeats: int) -> list[dict] | None:
-    """Seconds per call of the all-reduce the fused step calls natively (its StepCollective,
-    the same object the step gets), `calls` in a row with nothing between, `repeats` times
-    per size (floats): the least a step's all-reduces can cost, no waiting for a slower rank."""
+def step_collective_latency(sizes: list[int], calls: int, repeats: int, stream_bytes: int = 0) -> list[dict] | None:
+    """The all-reduce the fused step calls natively (its StepCollective, the same object the
+    step gets), `calls` per round, `repeats` rounds per size (floats): each round's median
+    seconds per call. stream_bytes 0: the calls in a row with nothing between, the least a
+    step's all-reduces can cost; else each call after every rank has read that many bytes of
+    its own memory, as the step's kernels stream weights between two all-reduces."""
+    import statistics
+
     from workbench.kernels import native
 
     collective = STATE["comm"].step_collective()
     native.ext.time_collective(collective, sizes[0], calls)  # warm-up (and oneCCL's cached operation)
-    rows = [{"floats": n, "bytes": 4 * n,
-             "seconds": [native.ext.time_collective(collective, n, calls) for _ in range(repeats)]} for n in sizes]
+    rows = [{"floats": n, "bytes": 4 * n, "stream_bytes": stream_bytes,
+             "seconds": [statistics.median(native.ext.time_collective(collective, n, calls, stream_bytes))
+                         for _ in range(repeats)]} for n in sizes]
     return rows if STATE["rank"] == 0 else None
 
 
