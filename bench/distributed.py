@@ -6,12 +6,13 @@
               fused step's own all-reduce (called natively, as the step does) 1,000 times
               at the bundled model's and Llama-2-7B's hidden sizes, in a row (the least each
               of a decode step's all-reduces costs) and each after the ranks have read 4 MiB
-              (the caches swept, as the step's kernels sweep them between all-reduces)
+              (the caches swept, as the step's kernels sweep them between all-reduces), whose
+              alpha-beta fit is the tp part's roofline
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
               zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
               decode ms/token, time over one process's and what the cost model predicts for
-              it (roofline / 1 rank, with the latency part's fits, or without it each
-              cluster's own, measured after its rounds), comm ms/token,
+              it (roofline / 1 rank, with the latency part's fit of the step's all-reduce,
+              or without it each cluster's own, measured after its rounds), comm ms/token,
               % comm (rank 0's, and every rank's: a rank with less to do waits at the
               all-reduce), of each rank's comm the wait for the other rank to arrive and
               rank 0's collectives' own share without it (shm only: the backend that can tell),
@@ -153,7 +154,8 @@ def main() -> None:
                  f"{r['median_us']:.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})"} for b, v in lat.items() for r in v["sizes"]]
         print_table(rows, ["backend", "bytes", "median us (min-max)"], title="All-reduce latency, 2 ranks")
         print_table([{"backend": b, "alpha us": f"{v['alpha_us']:.1f}", "beta GB/s": f"{v['beta_gbps']:.2f}"}
-                     for b, v in lat.items()], ["backend", "alpha us", "beta GB/s"], title="alpha-beta fit")
+                     for b, v in lat.items()], ["backend", "alpha us", "beta GB/s"],
+                    title="alpha-beta fit (from Python, a barrier before each call)")
         rows = [{"backend": b, "floats": r["floats"], "bytes": r["bytes"],
                  "between calls": "nothing" if not r["stream_bytes"] else f"each rank reads {r['stream_bytes'] >> 20} MiB",
                  "us per call, median (min-max)": f"{r['median_us']:.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})"}
@@ -161,7 +163,13 @@ def main() -> None:
         print_table(rows, ["backend", "floats", "bytes", "between calls", "us per call, median (min-max)"],
                     title="The fused step's all-reduce, called natively 1,000 times per round (no barrier): with "
                           "nothing between, its least cost; after a sweep of the caches, what a step's call pays")
-    fits = {b: (v["alpha_us"], v["beta_gbps"]) for b, v in payload.get("allreduce_latency", {}).items()}
+        print_table([{"backend": b, "alpha us": f"{v['step_fit']['alpha_us']:.1f}",
+                      "beta GB/s": f"{v['step_fit']['beta_gbps']:.2f}"} for b, v in lat.items() if v["step_fit"]],
+                    ["backend", "alpha us", "beta GB/s"],
+                    title="alpha-beta fit of the step's own all-reduce after a cache sweep (the tp part's roofline)")
+    # the tp part's roofline: the step's own all-reduce, as the step pays for it
+    fits = {b: (v["step_fit"]["alpha_us"], v["step_fit"]["beta_gbps"])
+            for b, v in payload.get("allreduce_latency", {}).items() if v.get("step_fit")}
     if "tp" in parts:
         payload["tp"] = {}
         for key in args.models.split(","):

@@ -437,10 +437,12 @@ def tp_roofline_ratio(model, ranks: int, *, backend: str | None = None, comm: tu
     what a tensor-parallel run's "time / 1 rank" would be if both ran at their roofs. Each
     rank gets 1 / ranks of the measured triad and FMA peak, so an even split costs only the
     collectives, and an uneven one (the bundled model's 5 + 4 query heads) the busiest rank's
-    extra share as well. Not a bound on a measurement: the fit (timed from Python, a barrier
-    before each call) can overstate the fused step's all-reduces, and the two runs need not be
-    equally far below their roofs. backend's all-reduce fit as cached (a ValueError saying how
-    to measure one if there is none), or comm=(alpha_us, beta_gbps)."""
+    extra share as well. Not a bound on a measurement: the two runs need not be equally far
+    below their roofs, and the cached fit (timed from Python, a barrier before each call)
+    overstates the fused step's small all-reduces where Python's overhead is most of a call
+    (tp_ablation passes the step's own instead: distributed.allreduce.step_fit). backend's
+    all-reduce fit as cached (a ValueError saying how to measure one if there is none), or
+    comm=(alpha_us, beta_gbps)."""
     kw = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
     many = predict(model, ranks=ranks, backend=backend, comm=comm, **kw)
     one = predict(model, ranks=1, **kw)

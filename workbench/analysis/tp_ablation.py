@@ -32,10 +32,12 @@ tp_ablation rows (decode phase, batch 1 unless given):
                                 the backend's all-reduce fit), what vs_tp1 would be at the
                                 roofs (a prediction, not a bound)
     allreduce_fit               ranks > 1: the fit it used, {alpha_us, beta_gbps, source}: the one
-                                given (`comm`: bench/distributed.py's latency sweep of the same
-                                run), else measured on the cluster itself after its rounds
-                                (wb.measure_allreduce, which caches it); where that measurement
-                                fails, roofline_vs_tp1 is None and source says why
+                                given (`comm`: bench/distributed.py's, from the same run's
+                                latency part), else measured on the cluster itself after its
+                                rounds: the fused step's own all-reduce at batch x dim and 8
+                                times that, each call after every rank has swept 4 MiB
+                                (distributed.allreduce.step_fit); where that measurement fails,
+                                roofline_vs_tp1 is None and source says why
     same_tokens_as_tp1          the greedy tokens equal the single-process run's
     decode_ms_by_round          decode_ms_per_token in each round, round 0 first (the rounds pair
                                 the settings of one cluster: workbench.analysis.tp_savings)
@@ -126,6 +128,10 @@ def switch_settings(backend: str, token_broadcast, lm_head, zero_copy) -> list[t
     return [(tb, lm, z, label) for tb, lm, (z, label) in itertools.product(token_broadcast, lm_head, labelled)]
 
 
+STEP_FIT_SOURCE = ("the step's own all-reduce, each call after a cache sweep, measured on the cluster after its "
+                   "rounds")
+
+
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
                 backends=("gloo", "shm"), token_broadcast=("ids", "embeddings"), lm_head=("topk", "gather"),
                 zero_copy=(True, False), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
@@ -137,7 +143,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     without one has its fit measured on its cluster after the timed rounds."""
     import workbench as wb
     from workbench.analysis.costmodel import tp_roofline_ratio
-    from workbench.distributed.allreduce import measure_allreduce
+    from workbench.distributed.allreduce import step_fit
     from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
 
@@ -161,12 +167,12 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
         fit = comm.get(cluster.backend)
         if fit is None:
             try:
-                measured = measure_allreduce(cluster.backend, cluster.n, cluster=cluster)
+                measured = step_fit(cluster, batch * cfg.dim)
             except RuntimeError as e:  # DistributedError, CommError: an engine or its collective failed
                 return None, {"source": f"measurement failed: {e}"}
-            fit, source = (measured["alpha_us"], measured["beta_gbps"]), "measured on the cluster after its rounds"
+            fit, source = (measured["alpha_us"], measured["beta_gbps"]), STEP_FIT_SOURCE
         else:
-            source = "given (comm=; bench/distributed.py: its latency sweep)"
+            source = "given (comm=; bench/distributed.py: the step's all-reduce in its latency part)"
         ratio = tp_roofline_ratio(cfg, cluster.n, comm=fit, batch=batch, prompt_len=prompt_len,
                                   new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
         return ratio, {"alpha_us": fit[0], "beta_gbps": fit[1], "source": source}

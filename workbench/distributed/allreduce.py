@@ -22,7 +22,8 @@ def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, r
     bundled model's and Llama-2-7B's hidden sizes), `repeats` rounds, with each of
     step_stream_bytes read by every rank before each call: 0, the calls in a row, what one of
     a step's all-reduces costs at least; 4 MiB, each call after the caches have been swept as
-    the step's matrix-vector kernels sweep them between two all-reduces."""
+    the step's matrix-vector kernels sweep them between two all-reduces, and "step_fit" the
+    alpha-beta fit of those (the one tp_ablation's roofline takes)."""
     sizes = sizes or [256 * 4 ** i for i in range(8)]  # 256 floats (1 KB) .. 4M floats (16 MB)
     from workbench.distributed.cluster import Cluster  # here: cached_fit needs no ipyparallel
 
@@ -38,9 +39,28 @@ def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, r
         for row in rows + step:
             s = row.pop("seconds")
             row.update(median_us=1e6 * statistics.median(s), min_us=1e6 * min(s), max_us=1e6 * max(s))
+        swept = [r for r in step if r["stream_bytes"]]
         out[backend] = {"sizes": rows, "step": step,
-                        **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
+                        **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows]),
+                        "step_fit": fit_alpha_beta([r["bytes"] for r in swept], [r["median_us"] / 1e6 for r in swept])
+                        if len(swept) >= 2 else None}
     return out
+
+
+STEP_SWEEP_BYTES = 4 << 20  # what every rank reads before each call of step_fit's timing
+
+
+def step_fit(cluster, floats: int, calls: int = 300, repeats: int = 3) -> dict:
+    """The alpha-beta fit of the fused decode step's own all-reduce on a running cluster: its
+    StepCollective called natively at `floats` and 8 x `floats` values, each call after every
+    rank has swept STEP_SWEEP_BYTES of its own memory (as the step's kernels sweep the caches
+    between two all-reduces). What a decode step's all-reduces cost, where measure_allreduce's
+    fit (from Python, a barrier before each call) also counts Python's own overhead and a
+    loop's warm caches. {"alpha_us", "beta_gbps", "sizes"}; not cached."""
+    rows = cluster.step_collective_latency([floats, 8 * floats], calls, repeats, STEP_SWEEP_BYTES)
+    for row in rows:
+        row["median_us"] = 1e6 * statistics.median(row.pop("seconds"))
+    return {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
 
 
 def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> dict:
