@@ -161,8 +161,9 @@ def main() -> None:
                  "us per call, median (min-max)": f"{r['median_us']:.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})"}
                 for b, v in lat.items() for r in v["step"]]
         print_table(rows, ["backend", "floats", "bytes", "between calls", "us per call, median (min-max)"],
-                    title="The fused step's all-reduce, called natively 1,000 times per round (no barrier): with "
-                          "nothing between, its least cost; after a sweep of the caches, what a step's call pays")
+                    title="The fused step's all-reduce, called natively 1,000 times per round (no barrier; each "
+                          "round's 10th-percentile call: the ranks arriving together): with nothing between, its "
+                          "least cost; after a sweep of the caches, what a step's call pays")
         print_table([{"backend": b, "alpha us": f"{v['step_fit']['alpha_us']:.1f}",
                       "beta GB/s": f"{v['step_fit']['beta_gbps']:.2f}"} for b, v in lat.items() if v["step_fit"]],
                     ["backend", "alpha us", "beta GB/s"],

@@ -223,10 +223,13 @@ def comm_latency(sizes: list[int], repeats: int) -> list[dict] | None:
 
 def step_collective_latency(sizes: list[int], calls: int, repeats: int, stream_bytes: int = 0) -> list[dict] | None:
     """The all-reduce the fused step calls natively (its StepCollective, the same object the
-    step gets), `calls` per round, `repeats` rounds per size (floats): each round's median
-    seconds per call. stream_bytes 0: the calls in a row with nothing between, the least a
-    step's all-reduces can cost; else each call after every rank has read that many bytes of
-    its own memory, as the step's kernels stream weights between two all-reduces."""
+    step gets), `calls` per round, `repeats` rounds per size (floats): each round's tenth-
+    percentile call in seconds, a call where the ranks arrived together, so its own cost and
+    not a wait for the other rank (after a sweep the ranks arrive some microseconds apart,
+    more or less from call to call). stream_bytes 0: the calls in a row with nothing between,
+    the least a step's all-reduces can cost; else each call after every rank has read that
+    many bytes of its own memory, as the step's kernels stream weights between two
+    all-reduces."""
     import statistics
 
     from workbench.kernels import native
@@ -234,7 +237,7 @@ def step_collective_latency(sizes: list[int], calls: int, repeats: int, stream_b
     collective = STATE["comm"].step_collective()
     native.ext.time_collective(collective, sizes[0], calls)  # warm-up (and oneCCL's cached operation)
     rows = [{"floats": n, "bytes": 4 * n, "stream_bytes": stream_bytes,
-             "seconds": [statistics.median(native.ext.time_collective(collective, n, calls, stream_bytes))
+             "seconds": [statistics.quantiles(native.ext.time_collective(collective, n, calls, stream_bytes), n=10)[0]
                          for _ in range(repeats)]} for n in sizes]
     return rows if STATE["rank"] == 0 else None
 
