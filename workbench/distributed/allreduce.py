@@ -13,8 +13,13 @@ import time
 from workbench.cache import cache_dir, cpu_key, write_json
 from workbench.distributed.backends import backend as backend_record
 
+# What every rank reads of its own memory before each call when the step's all-reduce is
+# timed after a cache sweep (allreduce_latency's "step" rows, step_fit).
+STEP_SWEEP_BYTES = 4 << 20
+
+
 def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, ranks: int = 2,
-                      step_sizes=(576, 4096), step_calls: int = 1000, step_stream_bytes=(0, 4 << 20)) -> dict:
+                      step_sizes=(576, 4096), step_calls: int = 1000, step_stream_bytes=(0, STEP_SWEEP_BYTES)) -> dict:
     """Median all-reduce seconds per payload size (1 KB to 16 MB by default) for each backend,
     from Python with a barrier before each call, and the alpha-beta fit t = alpha + bytes /
     beta (least squares on the medians); and under "step", the fused decode step's own
@@ -45,9 +50,6 @@ def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, r
                         "step_fit": fit_alpha_beta([r["bytes"] for r in swept], [r["median_us"] / 1e6 for r in swept])
                         if len(swept) >= 2 else None}
     return out
-
-
-STEP_SWEEP_BYTES = 4 << 20  # what every rank reads before each call of step_fit's timing
 
 
 def step_fit(cluster, floats: int, calls: int = 300, repeats: int = 3) -> dict:
