@@ -71,7 +71,8 @@ def test_a_clean_stop_leaves_no_process_even_with_a_hung_nanny():
     (ipyparallel starts one beside each engine, in its own session). One was found still
     running after a CI run, hung in zmq's Context.term after its engine had exited; here a
     nanny stopped with SIGSTOP is the hung one, and stop() must leave it gone."""
-    from workbench.distributed.cluster import _cmdline, _descendants
+    from workbench.distributed.cluster import _descendants
+    from workbench.distributed.watchdog import cmdline as _cmdline
 
     cluster = Cluster(2, backend="shm").start()
     try:
@@ -277,7 +278,8 @@ def test_mpi_launcher_with_the_ccl_extras_mpiexec(single):
 
 CLIENT = """
 import json, os, sys, time
-from workbench.distributed.cluster import Cluster, _cmdline, _descendants
+from workbench.distributed.cluster import Cluster, _descendants
+from workbench.distributed.watchdog import cmdline as _cmdline
 cluster = Cluster(2, backend="shm").start()
 cluster.load_model("smollm2-135m")
 procs = [p for p in _descendants(os.getpid()) if "watchdog" not in _cmdline(p)]

@@ -41,15 +41,23 @@ def allreduce_latency(backends=("gloo", "shm"), sizes=None, repeats: int = 20, r
                     for row in cluster.step_collective_latency(list(step_sizes), step_calls, repeats, stream)]
         finally:
             cluster.stop()
-        for row in rows + step:
-            s = row.pop("seconds")
-            row.update(median_us=1e6 * statistics.median(s), min_us=1e6 * min(s), max_us=1e6 * max(s))
-        swept = [r for r in step if r["stream_bytes"]]
-        out[backend] = {"sizes": rows, "step": step,
-                        **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows]),
-                        "step_fit": fit_alpha_beta([r["bytes"] for r in swept], [r["median_us"] / 1e6 for r in swept])
-                        if len(swept) >= 2 else None}
+        swept = [r for r in _summarized(step) if r["stream_bytes"]]
+        out[backend] = {"sizes": _summarized(rows), "step": step, **_fit(rows),
+                        "step_fit": _fit(swept) if len(swept) >= 2 else None}
     return out
+
+
+def _summarized(rows: list[dict]) -> list[dict]:
+    """rows with each one's "seconds" (its rounds) replaced by median_us, min_us and max_us."""
+    for row in rows:
+        s = row.pop("seconds")
+        row.update(median_us=1e6 * statistics.median(s), min_us=1e6 * min(s), max_us=1e6 * max(s))
+    return rows
+
+
+def _fit(rows: list[dict]) -> dict:
+    """fit_alpha_beta over summarized rows' bytes and median times."""
+    return fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])
 
 
 def step_fit(cluster, floats: int, calls: int = 300, repeats: int = 3) -> dict:
@@ -59,10 +67,8 @@ def step_fit(cluster, floats: int, calls: int = 300, repeats: int = 3) -> dict:
     between two all-reduces). What a decode step's all-reduces cost, where measure_allreduce's
     fit (from Python, a barrier before each call) also counts Python's own overhead and a
     loop's warm caches. {"alpha_us", "beta_gbps", "sizes"}; not cached."""
-    rows = cluster.step_collective_latency([floats, 8 * floats], calls, repeats, STEP_SWEEP_BYTES)
-    for row in rows:
-        row["median_us"] = 1e6 * statistics.median(row.pop("seconds"))
-    return {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
+    rows = _summarized(cluster.step_collective_latency([floats, 8 * floats], calls, repeats, STEP_SWEEP_BYTES))
+    return {"sizes": rows, **_fit(rows)}
 
 
 def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> dict:
@@ -109,12 +115,10 @@ def measure_allreduce(backend: str, ranks: int = 2, cluster=None, repeats: int =
         if (cluster.backend, cluster.n) != (backend, ranks):
             raise ValueError(f"cluster runs {cluster.backend} on {cluster.n} ranks, not {backend} on {ranks}")
         sizes = [256 * 4 ** i for i in range(8)]
-        rows = cluster.comm_latency(sizes, repeats)
-        for row in rows:
-            row["median_us"] = 1e6 * statistics.median(row.pop("seconds"))
-        measured = {"sizes": rows, **fit_alpha_beta([r["bytes"] for r in rows], [r["median_us"] / 1e6 for r in rows])}
-    else:
-        measured = allreduce_latency((backend,), ranks=ranks, repeats=repeats)[backend]
+        rows = _summarized(cluster.comm_latency(sizes, repeats))
+        measured = {"sizes": rows, **_fit(rows)}
+    else:  # the Python sweep alone: the step's own all-reduce is not what this fit caches
+        measured = allreduce_latency((backend,), ranks=ranks, repeats=repeats, step_sizes=())[backend]
     fit = {"backend": backend, "ranks": ranks, "alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"],
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sizes": measured["sizes"]}
     path = _fit_path(backend, ranks)

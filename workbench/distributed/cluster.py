@@ -95,9 +95,6 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-_cmdline = watchdog.cmdline  # the process's command line ("" if it is gone)
-
-
 def mpi_defaults(iface: str | None) -> dict:
     """The MPI launcher on one host with the mpiexec of the ccl extra's impi-rt wheel (Intel
     MPI's hydra): processes forked locally, talking over `iface`. For several hosts, pass
@@ -227,7 +224,7 @@ class Cluster:
 
         from workbench.cache import cache_dir
 
-        ours = [pid for pid in _descendants(os.getpid()) if "ipyparallel" in _cmdline(pid)]
+        ours = [pid for pid in _descendants(os.getpid()) if "ipyparallel" in watchdog.cmdline(pid)]
         pids = sorted({*ours, *(e["pid"] for e in self.engines if _on_this_host(e))})
         self._processes = {pid: watchdog.start_time(pid) for pid in pids}
         security = Path(self.ipp_cluster.profile_dir) / "security"
