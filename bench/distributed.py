@@ -9,7 +9,7 @@
               (the caches swept, as the step's kernels sweep them between all-reduces), whose
               alpha-beta fit is the tp part's roofline
     tp        ranks 1 and 2 x backends x the three switches (token broadcast, LM head,
-              zero copy) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
+              zero copy; and our KV handoff with --kv-handoff on,off) on the bundled model and on llama2-7b --random --layers 4 --dtype bf16:
               decode ms/token, time over one process's and what the cost model predicts for
               it (roofline / 1 rank, with the latency part's fit of the step's all-reduce,
               or without it each cluster's own, measured after its rounds), comm ms/token,
@@ -25,7 +25,8 @@
               process round by round
 
     python bench/distributed.py [--only latency,tp,prefetch] [--repeats 3] [--models smollm2-135m,llama2-7b]
-                                [--backends gloo,shm] [--switches all|default] [--new-tokens 32]
+                                [--backends gloo,shm] [--switches all|default] [--kv-handoff on|on,off]
+                                [--new-tokens 32]
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument("--switches", choices=("all", "default"), default="all",
                         help="tp: every setting of the three switches, or only the default one (token ids, "
                              "top-k head, zero copy on), for more rounds in the same time")
+    parser.add_argument("--kv-handoff", default="on", choices=("on", "on,off", "off,on", "off"),
+                        help="tp: the shared KV head handed over (on), computed on both ranks (off), or both "
+                             "settings interleaved (where the backend hands off and the split shares a head)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     parts, backends = args.only.split(","), tuple(args.backends.split(","))
@@ -177,8 +181,10 @@ def main() -> None:
             name, kwargs = MODELS[key]
             switches = {} if args.switches == "all" else dict(token_broadcast=("ids",), lm_head=("topk",),
                                                                    zero_copy=(True,))
+            handoff = tuple(v == "on" for v in args.kv_handoff.split(","))
             rows = tp_ablation(name, kwargs, backends=backends, repeats=args.repeats, new_tokens=args.new_tokens,
-                               comm=fits, progress=lambda msg: print("  " + msg, flush=True), **switches)
+                               comm=fits, progress=lambda msg: print("  " + msg, flush=True), kv_handoff=handoff,
+                               **switches)
             payload["tp"][key] = rows
             table = [{**r, "decode ms/token (min-max)": _ms(r), "comm ms": f"{r['comm_ms_per_token']:.2f}",
                       "% comm": f"{r['pct_comm']:.0f}",
@@ -191,7 +197,7 @@ def main() -> None:
                       "roofline / 1 rank": "-" if r.get("roofline_vs_tp1") is None else f"{r['roofline_vs_tp1']:.3f}"}
                      for r in rows]
             paired = all(r.get("tp1_interleaved", True) for r in rows)
-            print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy",
+            print_table(table, ["ranks", "backend", "token_broadcast", "lm_head", "zero_copy", "kv_handoff",
                                 "decode ms/token (min-max)", "time / 1 rank (min-max)", "roofline / 1 rank", "comm ms",
                                 "% comm", "wait ms by rank", "% comm, waits excluded", "% comm by rank",
                                 "comm KB/token", "same_tokens_as_tp1"],

@@ -104,15 +104,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("world"), py::arg("capacity"), py::arg("timeout_s"))
       .def_readwrite("seq", &ShmCollective::seq)
       .def_readwrite("zero_copy", &ShmCollective::zero_copy)
+      .def_readwrite("kv_handoff", &ShmCollective::kv_handoff)
+      .def_readonly("puts", &ShmCollective::puts)
+      .def_readonly("gets", &ShmCollective::gets)
+      .def_readonly("put_floats", &ShmCollective::put_floats)
       .def_readwrite("wait_s", &ShmCollective::wait_s);
   py::class_<ForeignCollective, wbk::StepCollective>(m, "ForeignCollective", py::module_local())
       .def(py::init<uintptr_t>(), py::arg("address"));
   py::class_<PyCollective, wbk::StepCollective>(m, "PyCollective", py::module_local())
       .def(py::init<py::function>(), py::arg("all_reduce"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)
-      .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&, int64_t, int64_t>(),
+      .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&, int64_t, int64_t, bool,
+                    bool>(),
            py::arg("layers"), py::arg("heads"), py::arg("eps"), py::arg("int8_kernel"), py::arg("group") = 0,
-           py::arg("q_offset") = 0)
+           py::arg("q_offset") = 0, py::arg("kv_send") = false, py::arg("kv_recv") = false)
       .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
            py::arg("timers"), py::arg("comm") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layers", &DecodeStack::layers);

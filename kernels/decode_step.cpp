@@ -75,6 +75,28 @@ void linear(const float* x, const WeightRef& w, float* y, int64_t M) {
   }
 }
 
+// Rows [lo, lo + n) of a linear layer's weights (row-major [N, K], scales per row or per
+// row and group): a linear layer of its own.
+WeightRef weight_rows(const WeightRef& w, int64_t lo, int64_t n) {
+  const int64_t bytes = w.dtype == WeightDtype::kFloat32 ? 4 : w.dtype == WeightDtype::kBFloat16 ? 2 : 1;
+  const int64_t scales = w.dtype == WeightDtype::kInt8Group ? (w.K + kWeightGroup - 1) / kWeightGroup : 1;
+  return {static_cast<const uint8_t*>(w.w) + lo * w.K * bytes, w.dtype, w.scale ? w.scale + lo * scales : nullptr, n,
+          w.K};
+}
+
+// y[b, 0:n] (rows ldy apart) = x[b] times rows [lo, lo + n) of w, for the B rows of x.
+void linear_rows(const float* x, const WeightRef& w, int64_t lo, int64_t n, float* y, int64_t ldy, int64_t B,
+                 std::vector<float>& scratch) {
+  const WeightRef part = weight_rows(w, lo, n);
+  if (B == 1) {
+    linear(x, part, y, 1);
+    return;
+  }
+  scratch.resize(B * n);
+  linear(x, part, scratch.data(), B);
+  for (int64_t b = 0; b < B; ++b) std::copy(scratch.data() + b * n, scratch.data() + (b + 1) * n, y + b * ldy);
+}
+
 using Clock = std::chrono::steady_clock;
 inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -91,6 +113,61 @@ double all_reduce(StepCollective* comm, float* data, int64_t n) {
   const auto c0 = Clock::now();
   comm->all_reduce(data, n);
   return seconds(c0, Clock::now());
+}
+
+// qkv [B, (H + 2 Hkv) D] = h W_qkv^T, with the shared KV head handed off where the rank shares
+// one (StackShape::kv_send / kv_recv) and the collective can: the sending rank computes that
+// head's k and v rows first and puts them, then its other rows; the receiving rank computes
+// every row but that head's and then gets them. The rows are the ones the rank would compute
+// itself, from the same weights, so its k and v are the same numbers either way. Returns the
+// seconds spent in put and get (the step's communication).
+double qkv_projection(const float* h, const WeightRef& w, const StackShape& s, StepCollective* comm, int64_t B,
+                      float* qkv, StepBuffers& buf) {
+  const int64_t H = s.H, Hkv = s.Hkv, D = s.D, width = (H + 2 * Hkv) * D, n = B * 2 * D;
+  const bool send = s.kv_send, recv = s.kv_recv;
+  if (!comm || !(send || recv) || !comm->hands_off(n)) {
+    linear(h, w, qkv, B);
+    return 0.0;
+  }
+  // In units of D rows: k of KV head j is unit H + j, its v unit H + Hkv + j.
+  const int64_t units = H + 2 * Hkv;
+  std::vector<char> done(units, 0);
+  double comm_s = 0.0;
+  buf.handoff.resize(n);
+  float* hand = buf.handoff.data();  // [B, 2, D]: k then v of each row
+  if (send) {
+    linear_rows(h, w, H * D, D, hand, 2 * D, B, buf.rows);
+    linear_rows(h, w, (H + Hkv) * D, D, hand + D, 2 * D, B, buf.rows);
+    const auto c0 = Clock::now();
+    comm->put(hand, n);
+    comm_s += seconds(c0, Clock::now());
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(hand + b * 2 * D, hand + b * 2 * D + D, qkv + b * width + H * D);
+      std::copy(hand + b * 2 * D + D, hand + (b + 1) * 2 * D, qkv + b * width + (H + Hkv) * D);
+    }
+    done[H] = done[H + Hkv] = 1;
+  }
+  if (recv) done[H + Hkv - 1] = done[units - 1] = 1;
+  for (int64_t u = 0; u < units;) {  // every run of rows not handed off, in order
+    if (done[u]) {
+      ++u;
+      continue;
+    }
+    int64_t end = u;
+    while (end < units && !done[end]) ++end;
+    linear_rows(h, w, u * D, (end - u) * D, qkv + u * D, width, B, buf.rows);
+    u = end;
+  }
+  if (recv) {
+    const auto c0 = Clock::now();
+    comm->get(hand, n);
+    comm_s += seconds(c0, Clock::now());
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(hand + b * 2 * D, hand + b * 2 * D + D, qkv + b * width + (H + Hkv - 1) * D);
+      std::copy(hand + b * 2 * D + D, hand + (b + 1) * 2 * D, qkv + b * width + (units - 1) * D);
+    }
+  }
+  return comm_s;
 }
 
 }  // namespace
@@ -127,7 +204,7 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     const auto t1 = Clock::now();
 
     // Attention block: QKV, RoPE, cache append, attention, o_proj.
-    linear(h, L.qkv, qkv, B);
+    const double handoff_s = qkv_projection(h, L.qkv, s, a.comm, B, qkv, buf);
     rope_rotate_half(qkv, B, qkv_w, H + Hkv, D, a.cos, a.sin);
     for (int64_t b = 0; b < B; ++b) {  // q, k, v as [B, heads, D] for the cache and attention kernels
       const float* row = qkv + b * qkv_w;
@@ -142,7 +219,7 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     decode_attention(da);
     float* o_out = output_buffer(a.comm, out, B * dim);
     linear(buf.attn.data(), L.o, o_out, B);
-    const double attn_comm_s = all_reduce(a.comm, o_out, B * dim);
+    const double attn_comm_s = handoff_s + all_reduce(a.comm, o_out, B * dim);
     const auto t2 = Clock::now();
 
     for (int64_t b = 0; b < B; ++b) {

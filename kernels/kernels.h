@@ -255,15 +255,32 @@ struct StackShape {
   CacheLayout k_layout, v_layout;
   Int8Kernel int8_kernel;
   HeadMap heads;
+  // A tensor-parallel rank that shares a KV head with a neighbour (the query-head split cuts
+  // its group, workbench/distributed/shard.py): kv_send, its first KV head is also the
+  // previous rank's last, and it computes that head's k and v and puts them for that rank;
+  // kv_recv, its last KV head is also the next rank's first, and it gets that head's k and v
+  // instead of computing them. Where the collective cannot hand off, both compute the head.
+  bool kv_send = false, kv_recv = false;
 };
 // The all-reduce (sum) a tensor-parallel rank's fused step runs after o_proj and after
 // down_proj, whose rows it holds only partial sums of. buffer(n) is where the producing
 // kernel may write its n floats so that the collective reads them in place (zero copy), or
 // null for the step's own buffer; all_reduce leaves the sum in `data` on every rank.
+//
+// The KV-head handoff (StackShape::kv_send / kv_recv): hands_off(n) says whether this
+// collective hands n floats from a rank to the previous one, one-sided (the sender does not
+// wait); put(data, n) gives the previous rank n floats, get(data, n) takes the next rank's,
+// waiting until they are there. Both ranks must get the same answer from hands_off for the
+// same n (it depends only on the collective's settings, which every rank shares). Where it
+// says no, both ranks compute the shared KV head. Added after all_reduce, so that a
+// collective built from an older kernels.h (ForeignCollective's target) keeps its layout.
 struct StepCollective {
   virtual ~StepCollective() = default;
   virtual float* buffer(int64_t n) = 0;
   virtual void all_reduce(float* data, int64_t n) = 0;
+  virtual bool hands_off(int64_t n) { return false; }
+  virtual void put(const float* data, int64_t n) {}
+  virtual void get(float* data, int64_t n) {}
 };
 
 struct StepArgs {
@@ -284,6 +301,7 @@ inline constexpr int kTimerParts = 4;
 inline constexpr const char* kTimerPartNames[kTimerParts] = {"attention", "mlp", "other", "comm"};
 struct StepBuffers {  // scratch reused from step to step
   std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
+  std::vector<float> handoff, rows;  // the shared KV head's k and v; a run of rows of qkv
 };
 // Wakes the thread pool (an empty parallel region) and returns the seconds it took.
 double wake_threads();

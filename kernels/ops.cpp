@@ -671,7 +671,8 @@ int matvec_weights(const std::string& name) {
 }
 
 DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
-                         const std::string& int8_kernel_name, int64_t group, int64_t q_offset) {
+                         const std::string& int8_kernel_name, int64_t group, int64_t q_offset, bool kv_send,
+                         bool kv_recv) {
   const char* fn = "DecodeStack";
   const size_t n = layers.size();
   TORCH_CHECK_VALUE(n >= 1, fn, ": needs at least one layer");
@@ -692,7 +693,9 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
   if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
   shape_ = {dim, heads, Hkv, D, ffn, Lmax, static_cast<float>(eps), static_cast<float>(1.0 / std::sqrt(double(D))),
             dtype, tiled ? wbk::CacheLayout::kKTiles : wbk::CacheLayout::kRows,
-            tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_kernel, head_map};
+            tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_kernel, head_map, kv_send, kv_recv};
+  TORCH_CHECK_VALUE(!(kv_send && kv_recv) || Hkv >= 2, fn, ": kv_send and kv_recv name the first and the last "
+                    "KV head, so both need at least 2 KV heads, got ", Hkv);
   batch_ = B;
   for (size_t l = 0; l < n; ++l) {
     const DecodeLayer& in = layers[l];

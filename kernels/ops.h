@@ -85,7 +85,8 @@ int matvec_weights(const std::string& name);
 // Python in between. Its barrier numbers are the communicator's (`seq`, which the Python side
 // reads and advances for its own collectives: ShmComm). With zero_copy, o_proj / down_proj
 // write into this rank's input slot, which the all-reduce then reads in place. `wait_s` adds up
-// the seconds its all-reduces waited for the other ranks to arrive (the caller resets it).
+// the seconds its all-reduces (and handoff gets) waited for the other ranks to arrive (the
+// caller resets it).
 class ShmCollective : public wbk::StepCollective {
  public:
   ShmCollective(Tensor seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s);
@@ -103,8 +104,22 @@ class ShmCollective : public wbk::StepCollective {
     }
   }
 
+  // The shared KV head's handoff (StackShape::kv_send / kv_recv), one-sided through the
+  // segment's handoff slots; kv_handoff off: both ranks compute the head (to measure it).
+  bool hands_off(int64_t n) override {
+    return kv_handoff && n * static_cast<int64_t>(sizeof(float)) <= a_.capacity;
+  }
+  void put(const float* data, int64_t n) override {
+    wbk::shm_put(a_, data, n, ++puts);
+    put_floats += n;
+  }
+  void get(float* data, int64_t n) override { wait_s += wbk::shm_get(a_, a_.rank + 1, data, n, ++gets); }
+
   int64_t seq = 1;  // the next barrier number
   bool zero_copy = true;
+  bool kv_handoff = true;
+  int64_t puts = 0, gets = 0;  // handoffs made and taken so far (the segment counts them too)
+  int64_t put_floats = 0;      // and the floats handed over
   double wait_s = 0.0;
 
  private:
@@ -150,7 +165,8 @@ struct DecodeLayer {
 class DecodeStack {
  public:
   DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
-              const std::string& int8_kernel_name, int64_t group, int64_t q_offset);
+              const std::string& int8_kernel_name, int64_t group, int64_t q_offset, bool kv_send,
+              bool kv_recv);
 
   // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, kTimerParts]
   // float64 (attention, mlp, other seconds added) or None. Returns the seconds spent waking

@@ -8,6 +8,8 @@
 //                                  works across processes)
 //   slot r, r in [0, R)            `capacity` bytes: rank r's contribution
 //   result slot                    `capacity` bytes: the reduced (or broadcast) data
+//   handoff header                 one counter per rank: how many handoffs it has put
+//   handoff slot r, r in [0, R)    `capacity` bytes: rank r's latest handoff
 //
 // all_reduce (sum of n floats): rank r's data is in slot r (copied there, or written there
 //   by the kernel that produced it: zero copy); barrier; rank r sums its slice of every
@@ -16,6 +18,8 @@
 // broadcast: the root copies into the result slot; barrier; the others copy out; barrier.
 // all_gather: slot r <- rank r's bytes; barrier; out <- all slots; barrier.
 // The second barrier of each keeps any rank from overwriting a slot another still reads.
+// handoff (the fused step's shared KV head, decode_step.cpp): rank r copies into handoff slot
+//   r and counts it; the rank that takes it waits for the count and copies out. One-sided.
 //
 // Barriers count: every rank's counter holds the number of barriers it has passed; barrier
 // number `seq` waits until every counter is >= seq (acquire), after storing seq (release).
@@ -56,33 +60,48 @@ uint8_t* slot(const ShmArgs& a, int r) { return a.seg + kShmHeaderBytes + static
 
 uint8_t* result_slot(const ShmArgs& a) { return slot(a, a.world); }
 
+// The handoff's counters and slots, after the result slot (shm_comm.h).
+uint8_t* handoff_header(const ShmArgs& a) { return result_slot(a) + a.capacity; }
+
+uint8_t* handoff_slot(const ShmArgs& a, int r) { return handoff_header(a) + kShmHeaderBytes + r * a.capacity; }
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// Spins until c holds at least seq, then yields between looks (more ranks than free cores: let
+// the one we wait for run); past timeout_s, raises the error `late(waited seconds)` words.
+template <class Late>
+void wait_until(const ShmArgs& a, const Counter* c, int64_t seq, Clock::time_point start, Late late) {
+  int64_t spins = 0;
+  while (c->load(std::memory_order_acquire) < seq) {
+    if (++spins < 2000) {
+      WBK_PAUSE();
+      continue;
+    }
+    sched_yield();
+    if ((spins & 255) == 0) {
+      const double waited = since(start);
+      if (waited > a.timeout_s) throw CollectiveError(late(static_cast<int>(waited)));
+    }
+  }
+}
+
 // Returns the seconds it waited.
 double barrier(const ShmArgs& a, int64_t seq) {
   counter(a.seg, a.rank)->store(seq, std::memory_order_release);
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   for (int r = 0; r < a.world; ++r) {
-    int64_t spins = 0;
-    while (counter(a.seg, r)->load(std::memory_order_acquire) < seq) {
-      if (++spins < 2000) {
-        WBK_PAUSE();
-        continue;
-      }
-      sched_yield();  // more ranks than free cores: let the one we wait for run
-      if ((spins & 255) == 0) {
-        double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (waited > a.timeout_s) {
-          std::string missing;
-          for (int j = 0; j < a.world; ++j)
-            if (counter(a.seg, j)->load(std::memory_order_acquire) < seq)
-              missing += (missing.empty() ? "" : ", ") + std::to_string(j);
-          throw CollectiveError("shm collective: rank " + std::to_string(a.rank) + " waited " +
-                                   std::to_string(static_cast<int>(waited)) + " s for rank(s) " + missing +
-                                   " (barrier " + std::to_string(seq) + "); a rank died or is stuck");
-        }
-      }
-    }
+    wait_until(a, counter(a.seg, r), seq, start, [&](int waited) {
+      std::string missing;
+      for (int j = 0; j < a.world; ++j)
+        if (counter(a.seg, j)->load(std::memory_order_acquire) < seq)
+          missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+      return "shm collective: rank " + std::to_string(a.rank) + " waited " + std::to_string(waited) +
+             " s for rank(s) " + missing + " (barrier " + std::to_string(seq) + "); a rank died or is stuck";
+    });
   }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return since(start);
 }
 
 }  // namespace
@@ -123,6 +142,25 @@ double shm_all_gather(const ShmArgs& a, const void* data, int64_t bytes, void* o
   const double waited = barrier(a, seq);
   for (int r = 0; r < a.world; ++r) std::memcpy(static_cast<uint8_t*>(out) + r * bytes, slot(a, r), bytes);
   barrier(a, seq + 1);
+  return waited;
+}
+
+// The handoff needs no barrier. Rank r writes its slot again only for the next layer, after
+// the all-reduce that ends this layer's attention; the rank that gets from it enters that
+// all-reduce only after its get, so a slot is never rewritten before it has been read.
+void shm_put(const ShmArgs& a, const float* data, int64_t n, int64_t count) {
+  std::memcpy(handoff_slot(a, a.rank), data, n * sizeof(float));
+  counter(handoff_header(a), a.rank)->store(count, std::memory_order_release);
+}
+
+double shm_get(const ShmArgs& a, int from, float* data, int64_t n, int64_t count) {
+  const auto start = Clock::now();
+  wait_until(a, counter(handoff_header(a), from), count, start, [&](int waited) {
+    return "shm handoff: rank " + std::to_string(a.rank) + " waited " + std::to_string(waited) + " s for rank " +
+           std::to_string(from) + "'s KV head (handoff " + std::to_string(count) + "); a rank died or is stuck";
+  });
+  const double waited = since(start);
+  std::memcpy(data, handoff_slot(a, from), n * sizeof(float));
   return waited;
 }
 

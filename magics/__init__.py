@@ -127,7 +127,8 @@ class WorkbenchMagics(Magics):
         if cluster is not None:
             o = self.model.options
             lines.append(f"%distributed --token-broadcast {o.token_broadcast} --lm-head {o.lm_head} "
-                         f"--zero-copy {'on' if o.zero_copy else 'off'} --check-topk {'on' if o.check_topk else 'off'}")
+                         f"--zero-copy {'on' if o.zero_copy else 'off'} --kv-handoff {'on' if o.kv_handoff else 'off'} "
+                         f"--check-topk {'on' if o.check_topk else 'off'}")
         lines.append(f"%threads {get_threads()}")
         if serve_line is not None:
             lines.append(f"%serve {serve_line}")
@@ -300,6 +301,8 @@ class WorkbenchMagics(Magics):
     @argument("--token-broadcast", type=_csv("--token-broadcast", str, TOKEN_BROADCAST), default=None)
     @argument("--lm-head", type=_csv("--lm-head", str, LM_HEAD), default=None)
     @argument("--zero-copy", type=_csv("--zero-copy", str, ["on", "off"]), default=None)
+    @argument("--kv-handoff", type=_csv("--kv-handoff", str, ["on", "off"]), default=None,
+              help="a KV head two ranks hold: handed over (on) or computed on both (off); shm only")
     @argument("--repeats", type=int, default=None,
               help="measured runs per setting, interleaved (default 3; with --ranks 2); rows show median and min-max")
     @argument("-o", dest="output", default=None, help="store the results DataFrame in this variable")
@@ -308,12 +311,13 @@ class WorkbenchMagics(Magics):
         """Run a grid of configurations and show one row per configuration: prefill ms,
         decode tokens/s, GB/s, % of the measured peak bandwidth, top-1 agreement with the
         naive / fp32-cache reference. With --ranks (and --backend, --token-broadcast,
-        --lm-head, --zero-copy), a tensor-parallel grid instead: decode ms/token, comm
+        --lm-head, --zero-copy, --kv-handoff), a tensor-parallel grid instead: decode ms/token, comm
         ms/token, % comm, bytes per token, whether the tokens equal one process's, then
         each switch's saving: its optimization against the setting without it in rows
         matched on the other switches, bytes and ms per token with the spread over the
-        rounds (with -o tp, also in tp_savings). Zero copy changes the fused decode step on
-        shm only (gloo and ccl rows say n/a).
+        rounds (with -o tp, also in tp_savings). Zero copy and the KV handoff change the
+        fused decode step on shm only (gloo and ccl rows say n/a; so does the KV handoff
+        where the split shares no KV head).
 
         Examples::
 
@@ -328,7 +332,7 @@ class WorkbenchMagics(Magics):
         model = self._require_model()
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
-        tp_options = (args.ranks, args.backend, args.token_broadcast, args.lm_head, args.zero_copy)
+        tp_options = (args.ranks, args.backend, args.token_broadcast, args.lm_head, args.zero_copy, args.kv_handoff)
         if any(v is not None for v in tp_options):
             return self._tp_ablate(args, line)
         if isinstance(model, DistributedModel) or running() is not None:
@@ -381,6 +385,7 @@ class WorkbenchMagics(Magics):
             rows = tp_ablation(name, kwargs, ranks=args.ranks or [1, 2], backends=args.backend or available_backends(),
                                token_broadcast=args.token_broadcast or ["ids"], lm_head=args.lm_head or ["topk"],
                                zero_copy=[z == "on" for z in (args.zero_copy or ["on"])],
+                               kv_handoff=[h == "on" for h in (args.kv_handoff or ["on"])],
                                prompt_len=args.prompt_len[0], new_tokens=args.new_tokens,
                                repeats=2 if args.repeats is None else args.repeats,
                                progress=print)
@@ -416,6 +421,8 @@ class WorkbenchMagics(Magics):
     @argument("--token-broadcast", choices=list(TOKEN_BROADCAST), default=None)
     @argument("--lm-head", choices=list(LM_HEAD), default=None)
     @argument("--zero-copy", choices=["on", "off"], default=None)
+    @argument("--kv-handoff", choices=["on", "off"], default=None,
+              help="a KV head two ranks hold: one computes it and hands it over (shm), or both compute it")
     @argument("--check-topk", choices=["on", "off"], default=None,
               help="also gather all logits every step and compare the distributed top-k")
     @line_magic
@@ -439,6 +446,7 @@ class WorkbenchMagics(Magics):
         args = parse_argstring(self.distributed, line)
         switches = {k: v for k, v in (("token_broadcast", args.token_broadcast), ("lm_head", args.lm_head),
                                       ("zero_copy", None if args.zero_copy is None else args.zero_copy == "on"),
+                                      ("kv_handoff", None if args.kv_handoff is None else args.kv_handoff == "on"),
                                       ("check_topk", None if args.check_topk is None else args.check_topk == "on"))
                     if v is not None}
         cluster = running()
@@ -736,6 +744,21 @@ class WorkbenchMagics(Magics):
             self.shell.user_ns[args.out] = _dataframe(rows)
 
 
+def _handoff_said(shard: dict, hands_off: bool) -> str:
+    """A KV head a rank shares with a neighbour (shard.py), and who computes it: with the handoff
+    (shm, kv_handoff on) the later rank, for both; otherwise each rank itself."""
+    send, recv = shard.get("kv_handoff", (False, False))
+    (lo, hi), rank = shard["kv_heads"], shard["rank"]
+    said = []
+    if send:
+        said.append(f"KV head {lo} shared with rank {rank - 1}: "
+                    + ("computed here and handed over" if hands_off else "computed by both"))
+    if recv:
+        said.append(f"KV head {hi - 1} shared with rank {rank + 1}: "
+                    + ("taken from it" if hands_off else "computed by both"))
+    return f" ({'; '.join(said)})" if said else ""
+
+
 def _cluster_status(cluster) -> str:
     if cluster is None:
         return "no cluster running (%distributed start -n 2 --backend shm)"
@@ -745,9 +768,12 @@ def _cluster_status(cluster) -> str:
     lines += [f"rank {e['rank']}: pid {e['pid']} on {e['host']}, {e['threads']} thread(s), cpus {e['cpus']}, "
               f"NUMA node(s) {e['nodes']}, memory policy {e['memory_policy']}" for e in st["engines"]]
     if cluster.model is not None:
+        from workbench.distributed.backends import backend
+
         lines.append(repr(cluster.model))
-        lines += [f"rank {sh['rank']}: KV heads {sh['kv_heads']}, query heads {sh['q_heads']}, FFN {sh['ffn']}, "
-                  f"vocabulary {sh['vocab']}, {sh['weight_bytes'] / 2**20:.0f} MiB of weights"
+        hands_off = backend(cluster.backend).fused_kv_handoff and cluster.model.options.kv_handoff
+        lines += [f"rank {sh['rank']}: KV heads {sh['kv_heads']}{_handoff_said(sh, hands_off)}, query heads {sh['q_heads']}, "
+                  f"FFN {sh['ffn']}, vocabulary {sh['vocab']}, {sh['weight_bytes'] / 2**20:.0f} MiB of weights"
                   for sh in cluster.model.shards]
     return "\n".join(lines)
 

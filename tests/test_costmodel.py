@@ -182,6 +182,13 @@ def test_the_tp_roofline_ratio_is_the_busiest_ranks_share_plus_the_collectives()
     one = L * ((2 * 9 + 2 * 3) * hd * d + 3 * ffn * d) + vocab * d
     floor = tp_roofline_ratio("smollm2-135m", 2, comm=free, weight_dtype="bf16")
     assert floor == pytest.approx(2 * rank0 / one, rel=0.01) and floor > 1.02
+    # With the KV handoff (shm) rank 0 takes KV head 1 from rank 1 instead of computing it:
+    # 12 of the 24 units, while still reading both KV heads from its cache.
+    handed = L * ((2 * 5 + 2 * 1) * hd * d + 3 * (ffn // 2) * d) + vocab // 2 * d
+    with_handoff = tp_roofline_ratio("smollm2-135m", 2, comm=free, weight_dtype="bf16", kv_handoff=True)
+    assert with_handoff == pytest.approx(2 * handed / one, rel=0.01) and with_handoff < floor
+    assert tp_roofline_ratio("llama2-7b", 2, comm=free, weight_dtype="bf16", kv_handoff=True) == pytest.approx(
+        1.0, rel=1e-3)  # whole KV heads: nothing to hand over
     assert tp_roofline_ratio("smollm2-135m", 2, comm=(5.0, 8.0), weight_dtype="bf16") > floor
     with pytest.raises(ValueError, match="backend"):
         tp_roofline_ratio("smollm2-135m", 2)

@@ -66,20 +66,26 @@ def tp2(request):
         cluster.stop()
 
 
-def test_the_ablation_runs_zero_copy_only_where_the_fused_step_has_a_buffer():
-    """On the fused step only shm's all-reduce has a buffer o_proj / down_proj can write into;
-    gloo's and oneCCL's reduce the step's output in place, so "on" and "off" would be two rows
-    of the same code: the ablation runs one, labelled n/a."""
+def test_the_ablation_runs_zero_copy_and_the_kv_handoff_only_where_the_fused_step_can():
+    """On the fused step only shm's all-reduce has a buffer o_proj / down_proj can write into,
+    and only shm hands a KV head over one-sided; gloo's and oneCCL's reduce the step's output
+    in place and compute the shared head on both ranks, so "on" and "off" would be two rows
+    of the same code: the ablation runs one, labelled n/a. So does the KV handoff where the
+    split shares no KV head."""
     from workbench.analysis.tp_ablation import switch_settings
     from workbench.distributed.backends import BACKENDS
 
     assert [name for name, b in BACKENDS.items() if b.fused_zero_copy] == ["shm"]
-    shm = switch_settings("shm", ("ids", "embeddings"), ("topk", "gather"), (True, False))
-    assert len(shm) == 8 and {s[3] for s in shm} == {"on", "off"} and all((s[3] == "on") == s[2] for s in shm)
+    assert [name for name, b in BACKENDS.items() if b.fused_kv_handoff] == ["shm"]
+    shm = switch_settings("shm", ("ids", "embeddings"), ("topk", "gather"), (True, False), (True, False))
+    assert len(shm) == 16 and {s[3] for s in shm} == {"on", "off"} and all((s[3] == "on") == s[2] for s in shm)
+    assert {s[5] for s in shm} == {"on", "off"} and all((s[5] == "on") == s[4] for s in shm)
     for backend in ("gloo", "ccl"):
-        settings = switch_settings(backend, ("ids", "embeddings"), ("topk", "gather"), (True, False))
-        assert len(settings) == 4 and {(s[2], s[3]) for s in settings} == {(True, "n/a")}
-    assert switch_settings("shm", ("ids",), ("topk",), (False,)) == [("ids", "topk", False, "off")]
+        settings = switch_settings(backend, ("ids", "embeddings"), ("topk", "gather"), (True, False), (True, False))
+        assert len(settings) == 4 and {(s[2], s[3], s[4], s[5]) for s in settings} == {(True, "n/a", True, "n/a")}
+    assert switch_settings("shm", ("ids",), ("topk",), (False,)) == [("ids", "topk", False, "off", True, "on")]
+    assert switch_settings("shm", ("ids",), ("topk",), (True,), (True, False), shares_kv_head=False) == [
+        ("ids", "topk", True, "on", True, "n/a")]
 
 
 def test_plan_splits_heads_ffn_and_vocab_unevenly():
@@ -90,6 +96,7 @@ def test_plan_splits_heads_ffn_and_vocab_unevenly():
     assert (p0.q_heads, p1.q_heads) == ((0, 5), (5, 9))
     assert (p0.kv_heads, p1.kv_heads) == ((0, 2), (1, 3))
     assert (p0.head_map, p1.head_map) == ((3, 0), (3, 2))  # rank 1's head 0 is the 3rd of KV head 1's group
+    assert (p0.kv_handoff, p1.kv_handoff) == ((False, True), (True, False))  # KV head 1: rank 1 hands it over
     assert plan(cfg, 0, 3).head_map is None and plan(cfg, 2, 3).q_heads == (6, 9)  # 3 ranks: whole groups
     assert p0.vocab[1] == p1.vocab[0] and p1.vocab[1] == cfg.vocab_size
     assert [split(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
@@ -172,6 +179,36 @@ def test_a_batch_of_prompts_on_tp2_gives_each_its_one_process_tokens(tp2, single
     assert len(ref.token_ids) == len(PROMPTS)
     assert ours.token_ids == ref.token_ids
     assert all(s.path == "fused" for s in ours.timings.decode_steps)
+
+
+# (handoffs put, handoffs taken) by each engine's fused-step collective (0 where it has none)
+HANDOFFS = ("(lambda c: (getattr(c, 'puts', 0), getattr(c, 'gets', 0)))"
+            "(__import__('workbench.distributed.engine', fromlist=['_model'])._model().llama.collective)")
+
+
+def test_the_shared_kv_head_is_computed_once_and_handed_over_on_shm(tp2, single):
+    """The bundled model's split shares KV head 1 (query heads 5 + 4, KV heads 0-1 and 1-2).
+    Over shm, with kv_handoff on, rank 1 computes it and hands it to rank 0 once a layer in
+    every fused step; off, and on gloo and oneCCL (no one-sided handoff), both ranks compute
+    it. The tokens are one process's either way, on a batch of prompts."""
+    cluster, model = tp2
+    layers = single.config.n_layers
+    run = dict(max_new_tokens=8, stop_at_eos=False)
+    ref = single.generate(PROMPTS, **run).token_ids
+    try:
+        for handoff in (True, False):
+            model.set_options(kv_handoff=handoff)
+            before = cluster.run(eval, HANDOFFS, what="reading the handoffs")[0]
+            out = model.generate(PROMPTS, **run)
+            after = cluster.run(eval, HANDOFFS, what="reading the handoffs")[0]
+            assert out.token_ids == ref, handoff
+            n = layers * len(out.timings.decode_steps)
+            expected = [(0, n), (n, 0)] if handoff and cluster.backend == "shm" else [(0, 0), (0, 0)]
+            assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)] == expected, handoff
+    finally:
+        model.set_options(kv_handoff=True)
+    with pytest.raises(ValueError, match="kv_handoff must be True or False, got 'on'"):
+        model.set_options(kv_handoff="on")
 
 
 # (name, scheduling policy) of every thread of an engine, evaluated there (a function of this

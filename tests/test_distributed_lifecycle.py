@@ -155,14 +155,22 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert err is None and "tensor parallel over 2 ranks" in out
         out, err = run("%generate -n 6 The capital of France is")
         assert err is None and "Paris" in out and "communication per decode step" in out
-        out, err = run("%distributed --token-broadcast embeddings --lm-head gather --zero-copy off --check-topk on")
-        assert err is None and "lm_head = gather" in out and "zero_copy = False" in out
+        out, err = run("%distributed --token-broadcast embeddings --lm-head gather --zero-copy off --kv-handoff off "
+                       "--check-topk on")
+        assert err is None and "lm_head = gather" in out and "zero_copy = False" in out and "kv_handoff = False" in out
         report.clear()
         out, err = run("%generate -n 4 The capital of France is")
         assert err is None and "top-1 agrees at 4 of 4 positions" in out
         first = report.recorded()[-1]
         out, err = run("%distributed status")
-        assert "rank 1: KV heads (1, 3), query heads (5, 9)" in out and "segment" in out  # a group cut: shard.py
+        # kv_handoff is off since the %distributed line above: both ranks compute KV head 1
+        assert "rank 1: KV heads (1, 3) (KV head 1 shared with rank 0: computed by both), query heads (5, 9)" in out
+        assert "rank 0: KV heads (0, 2) (KV head 1 shared with rank 1: computed by both)" in out
+        run("%distributed --kv-handoff on")
+        out, _ = run("%distributed status")
+        assert "rank 1: KV heads (1, 3) (KV head 1 shared with rank 0: computed here and handed over)" in out
+        assert "rank 0: KV heads (0, 2) (KV head 1 shared with rank 1: taken from it)" in out
+        assert "segment" in out  # a group cut: shard.py
         assert out.count("memory policy bind [") == 2  # --pin: each rank's memory bound to its node
         assert isinstance(run("%ablate --kvcache int8")[1], UsageError)  # the single-process grid needs no cluster
         # The shm all-reduce's fit, measured on these engines and cached (the cost model reads it)
@@ -187,18 +195,21 @@ def test_distributed_magics_in_a_real_shell(magic):
     assert {k: again["workload"][k] for k in keys} == {k: first["workload"][k] for k in keys}
     assert first["workload"]["tensor_parallel"] == {
         "ranks": 2, "backend": "shm", "threads_per_rank": 1, "pin": True, "launcher": "local",
-        "token_broadcast": "embeddings", "lm_head": "gather", "zero_copy": False, "topk": 8, "check_topk": True}
+        "token_broadcast": "embeddings", "lm_head": "gather", "zero_copy": False, "kv_handoff": False, "topk": 8,
+        "check_topk": True}
     assert again["model"]["ranks"] == 2 and again["text"] == first["text"]
     assert running() is None and sh.user_ns["wb_model"] is single  # the commands stopped their cluster
     report.clear()
-    out, err = run("%ablate --ranks 1,2 --backend shm --zero-copy on,off --new-tokens 4 --repeats 1 --prompt-len 16 -o tp")
+    out, err = run("%ablate --ranks 1,2 --backend shm --zero-copy on,off --kv-handoff on,off --new-tokens 4 --repeats 1 "
+                   "--prompt-len 16 -o tp")
     assert err is None, err
     df = sh.user_ns["tp"]
     import pandas as pd
 
     assert isinstance(df, pd.DataFrame)
-    assert list(df.ranks) == [1, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()
-    assert list(df.path) == ["fused"] * 3  # every row on the fused step, the ranks with their all-reduces inside
+    assert list(df.ranks) == [1, 2, 2, 2, 2] and df.same_tokens_as_tp1.all() and (df[df.ranks == 2].pct_comm > 0).all()
+    assert list(df.path) == ["fused"] * 5  # every row on the fused step, the ranks with their all-reduces inside
+    assert sorted(zip(df.zero_copy[1:], df.kv_handoff[1:])) == [("off", "off"), ("off", "on"), ("on", "off"), ("on", "on")]
     one = df[df.ranks == 1].iloc[0]  # ran in the cluster's one round: each rank row's ratio is to that run
     assert one.comm_ms_by_rank == one.comm_wait_ms_by_rank == [] and pd.isna(one.comm_wait_ms_per_token)  # one process: nothing to wait for
     for _, row in df[df.ranks == 2].iterrows():
@@ -212,22 +223,30 @@ def test_distributed_magics_in_a_real_shell(magic):
         assert row.vs_tp1["median"] == pytest.approx(row.decode_ms_per_token / one.decode_ms_per_token)
         # What the cost model predicts for vs_tp1 with the fit %ablate measured on its own cluster
         # after the rounds: the 5 + 4 query-head split leaves rank 0 about 3% more than half the
-        # bytes, and the all-reduces add to that.
-        assert 1.03 < row.roofline_vs_tp1 < 1.5
+        # bytes where both ranks compute the shared KV head, half where rank 1 hands it over;
+        # the all-reduces add to that.
+        assert (1.03 if row.kv_handoff == "off" else 1.0) < row.roofline_vs_tp1 < 1.5
         from workbench.analysis.tp_ablation import STEP_FIT_SOURCE
 
         assert row.allreduce_fit["source"] == STEP_FIT_SOURCE  # the step's own all-reduce, after a cache sweep
         assert row.allreduce_fit["alpha_us"] > 0 and row.allreduce_fit["beta_gbps"] > 0
-    # Each switch's saving: here zero copy alone, on against off in the one matched pair, its ms
-    # the two rows' difference in their one round, its bytes the all-reduce payload not copied.
+    # Each switch's saving: zero copy and the KV handoff, each on against off in the two pairs
+    # matched on the other, its ms the rows' differences in their one round; zero copy's bytes
+    # the all-reduce payload not copied, the handoff's none (rank 0 takes, it does not send).
     assert "Each switch's saving per decode token" in out
-    saved = sh.user_ns["tp_savings"]
-    two = df[df.ranks == 2].set_index("zero_copy")
+    saved = sh.user_ns["tp_savings"].set_index("switch")
+    two = df[df.ranks == 2].set_index(["zero_copy", "kv_handoff"]).decode_ms_per_token
     cfg = single.config
-    assert list(saved.switch) == ["zero_copy"] and list(saved.setting) == ["on"] and list(saved.pairs) == [1]
-    assert saved.sent_bytes_saved_per_token[0] == 0
-    assert saved.copied_bytes_saved_per_token[0] == 2 * cfg.n_layers * cfg.dim * 4
-    assert saved.ms_saved[0] == pytest.approx(two.decode_ms_per_token["off"] - two.decode_ms_per_token["on"])
+    assert sorted(saved.index) == ["kv_handoff", "zero_copy"] and set(saved.setting) == {"on"}
+    assert list(saved.pairs) == [2, 2] and (saved.sent_bytes_saved_per_token == 0).all()
+    assert saved.copied_bytes_saved_per_token["zero_copy"] == 2 * cfg.n_layers * cfg.dim * 4
+    assert saved.copied_bytes_saved_per_token["kv_handoff"] == 0
+    import statistics
+
+    assert saved.ms_saved["zero_copy"] == pytest.approx(statistics.median(
+        [two["off", h] - two["on", h] for h in ("on", "off")]))
+    assert saved.ms_saved["kv_handoff"] == pytest.approx(statistics.median(
+        [two[z, "off"] - two[z, "on"] for z in ("on", "off")]))
 
 
 def test_panel_runs_on_two_ranks_and_draws_comm_and_topk():

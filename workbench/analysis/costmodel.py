@@ -317,12 +317,15 @@ def _allreduce_s(nbytes: int, ranks: int, hw: Hardware) -> float:
 
 def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,
             kv_cache: str = "fp16", weight_dtype: str | None = None, ranks: int = 1, backend: str | None = None,
-            hardware: Hardware | None = None, comm: tuple[float, float] | None = None) -> Prediction:
+            hardware: Hardware | None = None, comm: tuple[float, float] | None = None,
+            kv_handoff: bool = False) -> Prediction:
     """The roofline prediction of one rank's prefill and decode steps, per layer and part.
 
     model: a preset name, a ModelConfig or a loaded model (whose weight dtype and KV cache
     switch are then the defaults); hardware: default this machine's measured peaks shared by
-    `ranks` processes, with `backend`'s all-reduce fit (or comm=(alpha_us, beta_gbps))."""
+    `ranks` processes, with `backend`'s all-reduce fit (or comm=(alpha_us, beta_gbps));
+    kv_handoff: a KV head two ranks hold is computed by one of them in decode (the fused
+    step over shm, workbench.distributed.tp)."""
     from workbench.model.kv_formats import kv_format
     from workbench.model.weights import weight_format
 
@@ -338,11 +341,15 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     hw = hardware or Hardware.this_machine(ranks, backend, comm)
 
     d, hd = cfg.dim, cfg.head_dim
-    heads, kv_heads, f = _busiest_shares(cfg, ranks)
-    attn_params = d * hd * (2 * heads + 2 * kv_heads)
+    heads, kv_heads, _, f = _busiest_shares(cfg, ranks)
+    # The KV heads whose k and v rows the busiest rank computes: in decode with the handoff, not
+    # the one it takes from its neighbour (its query heads and the KV heads it reads stay).
+    kv_computed = {"prefill": kv_heads, "decode": _busiest_shares(cfg, ranks, kv_handoff)[2]}
+    attn_params = {phase: d * hd * (2 * heads + 2 * kv) for phase, kv in kv_computed.items()}
     mlp_params = 3 * d * f
     # Bytes of a rank's matrices in the weight format, scales included.
-    attn_bytes = (wfmt.nbytes(round(hd * (heads + 2 * kv_heads)), d) + wfmt.nbytes(d, round(hd * heads)))
+    attn_bytes = {phase: wfmt.nbytes(round(hd * (heads + 2 * kv)), d) + wfmt.nbytes(d, round(hd * heads))
+                  for phase, kv in kv_computed.items()}
     mlp_bytes = wfmt.nbytes(round(2 * f), d) + wfmt.nbytes(d, round(f))
     head_bytes = wfmt.nbytes(round(cfg.vocab_size / ranks), d)
     embed_row = d * wfmt.embedding_dtype().itemsize
@@ -371,8 +378,8 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         pairs = batch * prompt_len * (prompt_len + 1) / 2 if phase == "prefill" else batch * kv_len
         kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd, max(1, round(kv_heads)))
         layers[phase] = {
-            "attention": cost(attn_bytes + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs,
-                              linear_flops=2 * tokens * attn_params, rows=tokens),
+            "attention": cost(attn_bytes[phase] + kv_bytes, 2 * tokens * attn_params[phase] + 4 * heads * hd * pairs,
+                              linear_flops=2 * tokens * attn_params[phase], rows=tokens),
             "mlp": cost(mlp_bytes, 2 * tokens * mlp_params, linear_flops=2 * tokens * mlp_params, rows=tokens),
             "other": cost(norm_bytes, 0),
             "comm": PartCost(0, 0, 0.0, 0.0, 2 * _allreduce_s(4 * tokens * d, ranks, hw)),
@@ -385,21 +392,25 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)
 
 
-def _busiest_shares(cfg, ranks: int) -> tuple[float, float, float]:
-    """(query heads, KV heads, FFN features) of the rank that sets the pace of each part: the
+def _busiest_shares(cfg, ranks: int, kv_handoff: bool = False) -> tuple[float, float, float, float]:
+    """(query heads, KV heads, KV heads computed, FFN features) of the rank that sets the pace of each part: the
     ranks meet at the all-reduce that ends the attention part and the one that ends the MLP,
     so where the shard plan splits unevenly (workbench.distributed.shard: the bundled model's
     9 query heads over 2 ranks are 5 + 4, reading 2 KV heads each) every rank waits for the
-    largest share. Past one rank per KV head (no
-    such model runs here; projections only) the mean share."""
+    largest share of weights. With kv_handoff, a KV head a rank takes from the next rank
+    (ShardPlan.kv_handoff) is read from its cache but not computed. Past one rank per KV head
+    (no such model runs here; projections only) the mean share."""
     if ranks == 1 or ranks > cfg.n_kv_heads:
-        return cfg.n_heads / ranks, cfg.n_kv_heads / ranks, cfg.ffn_dim / ranks
+        return cfg.n_heads / ranks, cfg.n_kv_heads / ranks, cfg.n_kv_heads / ranks, cfg.ffn_dim / ranks
     from workbench.distributed.shard import plan
 
+    def shares(p):
+        kv = p.kv_heads[1] - p.kv_heads[0]
+        return p.q_heads[1] - p.q_heads[0], kv, kv - (1 if kv_handoff and p.kv_handoff[1] else 0)
+
     plans = [plan(cfg, r, ranks) for r in range(ranks)]
-    busiest = max(plans, key=lambda p: (p.q_heads[1] - p.q_heads[0]) + (p.kv_heads[1] - p.kv_heads[0]))
-    return (busiest.q_heads[1] - busiest.q_heads[0], busiest.kv_heads[1] - busiest.kv_heads[0],
-            max(p.ffn[1] - p.ffn[0] for p in plans))
+    q, kv, computed = max((shares(p) for p in plans), key=lambda s: s[0] + s[2])  # wq + wo, wk + wv
+    return q, kv, computed, max(p.ffn[1] - p.ffn[0] for p in plans)
 
 
 def _cached_fit(backend: str, ranks: int) -> dict:
@@ -432,7 +443,7 @@ def predict_run(model, result) -> Prediction:
 
 def tp_roofline_ratio(model, ranks: int, *, backend: str | None = None, comm: tuple[float, float] | None = None,
                       batch: int = 1, prompt_len: int = 64, new_tokens: int = 32, kv_cache: str = "fp16",
-                      weight_dtype: str | None = None) -> float:
+                      weight_dtype: str | None = None, kv_handoff: bool = False) -> float:
     """The roofline's decode step on `ranks` ranks over one process's on the same machine:
     what a tensor-parallel run's "time / 1 rank" would be if both ran at their roofs. Each
     rank gets 1 / ranks of the measured triad and FMA peak, so an even split costs only the
@@ -442,9 +453,9 @@ def tp_roofline_ratio(model, ranks: int, *, backend: str | None = None, comm: tu
     overstates the fused step's small all-reduces where Python's overhead is most of a call
     (tp_ablation passes the step's own instead: distributed.allreduce.step_fit). backend's
     all-reduce fit as cached (a ValueError saying how to measure one if there is none), or
-    comm=(alpha_us, beta_gbps)."""
+    comm=(alpha_us, beta_gbps). kv_handoff: predict's, on the ranks."""
     kw = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
-    many = predict(model, ranks=ranks, backend=backend, comm=comm, **kw)
+    many = predict(model, ranks=ranks, backend=backend, comm=comm, kv_handoff=kv_handoff, **kw)
     one = predict(model, ranks=1, **kw)
     return many.step_ms("decode") / one.step_ms("decode")
 

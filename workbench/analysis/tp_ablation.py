@@ -5,7 +5,9 @@ workbench.distributed.allreduce).
 tp_ablation rows (decode phase, batch 1 unless given):
     ranks, backend, token_broadcast, lm_head, zero_copy ("n/a" where the backend's fused
                                 step has no buffer to write into, gloo and ccl: both settings
-                                would decode on the same code, so one runs; switch_settings)
+                                would decode on the same code, so one runs; switch_settings),
+                                kv_handoff (ours: "n/a" where the backend cannot hand a KV
+                                head over, or the split shares none)
     decode_ms_per_token         median (with min / max) over the repeats, wall time per step
     vs_tp1                      ranks > 1: decode time over the single process's in the same
                                 round, median and min / max over the rounds ({median, min,
@@ -28,8 +30,9 @@ tp_ablation rows (decode phase, batch 1 unless given):
     comm_bytes_per_token        payload this rank sent per decode step
     roofline_vs_tp1             ranks > 1: the cost model's decode step on the ranks over one
                                 process's (costmodel.tp_roofline_ratio: each rank on 1 / ranks
-                                of the measured triad, the busiest rank's share of the weights,
-                                the backend's all-reduce fit), what vs_tp1 would be at the
+                                of the measured triad, the busiest rank's share of the weights
+                                with the row's KV handoff, the backend's all-reduce fit), what
+                                vs_tp1 would be at the
                                 roofs (a prediction, not a bound)
     allreduce_fit               ranks > 1: the fit it used, {alpha_us, beta_gbps, source}: the one
                                 given (`comm`: bench/distributed.py's, from the same run's
@@ -114,18 +117,24 @@ def _summarize(config: dict, samples: list[dict], same: bool) -> dict:
 ONE_RANK = "1 rank"  # the single process, as a case of the interleaved rounds
 
 
-def switch_settings(backend: str, token_broadcast, lm_head, zero_copy) -> list[tuple[str, str, bool, str]]:
-    """(token_broadcast, lm_head, zero_copy, its label) for every setting the ablation runs on
-    `backend`: all combinations, except that zero copy is one setting labelled "n/a" where the
-    fused step cannot write into the backend's buffer (Backend.fused_zero_copy), since there
+def switch_settings(backend: str, token_broadcast, lm_head, zero_copy, kv_handoff=(True,),
+                    shares_kv_head: bool = True) -> list[tuple[str, str, bool, str, bool, str]]:
+    """(token_broadcast, lm_head, zero_copy, its label, kv_handoff, its label) for every setting
+    the ablation runs on `backend`: all combinations, except that zero copy is one setting
+    labelled "n/a" where the fused step cannot write into the backend's buffer
+    (Backend.fused_zero_copy), and the KV handoff where the backend cannot hand off
+    (Backend.fused_kv_handoff) or the split shares no KV head (shares_kv_head), since there
     "on" and "off" run the same code and a difference between them would be noise."""
     from workbench.distributed.backends import backend as backend_record
 
-    if backend_record(backend).fused_zero_copy:
-        labelled = [(z, "on" if z else "off") for z in zero_copy]
-    else:
-        labelled = [(True, "n/a")]
-    return [(tb, lm, z, label) for tb, lm, (z, label) in itertools.product(token_broadcast, lm_head, labelled)]
+    record = backend_record(backend)
+
+    def labelled(values, applies):
+        return [(v, "on" if v else "off") for v in values] if applies else [(True, "n/a")]
+
+    return [(tb, lm, z, z_label, kv, kv_label) for tb, lm, (z, z_label), (kv, kv_label) in itertools.product(
+        token_broadcast, lm_head, labelled(zero_copy, record.fused_zero_copy),
+        labelled(kv_handoff, record.fused_kv_handoff and shares_kv_head))]
 
 
 STEP_FIT_SOURCE = ("the step's own all-reduce, each call after a cache sweep, measured on the cluster after its "
@@ -134,7 +143,7 @@ STEP_FIT_SOURCE = ("the step's own all-reduce, each call after a cache sweep, me
 
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
                 backends=("gloo", "shm"), token_broadcast=("ids", "embeddings"), lm_head=("topk", "gather"),
-                zero_copy=(True, False), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
+                zero_copy=(True, False), kv_handoff=(True,), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
                 threads_per_rank: int = 1, batch: int = 1, seed: int = 0,
                 comm: dict[str, tuple[float, float]] | None = None,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
@@ -144,6 +153,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     import workbench as wb
     from workbench.analysis.costmodel import tp_roofline_ratio
     from workbench.distributed.allreduce import step_fit
+    from workbench.distributed.shard import plan
     from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
 
@@ -160,22 +170,27 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     cfg, weight_dtype, kv_cache = single.config, single.weight_dtype, single.switches.kv_cache
     comm = dict(comm or {})
 
-    def roofline(cluster: Cluster) -> tuple[float | None, dict]:
-        """The cost model's vs_tp1 for this cluster's ranks and backend, and the all-reduce
-        fit it used: the one given, else measured on the cluster now (its rounds are done);
-        a measurement that fails leaves the column empty and says why, not the rows lost."""
+    def allreduce_fit(cluster: Cluster) -> dict:
+        """The all-reduce fit the roofline column uses: the one given, else measured on the
+        cluster now (its rounds are done); a measurement that fails leaves the column empty
+        and says why, not the rows lost."""
         fit = comm.get(cluster.backend)
-        if fit is None:
-            try:
-                measured = step_fit(cluster, batch * cfg.dim)
-            except RuntimeError as e:  # DistributedError, CommError: an engine or its collective failed
-                return None, {"source": f"measurement failed: {e}"}
-            fit, source = (measured["alpha_us"], measured["beta_gbps"]), STEP_FIT_SOURCE
-        else:
-            source = "given (comm=; bench/distributed.py: the step's all-reduce in its latency part)"
-        ratio = tp_roofline_ratio(cfg, cluster.n, comm=fit, batch=batch, prompt_len=prompt_len,
-                                  new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
-        return ratio, {"alpha_us": fit[0], "beta_gbps": fit[1], "source": source}
+        if fit is not None:
+            return {"alpha_us": fit[0], "beta_gbps": fit[1],
+                    "source": "given (comm=; bench/distributed.py: the step's all-reduce in its latency part)"}
+        try:
+            measured = step_fit(cluster, batch * cfg.dim)
+        except RuntimeError as e:  # DistributedError, CommError: an engine or its collective failed
+            return {"source": f"measurement failed: {e}"}
+        return {"alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"], "source": STEP_FIT_SOURCE}
+
+    def roofline(ranks_: int, fit: dict, handoff: bool) -> float | None:
+        """The cost model's vs_tp1 for these ranks, all-reduce fit and KV handoff."""
+        if "alpha_us" not in fit:
+            return None
+        return tp_roofline_ratio(cfg, ranks_, comm=(fit["alpha_us"], fit["beta_gbps"]), batch=batch,
+                                 prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache,
+                                 weight_dtype=weight_dtype, kv_handoff=handoff)
 
     def one_rank() -> dict:
         set_threads(one_threads)
@@ -193,12 +208,13 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
         one_samples = [one_rank() for _ in range(repeats)]
         del single
     one_config = {"ranks": 1, "backend": "-", "token_broadcast": "-", "lm_head": "-", "zero_copy": "-",
-                  "threads": one_threads}
+                  "kv_handoff": "-", "threads": one_threads}
     rows = []
     order = random.Random(seed)
     for r in multi:
         for backend in backends:
-            combos = switch_settings(backend, token_broadcast, lm_head, zero_copy)
+            shares = r <= cfg.n_kv_heads and any(plan(cfg, k, r).kv_handoff[1] for k in range(r))
+            combos = switch_settings(backend, token_broadcast, lm_head, zero_copy, kv_handoff, shares)
             cluster = Cluster(r, backend=backend, threads_per_rank=threads_per_rank, pin=True).start()
             try:
                 model = cluster.load_model(name, **load_kwargs)
@@ -211,18 +227,19 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                     if c == ONE_RANK:
                         one_here[round_] = one_rank()
                         continue
-                    model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2])
+                    model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2], kv_handoff=c[4])
                     out = model.generate(prompts, **run)
                     samples[c].append((round_, _row(out, batch)))
                     same[c] = same[c] and out.token_ids == ref.token_ids
                 one_samples.extend(one_here.values())
                 one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
-                roof, fit = roofline(cluster)  # one per cluster: the switches do not enter it
+                fit = allreduce_fit(cluster)  # one per cluster: the switches do not enter it
                 for c in combos:
                     config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
-                              "zero_copy": c[3], "threads": threads_per_rank}
+                              "zero_copy": c[3], "kv_handoff": c[5], "threads": threads_per_rank}
                     row = _summarize(config, [s for _, s in samples[c]], same[c])  # in round order, as they ran
-                    row["roofline_vs_tp1"], row["allreduce_fit"] = roof, fit
+                    row["roofline_vs_tp1"] = roofline(r, fit, c[5] == "on")
+                    row["allreduce_fit"] = fit
                     row["allreduce_bytes_per_token"] = 2 * cfg.n_layers * cfg.dim * 4 * batch  # fp32 residual rows
                     if 1 in ranks:
                         ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
@@ -230,7 +247,8 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
                             list(ms.values()), [s["decode_ms_per_token"] for s in one_samples])
                         row["tp1_interleaved"] = interleave
                     rows.append(row)
-                    say(f"ranks {r} {backend} {c[0]} / {c[1]} / zero copy {c[3]}: {row['decode_ms_per_token']:.2f} ms/token, "
+                    say(f"ranks {r} {backend} {c[0]} / {c[1]} / zero copy {c[3]} / KV handoff {c[5]}: "
+                        f"{row['decode_ms_per_token']:.2f} ms/token, "
                         f"comm {row['comm_ms_per_token']:.2f}"
                         + (f", {row['vs_tp1']['median']:.2f}x one process" if "vs_tp1" in row else ""))
             finally:

@@ -1,9 +1,10 @@
-"""Each of the paper's three tensor-parallel switches, its saving in bytes and in ms, from the
-rows of one tensor-parallel ablation (workbench.analysis.tp_ablation).
+"""Each of the paper's three tensor-parallel switches, and our KV handoff, its saving in bytes
+and in ms, from the rows of one tensor-parallel ablation (workbench.analysis.tp_ablation).
 
 switch_savings(rows): per (ranks, backend) and switch, the setting with the optimization (token ids,
-the top-k LM head, zero copy) against the one without it (embeddings, all logits gathered, a
-copy), in rows matched on the other two switches:
+the top-k LM head, zero copy, the KV handoff) against the one without it (embeddings, all logits
+gathered, a copy, the shared KV head computed on both ranks), in rows matched on the other
+switches:
     ranks, backend, switch, setting, against
     pairs                       matched pairs of rows (one per setting of the other switches)
     rounds                      paired differences the ms come from (pairs x rounds)
@@ -21,8 +22,8 @@ from __future__ import annotations
 import statistics
 
 
-# Each switch and its setting without the paper's optimization.
-BASELINES = {"token_broadcast": "embeddings", "lm_head": "gather", "zero_copy": "off"}
+# Each switch and its setting without the optimization (the paper's three, and our KV handoff).
+BASELINES = {"token_broadcast": "embeddings", "lm_head": "gather", "zero_copy": "off", "kv_handoff": "off"}
 
 
 def switch_savings(rows: list[dict]) -> list[dict]:
@@ -33,9 +34,10 @@ def switch_savings(rows: list[dict]) -> list[dict]:
         group = [r for r in multi if (r["ranks"], r["backend"]) == (ranks, backend)]
         for switch, baseline in BASELINES.items():
             others = [k for k in BASELINES if k != switch]
-            for setting in dict.fromkeys(r[switch] for r in group if r[switch] not in (baseline, "n/a")):
-                pairs = [(r, b) for r in group if r[switch] == setting for b in group
-                         if b[switch] == baseline and all(b[k] == r[k] for k in others)]
+            # rows from before a switch existed do not name it
+            for setting in dict.fromkeys(r.get(switch) for r in group if r.get(switch) not in (baseline, "n/a", None)):
+                pairs = [(r, b) for r in group if r.get(switch) == setting for b in group
+                         if b.get(switch) == baseline and all(b.get(k) == r.get(k) for k in others)]
                 if not pairs:
                     continue
                 saved = [b_ms - r_ms for r, b in pairs if "decode_ms_by_round" in r and "decode_ms_by_round" in b

@@ -139,13 +139,17 @@ class Backend:
     # place, so there the zero-copy switch changes only the Python path (prefill, and decode
     # with step="reference").
     fused_zero_copy: bool = False
+    # Its StepCollective can hand a shared KV head from one rank to the other one-sided
+    # (workbench.distributed.tp's kv_handoff): shm only; gloo and oneCCL compute it on both.
+    fused_kv_handoff: bool = False
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("gloo", "torch.distributed's gloo over TCP (any hosts; iface= picks the interface)",
             _gloo_rendezvous, _gloo_connect, _gloo_settings),
     Backend("shm", "our C++ all-reduce over one shared-memory segment (every rank on this host)",
-            _shm_rendezvous, _shm_connect, _shm_settings, one_host=True, fused_zero_copy=True),
+            _shm_rendezvous, _shm_connect, _shm_settings, one_host=True, fused_zero_copy=True,
+            fused_kv_handoff=True),
     Backend("ccl", "oneCCL's libraries through our binding (the ccl extra; any hosts)",
             _ccl_rendezvous, _ccl_connect, _ccl_settings, unavailable=_ccl_unavailable,
             launch_env=_ccl_launch_env, prepare=_ccl_prepare),

@@ -438,7 +438,7 @@ class DistributedModel(SwitchProperties):
                 listener(switches)
 
     def set_options(self, **changes) -> TPOptions:
-        """token_broadcast / lm_head / zero_copy / topk for the next generations."""
+        """token_broadcast / lm_head / zero_copy / kv_handoff / topk for the next generations."""
         from dataclasses import replace
 
         options = replace(self.options, **changes)  # validated here first
@@ -450,7 +450,8 @@ class DistributedModel(SwitchProperties):
         o = self.options
         return (f"<workbench.DistributedModel {self.description}: {self.config.n_layers} layers, attention="
                 f"{self.attention}, kv_cache={self.switches.kv_text}, token_broadcast={o.token_broadcast}, "
-                f"lm_head={o.lm_head}, zero_copy={'on' if o.zero_copy else 'off'}>")
+                f"lm_head={o.lm_head}, zero_copy={'on' if o.zero_copy else 'off'}, "
+                f"kv_handoff={'on' if o.kv_handoff else 'off'}>")
 
     # -- inference ---------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 32, *, attention: str | None = None,

@@ -109,7 +109,8 @@ def load(name: str, kwargs: dict, options: dict) -> dict:
     STATE["model"] = model
     p = tp.plan
     return {"rank": rank, "description": model.description, "weight_bytes": model.llama.weight_bytes,
-            "kv_heads": p.kv_heads, "q_heads": p.q_heads, "q_offset": p.q_offset, "ffn": p.ffn, "vocab": p.vocab,
+            "kv_heads": p.kv_heads, "q_heads": p.q_heads, "q_offset": p.q_offset, "kv_handoff": p.kv_handoff,
+            "ffn": p.ffn, "vocab": p.vocab,
             "config": model.config, "tokenizer": model.tokenizer if rank == 0 else None,
             "weight_dtype": model.llama.weight_dtype}
 

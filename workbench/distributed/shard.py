@@ -25,6 +25,13 @@ twice rank 1's attention weights; by query heads 5 + 4 of the 9, with KV heads 0
 14 : 12 in units of head_dim x dim), and an even FFN split whatever the attention split
 (leaning it against an uneven attention split would equalize a rank's bytes per layer and
 unbalance the MLP part as well). More ranks than KV heads is refused.
+
+A KV head that two ranks hold is computed once where the collective can hand it over
+one-sided (shm; ShardPlan.kv_handoff, kernels/decode_step.cpp): the later rank computes its k
+and v first thing in the layer and hands them over, the earlier one (which has the extra
+query head) skips those rows and takes them. The bundled model's split is then 12 : 12, and
+both ranks still hold the head's weights (the Python path and the other backends compute it
+on both).
 """
 
 from __future__ import annotations
@@ -72,6 +79,14 @@ class ShardPlan:
     # its KV head (h + q_offset) // group.
     q_offset: int = 0
     group: int = 1
+
+    @property
+    def kv_handoff(self) -> tuple[bool, bool]:
+        """(send, recv): whether this rank's first KV head is also the previous rank's last (its
+        group starts there), and whether its last is also the next rank's first (its group goes
+        on there). The fused step computes such a head once: the later rank computes its k and
+        v and hands them to the earlier, which has the extra query head of the split."""
+        return self.q_offset > 0, self.q_heads[1] < self.kv_heads[1] * self.group
 
     @property
     def head_map(self) -> tuple[int, int] | None:

@@ -27,6 +27,13 @@ The paper's three communication optimizations, each a switch against its naive f
                       the step's own output in place, so there the switch changes only the
                       Python path (prefill, and decode with step="reference")
 
+One more switch of ours, not the paper's:
+
+    kv_handoff        on: a KV head two ranks hold (the query-head split,
+                      ShardPlan.kv_handoff) is computed by one and handed to the other,
+                      one-sided, inside the fused step; off: both compute it. Only shm can
+                      hand off (ShmCollective.hands_off); elsewhere both always compute it
+
 With check_topk, every step also gathers all logits and records whether the mode's top-1
 is the true top-1 and how much of the true top-k it found (`TensorParallel.topk_log`).
 
@@ -54,6 +61,7 @@ class TPOptions:
     token_broadcast: str = "ids"
     lm_head: str = "topk"
     zero_copy: bool = True
+    kv_handoff: bool = True
     topk: int = 8  # (value, id) pairs each rank contributes in the topk and hidden-split modes
     check_topk: bool = False
 
@@ -62,8 +70,9 @@ class TPOptions:
             raise ValueError(f"token_broadcast must be one of {', '.join(TOKEN_BROADCAST)}, got {self.token_broadcast!r}")
         if self.lm_head not in LM_HEAD:
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD)}, got {self.lm_head!r}")
-        if not isinstance(self.zero_copy, bool):
-            raise ValueError(f"zero_copy must be True or False, got {self.zero_copy!r}")
+        for name in ("zero_copy", "kv_handoff"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ValueError(f"topk must be a positive integer, got {self.topk!r}")
 
@@ -79,6 +88,7 @@ class TensorParallel:
         self.plan: ShardPlan | None = None  # known once the model's config is
         self.comm_s: dict = {}  # (layer, part) -> seconds of its all-reduce in this step
         self.topk_log: list[dict] = []
+        self.put_floats = 0  # the fused step's KV handoffs so far, at the start of this step
 
     # -- at load ------------------------------------------------------------------------------
     def keep(self, cfg: ModelConfig, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,6 +99,7 @@ class TensorParallel:
     def attach(self, model) -> None:
         self.llama = model
         model.head_map = self.plan.head_map  # where the shard cut a group of query heads, which KV head each reads
+        model.kv_handoff = self.plan.kv_handoff  # a KV head held with a neighbour: computed once, handed over
         model.collective = self.comm.step_collective()  # called from C++ by the fused step
         self.head_hidden = model.extras["lm_head_hidden_split"]
         world, vocab = self.comm.world, model.cfg.vocab_size
@@ -101,14 +112,19 @@ class TensorParallel:
         self.comm_s.clear()
         self.comm.take_log()
         collective = self.llama.collective
-        if hasattr(collective, "zero_copy"):  # the switch, for the fused step too
+        if hasattr(collective, "zero_copy"):  # the switches, for the fused step too
             collective.zero_copy = self.options.zero_copy
+        if hasattr(collective, "kv_handoff"):
+            collective.kv_handoff = self.options.kv_handoff
         if hasattr(collective, "wait_s"):  # the fused step's waits, this step's only
             collective.wait_s = 0.0
+        self.put_floats = getattr(collective, "put_floats", 0)  # what this step's KV handoffs send: the change
 
     def end(self, rec):
         if rec is not None:
-            _attribute_comm(rec, self, self.comm.take_log(), getattr(self.llama.collective, "wait_s", None))
+            collective = self.llama.collective
+            _attribute_comm(rec, self, self.comm.take_log(), getattr(collective, "wait_s", None))
+            rec.comm_bytes += 4 * (getattr(collective, "put_floats", 0) - self.put_floats)  # the KV handoffs' floats
         return rec
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -252,7 +252,7 @@ class KernelSet:
         self.ext.set_gemm_engine(engine)
 
     def decode_stack(self, layers, caches, *, heads: int, eps: float, int8_kernel: str = "widen", group: int = 0,
-                     q_offset: int = 0):
+                     q_offset: int = 0, kv_handoff: tuple[bool, bool] = (False, False)):
         """The fused decode step over a whole decoder stack (kernels/decode_step.cpp).
 
         layers: the model's Layer objects (attn_norm, mlp_norm, and the Linear wqkv, wo,
@@ -263,7 +263,9 @@ class KernelSet:
         [B, head_dim], positions [B]; timers a float64 [layers, parts] tensor that receives
         each layer's seconds per part (constants()["timer_parts"]), or None. The weights and
         caches are held, not copied: build one per (model, cache). group, q_offset:
-        decode_attention's."""
+        decode_attention's. kv_handoff (send, recv): a tensor-parallel rank's shared KV head
+        (workbench.distributed.shard.kv_handoff): its first KV head computed here and handed
+        to the previous rank, its last taken from the next rank, where step's comm can."""
         layers, caches = list(layers), list(caches)
         if len(caches) != len(layers):
             raise ValueError(f"decode_stack: caches needs one (k, v, k_scale, v_scale) per layer: {len(layers)}, "
@@ -274,8 +276,11 @@ class KernelSet:
                                         *cache)
                    for layer, cache in zip(layers, caches)]
         group, q_offset = _head_map("decode_stack", group, q_offset)
+        if (not isinstance(kv_handoff, tuple) or len(kv_handoff) != 2
+                or not all(isinstance(f, bool) for f in kv_handoff)):
+            raise ValueError(f"decode_stack: kv_handoff must be a (send, recv) pair of bools, got {kv_handoff!r}")
         return self.ext.DecodeStack(records, heads, float(eps), _int8_kernel("decode_stack", int8_kernel), group,
-                                    q_offset)
+                                    q_offset, *kv_handoff)
 
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
         """Rotary position embedding (rotate-half layout) in place: in each row of x [T, C]

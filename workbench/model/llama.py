@@ -52,8 +52,8 @@ class Parallel(Protocol):
                                  None: the embedding / final norm / LM head dict; entries it adds
                                  there beyond those three land in LlamaModel.extras)
         attach(model)            once the shard is packed: sets model.collective (the all-reduce
-                                 the fused decode step runs after o_proj and down_proj) and
-                                 model.head_map
+                                 the fused decode step runs after o_proj and down_proj),
+                                 model.head_map and model.kv_handoff
         embed(tokens)            token ids [T] -> [T, dim], the same on every rank
         head(x)                  the final norm, this rank's LM head and the exchange -> logits
                                  [rows, vocab] every rank agrees on
@@ -200,6 +200,9 @@ class LlamaModel:
         # its query heads reads: (group, q_offset), see kernels.decode_attention. None: equal
         # groups, as in one process.
         self.head_map: tuple[int, int] | None = None
+        # ... and whether its first KV head is also the previous rank's (it computes it and
+        # hands it over) and its last also the next rank's (it takes it): (send, recv).
+        self.kv_handoff = (False, False)
         self.parallel = parallel
         if parallel is not None:
             parallel.attach(self)
@@ -427,7 +430,8 @@ class LlamaModel:
         if stack is None:
             group, q_offset = self.head_map or (0, 0)
             stack = kernels.decode_stack(self.layers, cache.per_layer, heads=self.n_heads, eps=self.cfg.norm_eps,
-                                         int8_kernel=cache.kernel, group=group, q_offset=q_offset)
+                                         int8_kernel=cache.kernel, group=group, q_offset=q_offset,
+                                         kv_handoff=self.kv_handoff)
             self._stacks[cache] = stack
         return stack
 

@@ -73,7 +73,8 @@ def measurements(report: dict) -> dict[str, dict]:
         elif kind == "tp_ablation":
             for r in e["rows"]:
                 key = (f"tensor parallel {model} ranks {r['ranks']} {r['backend']} {r['token_broadcast']} "
-                       f"{r['lm_head']} zero copy {r['zero_copy']}")
+                       f"{r['lm_head']} zero copy {r['zero_copy']}"
+                       + (f" KV handoff {r['kv_handoff']}" if r.get("kv_handoff", "n/a") not in ("n/a", "-") else ""))
                 add(key, _metric("decode ms per token", "ms", "lower", r["decode_ms_per_token"], r.get("decode_ms_min"),
                                  r.get("decode_ms_max"), r.get("repeats", 1)))
         elif kind == "peers":

@@ -239,13 +239,15 @@ def _tp_name(r: dict, sep: str = ", ") -> str:
     if r["ranks"] == 1:
         return "1 rank (one process)"
     return sep.join((f"{r['ranks']} ranks over {r['backend']}", f"token broadcast {_number(r['token_broadcast'])}",
-                     f"LM head {r['lm_head']}", f"zero copy {_number(r['zero_copy'])}"))
+                     f"LM head {r['lm_head']}", f"zero copy {_number(r['zero_copy'])}")
+                    + ((f"KV handoff {_number(r['kv_handoff'])}",) if r.get("kv_handoff", "n/a") != "n/a" else ()))
 
 
 SWITCH_SAID = {("token_broadcast", "ids"): "token ids broadcast instead of embeddings",
                ("lm_head", "topk"): "the LM head's local top-k exchanged instead of all logits gathered",
                ("lm_head", "hidden-split"): "the hidden-split LM head instead of all logits gathered",
-               ("zero_copy", "on"): "zero copy (the kernels write into the collective's buffer) instead of a copy"}
+               ("zero_copy", "on"): "zero copy (the kernels write into the collective's buffer) instead of a copy",
+               ("kv_handoff", "on"): "the shared KV head computed by one rank and handed over instead of by both"}
 
 
 def _saving_said(s: dict) -> str:
@@ -253,8 +255,10 @@ def _saving_said(s: dict) -> str:
     whether every round agrees on its sign."""
     what = SWITCH_SAID.get((s["switch"], s["setting"]), f"{s['switch']} {s['setting']} instead of {s['against']}")
     where = f"{s['ranks']} ranks over {s['backend']}, {s['pairs']} matched pair{'s' if s['pairs'] > 1 else ''}"
-    bytes_ = (f"{_number(s['sent_bytes_saved_per_token'], 'bytes')} less sent per token" if s["switch"] != "zero_copy"
-              else f"{_number(s['copied_bytes_saved_per_token'], 'bytes')} per token not copied, the same sent")
+    if s["switch"] == "zero_copy":
+        bytes_ = f"{_number(s['copied_bytes_saved_per_token'], 'bytes')} per token not copied, the same sent"
+    else:
+        bytes_ = f"{_number(s['sent_bytes_saved_per_token'], 'bytes')} less sent per token"
     ms = s["ms_saved_per_token"]
     if ms is None:
         timed = "no rounds recorded to pair"

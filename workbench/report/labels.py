@@ -34,6 +34,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     # tensor parallel
     "ranks": ("ranks", "int"), "backend": ("backend", "text"), "token_broadcast": ("token broadcast", "text"),
     "lm_head": ("LM head", "text"), "zero_copy": ("zero copy", "text"),
+    "kv_handoff": ("KV handoff", "text"),
     "decode_ms_per_token": ("decode ms per token", "ms"), "comm_ms_per_token": ("communication ms per token", "ms"),
     "pct_comm": ("% communication", "pct"),
     "comm_wait_ms_per_token": ("of it, waiting for the other ranks, ms per token", "ms"),
