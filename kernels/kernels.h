@@ -273,7 +273,9 @@ struct StackShape {
 // waiting until they are there. Both ranks must get the same answer from hands_off for the
 // same n (it depends only on the collective's settings, which every rank shares). Where it
 // says no, both ranks compute the shared KV head. Added after all_reduce, so that a
-// collective built from an older kernels.h (ForeignCollective's target) keeps its layout.
+// collective built from an older kernels.h (ForeignCollective's target) keeps its layout;
+// ForeignCollective does not hand off (oneCCL's send and receive, tried, cost more in the
+// step than computing the head on both ranks: docs/distributed.md).
 struct StepCollective {
   virtual ~StepCollective() = default;
   virtual float* buffer(int64_t n) = 0;
