@@ -115,6 +115,16 @@ double all_reduce(StepCollective* comm, float* data, int64_t n) {
   return seconds(c0, Clock::now());
 }
 
+// The k and v of one KV head, hand [B, 2, D], into each row of qkv (width floats apart) at
+// k_unit and v_unit (in units of D floats).
+void place_head(const float* hand, float* qkv, int64_t B, int64_t D, int64_t width, int64_t k_unit, int64_t v_unit) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* kv = hand + b * 2 * D;
+    std::copy(kv, kv + D, qkv + b * width + k_unit * D);
+    std::copy(kv + D, kv + 2 * D, qkv + b * width + v_unit * D);
+  }
+}
+
 // qkv [B, (H + 2 Hkv) D] = h W_qkv^T, with the shared KV head handed off where the rank shares
 // one (StackShape::kv_send / kv_recv) and the collective can: the sending rank computes that
 // head's k and v rows first and puts them, then its other rows; the receiving rank computes
@@ -141,10 +151,7 @@ double qkv_projection(const float* h, const WeightRef& w, const StackShape& s, S
     const auto c0 = Clock::now();
     comm->put(hand, n);
     comm_s += seconds(c0, Clock::now());
-    for (int64_t b = 0; b < B; ++b) {
-      std::copy(hand + b * 2 * D, hand + b * 2 * D + D, qkv + b * width + H * D);
-      std::copy(hand + b * 2 * D + D, hand + (b + 1) * 2 * D, qkv + b * width + (H + Hkv) * D);
-    }
+    place_head(hand, qkv, B, D, width, H, H + Hkv);
     done[H] = done[H + Hkv] = 1;
   }
   if (recv) done[H + Hkv - 1] = done[units - 1] = 1;
@@ -162,10 +169,7 @@ double qkv_projection(const float* h, const WeightRef& w, const StackShape& s, S
     const auto c0 = Clock::now();
     comm->get(hand, n);
     comm_s += seconds(c0, Clock::now());
-    for (int64_t b = 0; b < B; ++b) {
-      std::copy(hand + b * 2 * D, hand + b * 2 * D + D, qkv + b * width + (H + Hkv - 1) * D);
-      std::copy(hand + b * 2 * D + D, hand + (b + 1) * 2 * D, qkv + b * width + (units - 1) * D);
-    }
+    place_head(hand, qkv, B, D, width, H + Hkv - 1, units - 1);
   }
   return comm_s;
 }

@@ -341,15 +341,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     hw = hardware or Hardware.this_machine(ranks, backend, comm)
 
     d, hd = cfg.dim, cfg.head_dim
-    heads, kv_heads, _, f = _busiest_shares(cfg, ranks)
-    # The KV heads whose k and v rows the busiest rank computes: in decode with the handoff, not
-    # the one it takes from its neighbour (its query heads and the KV heads it reads stay).
-    kv_computed = {"prefill": kv_heads, "decode": _busiest_shares(cfg, ranks, kv_handoff)[2]}
-    attn_params = {phase: d * hd * (2 * heads + 2 * kv) for phase, kv in kv_computed.items()}
+    f = cfg.ffn_dim / ranks if ranks > cfg.n_kv_heads else _busiest_ffn(cfg, ranks)
     mlp_params = 3 * d * f
     # Bytes of a rank's matrices in the weight format, scales included.
-    attn_bytes = {phase: wfmt.nbytes(round(hd * (heads + 2 * kv)), d) + wfmt.nbytes(d, round(hd * heads))
-                  for phase, kv in kv_computed.items()}
     mlp_bytes = wfmt.nbytes(round(2 * f), d) + wfmt.nbytes(d, round(f))
     head_bytes = wfmt.nbytes(round(cfg.vocab_size / ranks), d)
     embed_row = d * wfmt.embedding_dtype().itemsize
@@ -376,10 +370,14 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     for phase in PHASES:
         tokens = batch * prompt_len if phase == "prefill" else batch
         pairs = batch * prompt_len * (prompt_len + 1) / 2 if phase == "prefill" else batch * kv_len
+        # the handoff is the fused decode step's: prefill computes every KV head a rank holds
+        heads, kv_heads, kv_computed = _busiest_attention(cfg, ranks, kv_handoff and phase == "decode")
+        attn_params = d * hd * (2 * heads + 2 * kv_computed)
+        attn_bytes = wfmt.nbytes(round(hd * (heads + 2 * kv_computed)), d) + wfmt.nbytes(d, round(hd * heads))
         kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd, max(1, round(kv_heads)))
         layers[phase] = {
-            "attention": cost(attn_bytes[phase] + kv_bytes, 2 * tokens * attn_params[phase] + 4 * heads * hd * pairs,
-                              linear_flops=2 * tokens * attn_params[phase], rows=tokens),
+            "attention": cost(attn_bytes + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs,
+                              linear_flops=2 * tokens * attn_params, rows=tokens),
             "mlp": cost(mlp_bytes, 2 * tokens * mlp_params, linear_flops=2 * tokens * mlp_params, rows=tokens),
             "other": cost(norm_bytes, 0),
             "comm": PartCost(0, 0, 0.0, 0.0, 2 * _allreduce_s(4 * tokens * d, ranks, hw)),
@@ -392,25 +390,30 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)
 
 
-def _busiest_shares(cfg, ranks: int, kv_handoff: bool = False) -> tuple[float, float, float, float]:
-    """(query heads, KV heads, KV heads computed, FFN features) of the rank that sets the pace of each part: the
-    ranks meet at the all-reduce that ends the attention part and the one that ends the MLP,
-    so where the shard plan splits unevenly (workbench.distributed.shard: the bundled model's
-    9 query heads over 2 ranks are 5 + 4, reading 2 KV heads each) every rank waits for the
-    largest share of weights. With kv_handoff, a KV head a rank takes from the next rank
-    (ShardPlan.kv_handoff) is read from its cache but not computed. Past one rank per KV head
-    (no such model runs here; projections only) the mean share."""
+def _busiest_attention(cfg, ranks: int, kv_handoff: bool = False) -> tuple[float, float, float]:
+    """(query heads, KV heads, KV heads computed) of the rank that sets the attention part's
+    pace: the ranks meet at the all-reduce that ends it, so where the shard plan splits unevenly
+    (workbench.distributed.shard: the bundled model's 9 query heads over 2 ranks are 5 + 4,
+    reading 2 KV heads each) every rank waits for the largest share of weights. With
+    kv_handoff, a KV head a rank takes from the next rank (ShardPlan.kv_handoff) is read from
+    its cache but not computed. Past one rank per KV head (no such model runs here;
+    projections only) the mean share."""
     if ranks == 1 or ranks > cfg.n_kv_heads:
-        return cfg.n_heads / ranks, cfg.n_kv_heads / ranks, cfg.n_kv_heads / ranks, cfg.ffn_dim / ranks
+        return cfg.n_heads / ranks, cfg.n_kv_heads / ranks, cfg.n_kv_heads / ranks
     from workbench.distributed.shard import plan
 
     def shares(p):
         kv = p.kv_heads[1] - p.kv_heads[0]
         return p.q_heads[1] - p.q_heads[0], kv, kv - (1 if kv_handoff and p.kv_handoff[1] else 0)
 
-    plans = [plan(cfg, r, ranks) for r in range(ranks)]
-    q, kv, computed = max((shares(p) for p in plans), key=lambda s: s[0] + s[2])  # wq + wo, wk + wv
-    return q, kv, computed, max(p.ffn[1] - p.ffn[0] for p in plans)
+    return max((shares(plan(cfg, r, ranks)) for r in range(ranks)), key=lambda s: s[0] + s[2])  # wq + wo, wk + wv
+
+
+def _busiest_ffn(cfg, ranks: int) -> int:
+    """The most FFN features a rank holds (the MLP part's pace, as attention's above)."""
+    from workbench.distributed.shard import ffn_split
+
+    return max(hi - lo for lo, hi in (ffn_split(cfg, ranks, r) for r in range(ranks)))
 
 
 def _cached_fit(backend: str, ranks: int) -> dict:
