@@ -139,9 +139,12 @@ double qkv_projection(const float* h, const WeightRef& w, const StackShape& s, S
     linear(h, w, qkv, B);
     return 0.0;
   }
-  // In units of D rows: k of KV head j is unit H + j, its v unit H + Hkv + j.
+  // In units of D rows: k of KV head j is unit H + j, its v unit H + Hkv + j. The units not
+  // computed in order below: the sent head's (computed first) and the received head's.
   const int64_t units = H + 2 * Hkv;
-  std::vector<char> done(units, 0);
+  auto handed = [&](int64_t u) {
+    return (send && (u == H || u == H + Hkv)) || (recv && (u == H + Hkv - 1 || u == units - 1));
+  };
   double comm_s = 0.0;
   buf.handoff.resize(n);
   float* hand = buf.handoff.data();  // [B, 2, D]: k then v of each row
@@ -152,16 +155,14 @@ double qkv_projection(const float* h, const WeightRef& w, const StackShape& s, S
     comm->put(hand, n);
     comm_s += seconds(c0, Clock::now());
     place_head(hand, qkv, B, D, width, H, H + Hkv);
-    done[H] = done[H + Hkv] = 1;
   }
-  if (recv) done[H + Hkv - 1] = done[units - 1] = 1;
   for (int64_t u = 0; u < units;) {  // every run of rows not handed off, in order
-    if (done[u]) {
+    if (handed(u)) {
       ++u;
       continue;
     }
     int64_t end = u;
-    while (end < units && !done[end]) ++end;
+    while (end < units && !handed(end)) ++end;
     linear_rows(h, w, u * D, (end - u) * D, qkv + u * D, width, B, buf.rows);
     u = end;
   }

@@ -747,7 +747,7 @@ class WorkbenchMagics(Magics):
 def _handoff_said(shard: dict, hands_off: bool) -> str:
     """A KV head a rank shares with a neighbour (shard.py), and who computes it: with the handoff
     (shm, kv_handoff on) the later rank, for both; otherwise each rank itself."""
-    send, recv = shard.get("kv_handoff", (False, False))
+    send, recv = shard["kv_handoff"]
     (lo, hi), rank = shard["kv_heads"], shard["rank"]
     said = []
     if send:

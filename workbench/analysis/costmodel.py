@@ -341,7 +341,7 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     hw = hardware or Hardware.this_machine(ranks, backend, comm)
 
     d, hd = cfg.dim, cfg.head_dim
-    f = cfg.ffn_dim / ranks if ranks > cfg.n_kv_heads else _busiest_ffn(cfg, ranks)
+    f = _busiest_ffn(cfg, ranks)
     mlp_params = 3 * d * f
     # Bytes of a rank's matrices in the weight format, scales included.
     mlp_bytes = wfmt.nbytes(round(2 * f), d) + wfmt.nbytes(d, round(f))
@@ -409,8 +409,11 @@ def _busiest_attention(cfg, ranks: int, kv_handoff: bool = False) -> tuple[float
     return max((shares(plan(cfg, r, ranks)) for r in range(ranks)), key=lambda s: s[0] + s[2])  # wq + wo, wk + wv
 
 
-def _busiest_ffn(cfg, ranks: int) -> int:
-    """The most FFN features a rank holds (the MLP part's pace, as attention's above)."""
+def _busiest_ffn(cfg, ranks: int) -> float:
+    """The most FFN features a rank holds (the MLP part's pace, as attention's above); past one
+    rank per KV head, the mean share."""
+    if ranks > cfg.n_kv_heads:
+        return cfg.ffn_dim / ranks
     from workbench.distributed.shard import ffn_split
 
     return max(hi - lo for lo, hi in (ffn_split(cfg, ranks, r) for r in range(ranks)))

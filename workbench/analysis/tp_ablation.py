@@ -153,7 +153,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     import workbench as wb
     from workbench.analysis.costmodel import tp_roofline_ratio
     from workbench.distributed.allreduce import step_fit
-    from workbench.distributed.shard import plan
+    from workbench.distributed.shard import shares_kv_head
     from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
 
@@ -213,8 +213,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     order = random.Random(seed)
     for r in multi:
         for backend in backends:
-            shares = r <= cfg.n_kv_heads and any(plan(cfg, k, r).kv_handoff[1] for k in range(r))
-            combos = switch_settings(backend, token_broadcast, lm_head, zero_copy, kv_handoff, shares)
+            combos = switch_settings(backend, token_broadcast, lm_head, zero_copy, kv_handoff, shares_kv_head(cfg, r))
             cluster = Cluster(r, backend=backend, threads_per_rank=threads_per_rank, pin=True).start()
             try:
                 model = cluster.load_model(name, **load_kwargs)

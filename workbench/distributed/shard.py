@@ -132,6 +132,11 @@ def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
                      split(cfg.dim, world, rank), q_offset, cfg.n_heads // cfg.n_kv_heads)
 
 
+def shares_kv_head(cfg: ModelConfig, world: int) -> bool:
+    """Whether the split over `world` ranks leaves some KV head on two ranks (ShardPlan.kv_handoff)."""
+    return 1 < world <= cfg.n_kv_heads and any(plan(cfg, r, world).kv_handoff[1] for r in range(world))
+
+
 def take(p: ShardPlan, head_dim: int, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The slices of one layer's unfused weights (layer None: the embedding, final norm and LM
     head dict) that the rank of plan p keeps (see the module docstring). Slices are copied
