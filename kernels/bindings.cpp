@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "blocks.h"
 #include "kernels.h"
 #include "ops.h"
 #include "prefetch.h"
@@ -89,13 +90,14 @@ std::vector<double> time_collective(wbk::StepCollective& collective, int64_t flo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "workbench attention and KV-cache kernels (see workbench.kernels for the documented API)";
+  py::class_<WeightPart>(m, "WeightPart", py::module_local())  // one row-wise part of a linear layer
+      .def(py::init<Tensor, std::optional<Tensor>, std::string>(), py::arg("w"), py::arg("scale") = py::none(),
+           py::arg("kernel") = "");
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())  // one layer's tensors for DecodeStack
-      .def(py::init<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>,
-                    std::optional<Tensor>, std::optional<Tensor>, Tensor, Tensor, std::optional<Tensor>,
-                    std::optional<Tensor>>(),
+      .def(py::init<Tensor, Tensor, std::vector<WeightPart>, std::vector<WeightPart>, std::vector<WeightPart>,
+                    std::vector<WeightPart>, Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>>(),
            py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"),
-           py::arg("w_down"), py::arg("wqkv_scale"), py::arg("wo_scale"), py::arg("w_gate_up_scale"),
-           py::arg("w_down_scale"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"));
+           py::arg("w_down"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"));
   py::register_exception<wbk::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
   // The collectives a tensor-parallel rank's DecodeStack.step takes (comm=).
   py::class_<wbk::StepCollective>(m, "StepCollective", py::module_local());
@@ -176,7 +178,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_loop", &wbk::fma_loop, py::arg("iterations"),
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"), py::arg("out") = py::none(),
-        py::arg("scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale") = py::none(), py::arg("kernel") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("block_row_bytes", &block_row_bytes, py::arg("kernel"), py::arg("K"));
+  m.def("quantize_blocks", &quantize_blocks, py::arg("x"), py::arg("kernel"), py::arg("search") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("repack_blocks", &repack_blocks, py::arg("w"), py::arg("kernel"), py::arg("K"), py::arg("to_kernel"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_blocks", &dequantize_blocks, py::arg("w"), py::arg("kernel"), py::arg("K"),
+        py::arg("rows") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("block_dot_isa", &wbk::block_dot_isa);
   m.def("shm_segment_bytes", [](int64_t world, int64_t capacity) { return wbk::shm_segment_bytes(world, capacity); });
   m.def("shm_all_reduce", &shm_all_reduce, py::call_guard<py::gil_scoped_release>());
   m.def("shm_broadcast", &shm_broadcast, py::call_guard<py::gil_scoped_release>());
@@ -247,10 +257,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["matvec_max_rows_default"] = wbk::kMatvecMaxRowsDefault;
     d["gemm_panel_bytes"] = wbk::gemm_panel_bytes();
     d["shm_header_bytes"] = wbk::kShmHeaderBytes;
-    weights["float32"] = static_cast<int>(wbk::WeightDtype::kFloat32);
-    weights["bfloat16"] = static_cast<int>(wbk::WeightDtype::kBFloat16);
-    weights["int8"] = static_cast<int>(wbk::WeightDtype::kInt8);
-    weights["int8_group"] = static_cast<int>(wbk::WeightDtype::kInt8Group);
+    py::dict blocks;
+    for (int i = 0; i < wbk::kWeightDtypes; ++i) {
+      weights[wbk::kWeightDtypeNames[i]] = i;
+      const auto g = wbk::block_geometry(static_cast<wbk::WeightDtype>(i));
+      if (g.weights) blocks[wbk::kWeightDtypeNames[i]] = py::make_tuple(g.weights, g.bytes);
+    }
+    d["weight_blocks"] = blocks;  // block kernels: (weights, bytes) of a block
     d["weight_kernels"] = weights;
     py::list names;
     for (const char* n : wbk::kTimerPartNames) names.append(n);

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <vector>
 
+#include "blocks.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -67,7 +68,8 @@ void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
-void linear(const float* x, const WeightRef& w, float* y, int64_t M) {
+// y [M, w.N] = x . w^T for one part of a linear layer (rows w.N apart).
+void linear_part(const float* x, const WeightRef& w, float* y, int64_t M) {
   if (M <= matvec_max_rows(w.dtype)) {
     linear_matvec(x, w.w, w.dtype, w.scale, y, M, w.N, w.K);
   } else {
@@ -75,26 +77,60 @@ void linear(const float* x, const WeightRef& w, float* y, int64_t M) {
   }
 }
 
-// Rows [lo, lo + n) of a linear layer's weights (row-major [N, K], scales per row or per
-// row and group): a linear layer of its own.
+// Rows [lo, lo + n) of one part's weights (row-major [N, K] elements or block rows, scales
+// per row or per row and group): a part of its own.
 WeightRef weight_rows(const WeightRef& w, int64_t lo, int64_t n) {
-  const int64_t bytes = w.dtype == WeightDtype::kFloat32 ? 4 : w.dtype == WeightDtype::kBFloat16 ? 2 : 1;
+  const int64_t row_bytes = is_block(w.dtype)                     ? block_row_bytes(w.dtype, w.K)
+                            : w.dtype == WeightDtype::kFloat32     ? 4 * w.K
+                            : w.dtype == WeightDtype::kBFloat16    ? 2 * w.K
+                                                                   : w.K;
   const int64_t scales = w.dtype == WeightDtype::kInt8Group ? (w.K + kWeightGroup - 1) / kWeightGroup : 1;
-  return {static_cast<const uint8_t*>(w.w) + lo * w.K * bytes, w.dtype, w.scale ? w.scale + lo * scales : nullptr, n,
+  return {static_cast<const uint8_t*>(w.w) + lo * row_bytes, w.dtype, w.scale ? w.scale + lo * scales : nullptr, n,
           w.K};
 }
 
-// y[b, 0:n] (rows ldy apart) = x[b] times rows [lo, lo + n) of w, for the B rows of x.
-void linear_rows(const float* x, const WeightRef& w, int64_t lo, int64_t n, float* y, int64_t ldy, int64_t B,
-                 std::vector<float>& scratch) {
-  const WeightRef part = weight_rows(w, lo, n);
-  if (B == 1) {
-    linear(x, part, y, 1);
+// Output rows [lo, lo + n) of a linear layer: the parts (or pieces of parts) that hold them.
+LinearRef linear_rows_of(const LinearRef& L, int64_t lo, int64_t n) {
+  LinearRef out;
+  out.K = L.K;
+  int64_t first = 0;  // the first output row of the part
+  for (const WeightRef& part : L.parts) {
+    const int64_t a = std::max(lo, first), b = std::min(lo + n, first + part.N);
+    if (a < b) {
+      out.parts.push_back(weight_rows(part, a - first, b - a));
+      out.N += b - a;
+    }
+    first += part.N;
+  }
+  return out;
+}
+
+// y [M, L.N] (rows ldy apart) = x . L^T: each part's outputs in its columns of y. One part
+// writing whole rows runs straight into y; otherwise a part's rows of x are computed into
+// `scratch` and copied (except at M = 1, where its columns are one contiguous piece of y).
+void linear(const float* x, const LinearRef& L, float* y, int64_t ldy, int64_t M, std::vector<float>& scratch) {
+  if (L.parts.size() == 1 && (ldy == L.N || M == 1)) {
+    linear_part(x, L.parts[0], y, M);
     return;
   }
-  scratch.resize(B * n);
-  linear(x, part, scratch.data(), B);
-  for (int64_t b = 0; b < B; ++b) std::copy(scratch.data() + b * n, scratch.data() + (b + 1) * n, y + b * ldy);
+  int64_t col = 0;
+  for (const WeightRef& part : L.parts) {
+    if (M == 1) {
+      linear_part(x, part, y + col, 1);
+    } else {
+      scratch.resize(M * part.N);
+      linear_part(x, part, scratch.data(), M);
+      for (int64_t m = 0; m < M; ++m)
+        std::copy(scratch.data() + m * part.N, scratch.data() + (m + 1) * part.N, y + m * ldy + col);
+    }
+    col += part.N;
+  }
+}
+
+// y[b, 0:n] (rows ldy apart) = x[b] times output rows [lo, lo + n) of L, for the B rows of x.
+void linear_rows(const float* x, const LinearRef& L, int64_t lo, int64_t n, float* y, int64_t ldy, int64_t B,
+                 std::vector<float>& scratch) {
+  linear(x, linear_rows_of(L, lo, n), y, ldy, B, scratch);
 }
 
 using Clock = std::chrono::steady_clock;
@@ -131,12 +167,12 @@ void place_head(const float* hand, float* qkv, int64_t B, int64_t D, int64_t wid
 // every row but that head's and then gets them. The rows are the ones the rank would compute
 // itself, from the same weights, so its k and v are the same numbers either way. Returns the
 // seconds spent in put and get (the step's communication).
-double qkv_projection(const float* h, const WeightRef& w, const StackShape& s, StepCollective* comm, int64_t B,
+double qkv_projection(const float* h, const LinearRef& w, const StackShape& s, StepCollective* comm, int64_t B,
                       float* qkv, StepBuffers& buf) {
   const int64_t H = s.H, Hkv = s.Hkv, D = s.D, width = (H + 2 * Hkv) * D, n = B * 2 * D;
   const bool send = s.kv_send, recv = s.kv_recv;
   if (!comm || !(send || recv) || !comm->hands_off(n)) {
-    linear(h, w, qkv, B);
+    linear(h, w, qkv, width, B, buf.rows);
     return 0.0;
   }
   // In units of D rows: k of KV head j is unit H + j, its v unit H + Hkv + j. The units not
@@ -223,7 +259,7 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
                   s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_kernel, s.heads};
     decode_attention(da);
     float* o_out = output_buffer(a.comm, out, B * dim);
-    linear(buf.attn.data(), L.o, o_out, B);
+    linear(buf.attn.data(), L.o, o_out, dim, B, buf.rows);
     const double attn_comm_s = handoff_s + all_reduce(a.comm, o_out, B * dim);
     const auto t2 = Clock::now();
 
@@ -234,13 +270,13 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     const auto t3 = Clock::now();
 
     // MLP: [gate | up], SiLU(gate) * up, down.
-    linear(h, L.gate_up, buf.gate_up.data(), B);
+    linear(h, L.gate_up, buf.gate_up.data(), 2 * ffn, B, buf.rows);
     for (int64_t b = 0; b < B; ++b) {
       const float* gu = buf.gate_up.data() + b * 2 * ffn;
       silu_mul_row(gu, gu + ffn, buf.act.data() + b * ffn, ffn);
     }
     float* d_out = output_buffer(a.comm, out, B * dim);
-    linear(buf.act.data(), L.down, d_out, B);
+    linear(buf.act.data(), L.down, d_out, dim, B, buf.rows);
     const double mlp_comm_s = all_reduce(a.comm, d_out, B * dim);
     const auto t4 = Clock::now();
     for (int64_t b = 0; b < B; ++b) add_row(a.x + b * dim, d_out + b * dim, dim);

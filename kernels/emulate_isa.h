@@ -561,6 +561,12 @@ inline void tile_dpbssd(int c, int a, int b) {
   }
 }
 
+// VPDPWSSD on 256 bits (AVX512-VNNI with VL): each int32 lane plus the two int16 products of
+// its lane pair, wrapping like the instruction (and like pmaddwd + paddd, which it equals).
+inline __m256i mm256_dpwssd_epi32(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
 }  // namespace wbk_emu
 
 // The intrinsics, now calls of the emulations above.
@@ -639,3 +645,4 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _mm512_mask_sub_epi8(...) ::wbk_emu::mm512_mask_sub_epi8(__VA_ARGS__)
 #define _mm512_maddubs_epi16(...) ::wbk_emu::mm512_maddubs_epi16(__VA_ARGS__)
 #define _mm512_madd_epi16(...) ::wbk_emu::mm512_madd_epi16(__VA_ARGS__)
+#define _mm256_dpwssd_epi32(...) ::wbk_emu::mm256_dpwssd_epi32(__VA_ARGS__)

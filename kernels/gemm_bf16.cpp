@@ -786,7 +786,9 @@ GemmEngine gemm_engine() {
 }
 
 GemmEngine gemm_engine_for(WeightDtype dtype) {
-  if (dtype == WeightDtype::kFloat32) return GemmEngine::kFma;
+  // fp32 weights: the exact path. Block-quantized ones (blocks.h) are dequantized to fp32 slices
+  // for the FMA GEMM: their values are exact there, where a bf16 engine would round them.
+  if (dtype == WeightDtype::kFloat32 || is_block(dtype)) return GemmEngine::kFma;
   const GemmEngine engine = gemm_engine();
   if (engine != GemmEngine::kAmxInt8) return engine;
   return dtype == WeightDtype::kInt8 ? GemmEngine::kAmxInt8 : GemmEngine::kAmxBf16;  // W8A8: per-row int8 only

@@ -137,7 +137,16 @@ void kv_cache_append(const AppendArgs& a);
 // once to each finished output), or int8 with one fp32 scale per 32 weights of a row
 // (scales [N][ceil(K / 32)], applied in registers as each vector is widened). `row_scale`
 // points at whichever scales the dtype has.
-enum class WeightDtype { kFloat32, kBFloat16, kInt8, kInt8Group };
+// The block-quantized dtypes after kInt8Group (blocks.h: GGUF's block types Q4_0 ... Q6_K and
+// the workbench's own i4_g128) are rows of bytes in their own layouts, read by blocks.cpp.
+enum class WeightDtype { kFloat32, kBFloat16, kInt8, kInt8Group, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K,
+                         kQ6_K, kI4G128 };
+inline constexpr int kWeightDtypes = 13;
+// The enumerators' names, in order (WeightFormat.kernel, constants()["weight_kernels"]).
+inline constexpr const char* kWeightDtypeNames[kWeightDtypes] = {
+    "float32", "bfloat16", "int8", "int8_group", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+    "i4_g128"};
+inline bool is_block(WeightDtype d) { return static_cast<int>(d) >= static_cast<int>(WeightDtype::kQ4_0); }
 // Weights per scale of grouped int8 weights (kInt8Group; llama.cpp's Q8_0 granularity).
 inline constexpr int64_t kWeightGroup = 32;
 void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
@@ -239,10 +248,14 @@ struct WeightRef {  // one linear layer's weights, as linear_matvec / linear_gem
   const float* scale;  // int8 scales (per row or per 32 weights), else null
   int64_t N, K;
 };
+struct LinearRef {  // a linear layer: row-wise parts (formats may differ), outputs concatenated
+  std::vector<WeightRef> parts;
+  int64_t N = 0, K = 0;
+};
 struct LayerRef {  // one layer's weights and KV cache
   const float* attn_norm;
   const float* mlp_norm;
-  WeightRef qkv, o, gate_up, down;
+  LinearRef qkv, o, gate_up, down;
   void* k_cache;
   void* v_cache;
   float* k_scale;  // int8 caches only

@@ -45,6 +45,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "blocks.h"
 #include "cache.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -349,13 +350,12 @@ constexpr int kSpreadSteps = 2;
 inline bool spread_prefetch(int64_t tokens, int64_t kc) {
   return tokens * kc * static_cast<int64_t>(sizeof(float)) <= l1d_bytes();
 }
-template <typename T>
 class SlicePrefetch {
  public:
   SlicePrefetch() = default;
-  SlicePrefetch(const T* w, int64_t K, int64_t k0, int64_t kc, int64_t rows)
-      : row_(reinterpret_cast<const char*>(w + k0)), pitch_(K * static_cast<int64_t>(sizeof(T))),
-        row_bytes_(kc * static_cast<int64_t>(sizeof(T))), rows_left_(rows) {}
+  // `rows` rows of `row_bytes` bytes from `row`, `pitch` bytes apart.
+  SlicePrefetch(const void* row, int64_t pitch, int64_t row_bytes, int64_t rows)
+      : row_(static_cast<const char*>(row)), pitch_(pitch), row_bytes_(row_bytes), rows_left_(rows) {}
   void one() {
     if (rows_left_ == 0) return;
     prefetch_line<2>(row_ + off_);  // prefetcht1, as before the spread
@@ -557,16 +557,61 @@ inline void task_tiles(int64_t kc, const float* a, int64_t lda, const float* xbl
   }
 }
 
+// Where a GEMM task's rows of W come from, as fp32 slices of kKC-apart rows (pack) and as the
+// bytes to prefetch (prefetch): typed rows (fp32, bf16, int8 with grouped int8's scales), or
+// block-quantized rows dequantized 32 weights at a time (blocks.h; their slices start on a
+// multiple of 32, kUnit).
 template <typename T>
-void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, const float* gscale = nullptr) {
-  const int64_t groups = (K + kGroup - 1) / kGroup;
+struct TypedRows {
+  static constexpr int64_t kUnit = W;  // slices are whole vectors
+  static constexpr bool kFp32 = std::is_same_v<T, float>;
+  const T* w;
+  int64_t K;
+  const float* gscale;  // grouped int8: [N][groups], else null
+  const T* row(int64_t n) const { return w + n * K; }
+  void pack(int64_t n0, int64_t k0, int64_t kc, int64_t rows, float* dst) const {
+    const int64_t groups = (K + kGroup - 1) / kGroup;
+    pack_w_slice(w + n0 * K, K, k0, kc, rows, dst, gscale ? gscale + n0 * groups : nullptr);
+  }
+  SlicePrefetch prefetch(int64_t n0, int64_t k0, int64_t kc, int64_t rows) const {
+    const int64_t e = sizeof(T);
+    return SlicePrefetch(w + n0 * K + k0, K * e, kc * e, rows);
+  }
+};
+
+struct BlockRows {
+  static constexpr int64_t kUnit = kBlockChunk;
+  static constexpr bool kFp32 = false;
+  const uint8_t* w;
+  WeightDtype dtype;
+  int64_t K, row_bytes;
+  const float* row(int64_t) const { return nullptr; }
+  void pack(int64_t n0, int64_t k0, int64_t kc, int64_t rows, float* dst) const {
+    for (int64_t r = 0; r < kTaskRows; ++r) {
+      float* out = dst + r * kKC;
+      if (r < rows)
+        dequantize_block_range(dtype, w + (n0 + r) * row_bytes, K, k0, kc, out);
+      else
+        std::fill(out, out + kc, 0.0f);
+    }
+  }
+  SlicePrefetch prefetch(int64_t n0, int64_t k0, int64_t kc, int64_t rows) const {
+    // the slice's share of each row (its quants; a K-quant super-block holds its scales too)
+    return SlicePrefetch(w + n0 * row_bytes + k0 * row_bytes / K, row_bytes, std::max<int64_t>(64, kc * row_bytes / K),
+                         rows);
+  }
+};
+static_assert(kKC % kBlockChunk == 0, "a slice of block-quantized rows is whole chunks of 32");
+
+template <typename Rows>
+void gemm(const float* x, const Rows& src, float* y, int64_t M, int64_t N, int64_t K) {
   const TokenBlocks tb(M);  // a batch of 16 decodes as one block of 16
   const int64_t m_blocks = tb.count;
   const int64_t n_blocks = (N + kTaskRows - 1) / kTaskRows;
   // Slices of at most kKC, as equal as whole vectors allow: a slice of K = 576 is 120 (AVX2)
   // or 128, not 115.2 rounded up, so packing a slice of bf16 / int8 rows ends no row with a
   // masked store (slow on AVX2: perf put one per row above the widening itself).
-  const int64_t slices = (K + kKC - 1) / kKC, slice = round_up((K + slices - 1) / slices, W);
+  const int64_t slices = (K + kKC - 1) / kKC, slice = round_up((K + slices - 1) / slices, Rows::kUnit);
   // x^T: up to 16 MB in the calling thread's scratch (kept for the next call); a long
   // prefill's is allocated for this call only, not held for the thread's lifetime.
   const int64_t xt_size = tb.padded() * K;
@@ -597,29 +642,28 @@ void gemm(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K,
         const int64_t width = ((tokens + W - 1) / W) * W;  // columns of the y^T tile, whole vectors
         const int64_t ldct = mc + kCtPad;
         const float* xblock = xt + m0 * K;
-        const bool in_place = std::is_same_v<T, float> && rows == kTaskRows && rows_fit;
+        const bool in_place = Rows::kFp32 && rows == kTaskRows && rows_fit;
         for (int64_t k0 = kp0; k0 < kp1; k0 += slice) {
           const int64_t kc = std::min(slice, kp1 - k0);
           // fp32 weights of a whole task are read in place (rows K apart); others are widened
           // (and scaled) into the packed slice, rows kKC apart.
           const float* a = wp.data();
           int64_t lda = kKC;
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (Rows::kFp32) {
             if (in_place) {
-              a = w + n0 * K + k0;
+              a = src.row(n0) + k0;
               lda = K;
             }
           }
-          if (!in_place)
-            pack_w_slice(w + n0 * K, K, k0, kc, rows, wp.data(), gscale ? gscale + n0 * groups : nullptr);
+          if (!in_place) src.pack(n0, k0, kc, rows, wp.data());
           // Fetch the next slice of W (this task's, or the next task's first) while the
           // micro-kernels run: the packing loop otherwise waits on memory latency.
-          SlicePrefetch<T> ahead;
+          SlicePrefetch ahead;
           if (k0 + slice < kp1) {
-            ahead = SlicePrefetch<T>(w + n0 * K, K, k0 + slice, std::min(slice, kp1 - k0 - slice), rows);
+            ahead = src.prefetch(n0, k0 + slice, std::min(slice, kp1 - k0 - slice), rows);
           } else if (t + 1 < end) {
             const int64_t next = ((t + 1) % n_blocks) * kTaskRows;
-            ahead = SlicePrefetch<T>(w + next * K, K, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
+            ahead = src.prefetch(next, kp0, std::min(slice, kp1 - kp0), std::min(kTaskRows, N - next));
           }
           if (spread) {  // a line every kSpreadSteps steps of the tiles, then what they left
             task_tiles(kc, a, lda, xblock, K, mc, k0, ct.data(), ldct, width, k0 > kp0, &ahead);
@@ -682,14 +726,20 @@ void with_weights(const void* w, WeightDtype dtype, const float* scale, float* y
       return run(static_cast<const int8_t*>(w), scale);
     case WeightDtype::kFloat32:
       return run(static_cast<const float*>(w), nullptr);
+    default:  // block-quantized: the callers take them first (blocks.cpp)
+      return;
   }
 }
 
 }  // namespace
 
 namespace {
-std::atomic<int64_t> g_matvec_max_rows[4] = {kMatvecMaxRowsDefault, kMatvecMaxRowsDefault, kMatvecMaxRowsDefault,
-                                             kMatvecMaxRowsDefault};  // one per WeightDtype
+std::atomic<int64_t> g_matvec_max_rows[kWeightDtypes];  // one per WeightDtype; kMatvecMaxRowsDefault until set
+struct MatvecRowsDefaults {
+  MatvecRowsDefaults() {
+    for (auto& r : g_matvec_max_rows) r.store(kMatvecMaxRowsDefault);
+  }
+} g_matvec_rows_defaults;
 }  // namespace
 
 int64_t matvec_max_rows(WeightDtype dtype) {
@@ -702,6 +752,7 @@ void set_matvec_max_rows(WeightDtype dtype, int64_t rows) {
 
 void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                    int64_t N, int64_t K) {
+  if (is_block(dtype)) return block_matvec(x, static_cast<const uint8_t*>(w), dtype, y, M, N, K);
   with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { matvec(x, tw, y, M, N, K, gs); });
 }
 
@@ -719,7 +770,12 @@ void linear_gemm(const float* x, const void* w, WeightDtype dtype, const float* 
     if (!grouped) scale_columns(y, row_scale, M, N);
     return;
   }
-  with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { gemm(x, tw, y, M, N, K, gs); });
+  if (is_block(dtype)) {  // dequantized 32 weights at a time into the FMA GEMM's fp32 slices (gemm_engine_for)
+    const auto* wb = static_cast<const uint8_t*>(w);
+    return gemm(x, BlockRows{wb, dtype, K, block_row_bytes(dtype, K)}, y, M, N, K);
+  }
+  with_weights(w, dtype, row_scale, y, M, N,
+               [&](auto* tw, const float* gs) { gemm(x, TypedRows<std::remove_const_t<std::remove_pointer_t<decltype(tw)>>>{tw, K, gs}, y, M, N, K); });
 }
 
 }  // namespace wbk

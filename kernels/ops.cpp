@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "blocks.h"
 #include "prefetch.h"
 
 namespace wbk::ops {
@@ -198,10 +199,25 @@ wbk::HeadMap checked_head_map(int64_t group, int64_t q_offset, int64_t H, int64_
 }
 
 // A linear layer's weights w [N, K] (fp32, bf16, or int8 with `scale` [N] per row or
-// [N, ceil(K / 32)] per 32 weights), checked, as the linear kernels take them.
+// [N, ceil(K / 32)] per 32 weights), or block-quantized rows: uint8 [N, row bytes] with the
+// block `kernel` named (blocks.h), checked, as the linear kernels take them.
 wbk::WeightRef checked_weight(const Tensor& w, const std::optional<Tensor>& scale, const char* fn,
-                              const std::string& name, int64_t K) {
+                              const std::string& name, int64_t K, const std::string& kernel = "") {
   const char* nm = name.c_str();
+  if (w.defined() && w.scalar_type() == at::kByte) {
+    check_tensor(w, fn, nm, 2, "[N, row bytes]");
+    TORCH_CHECK_VALUE(!kernel.empty(), fn, ": ", nm, " is uint8, block-quantized rows: name their kernel (",
+                      "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k or i4_g128)");
+    const wbk::WeightDtype kind = weight_kernel(kernel, fn);
+    TORCH_CHECK_VALUE(wbk::is_block(kind), fn, ": ", nm, " is uint8 but kernel '", kernel,
+                      "' is not a block-quantized one");
+    const std::string why = wbk::block_row_error(kind, K);
+    TORCH_CHECK_VALUE(why.empty(), fn, ": ", nm, " (", kernel, ") with K = ", K, ": ", why);
+    TORCH_CHECK_VALUE(w.size(1) == wbk::block_row_bytes(kind, K), fn, ": ", nm, " (", kernel, ") rows of K = ", K,
+                      " weights take ", wbk::block_row_bytes(kind, K), " bytes, but its rows have ", w.size(1));
+    TORCH_CHECK_VALUE(!scale.has_value(), fn, ": ", nm, " (", kernel, ") holds its scales in its blocks; scale must be None");
+    return {w.data_ptr(), kind, nullptr, w.size(0), K};
+  }
   check_tensor(w, fn, nm, 2, "[N, K]");
   TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar,
                    fn, ": ", nm, " must be float32, bfloat16 or int8 (with scale), got ", w.scalar_type());
@@ -231,7 +247,24 @@ wbk::WeightRef checked_weight(const Tensor& w, const std::optional<Tensor>& scal
   } else {
     TORCH_CHECK_VALUE(!scale.has_value(), fn, ": scale is only for int8 weights, but ", nm, " is ", w.scalar_type());
   }
+  TORCH_CHECK_VALUE(kernel.empty() || weight_kernel(kernel, fn) == kind, fn, ": ", nm, " is ", w.scalar_type(),
+                    " but kernel '", kernel, "' was named");
   return {w.data_ptr(), kind, row_scale, N, K};
+}
+
+// A linear layer of one or more row-wise parts (the fused step's q / k / v or gate / up when
+// their formats differ), each checked for K columns.
+wbk::LinearRef checked_linear(const std::vector<WeightPart>& parts, const char* fn, const std::string& name,
+                              int64_t K) {
+  TORCH_CHECK_VALUE(!parts.empty(), fn, ": ", name, " needs at least one weight part");
+  wbk::LinearRef ref;
+  ref.K = K;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string at = parts.size() == 1 ? name : name + "[" + std::to_string(i) + "]";
+    ref.parts.push_back(checked_weight(parts[i].w, parts[i].scale, fn, at, K, parts[i].kernel));
+    ref.N += ref.parts.back().N;
+  }
+  return ref;
 }
 
 // shared-memory collectives
@@ -277,14 +310,13 @@ const char* engine_name(wbk::GemmEngine e) {
 
 // A weight kernel by its name (WeightFormat.kernel, constants()["weight_kernels"]).
 wbk::WeightDtype weight_kernel(const std::string& kernel, const char* fn) {
-  const wbk::WeightDtype d = kernel == "float32"      ? wbk::WeightDtype::kFloat32
-                             : kernel == "bfloat16"   ? wbk::WeightDtype::kBFloat16
-                             : kernel == "int8"       ? wbk::WeightDtype::kInt8
-                             : kernel == "int8_group" ? wbk::WeightDtype::kInt8Group
-                                                      : static_cast<wbk::WeightDtype>(-1);
-  TORCH_CHECK_VALUE(static_cast<int>(d) >= 0, fn, ": kernel must be 'float32', 'bfloat16', 'int8' or 'int8_group', ",
-                    "got '", kernel, "'");
-  return d;
+  std::string names;
+  for (int i = 0; i < wbk::kWeightDtypes; ++i) {
+    if (kernel == wbk::kWeightDtypeNames[i]) return static_cast<wbk::WeightDtype>(i);
+    names += std::string(i ? ", '" : "'") + wbk::kWeightDtypeNames[i] + "'";
+  }
+  TORCH_CHECK_VALUE(false, fn, ": kernel must be one of ", names, ", got '", kernel, "'");
+  return wbk::WeightDtype::kFloat32;  // not reached: the check throws
 }
 
 Tensor slim_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
@@ -441,12 +473,12 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
-              const std::optional<Tensor>& scale) {
+              const std::optional<Tensor>& scale, const std::string& kernel) {
   const char* fn = "linear";
   check_tensor(x, fn, "x", 2, "[M, K]");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1);
-  const wbk::WeightRef wr = checked_weight(w, scale, fn, "w", K);
+  const wbk::WeightRef wr = checked_weight(w, scale, fn, "w", K, kernel);
   const int64_t N = wr.N;
   const wbk::WeightDtype kind = wr.dtype;
   const float* row_scale = wr.scale;
@@ -468,6 +500,67 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   }
   wbk::linear_gemm(x.data_ptr<float>(), w.data_ptr(), kind, row_scale, y.data_ptr<float>(), M, N, K);
   return y;
+}
+
+int64_t block_row_bytes(const std::string& kernel, int64_t K) {
+  const char* fn = "block_row_bytes";
+  const wbk::WeightDtype kind = weight_kernel(kernel, fn);
+  TORCH_CHECK_VALUE(wbk::is_block(kind), fn, ": '", kernel, "' is not a block-quantized kernel");
+  const std::string why = wbk::block_row_error(kind, K);
+  TORCH_CHECK_VALUE(why.empty(), fn, ": ", kernel, " with K = ", K, ": ", why);
+  return wbk::block_row_bytes(kind, K);
+}
+
+namespace {
+// Block rows w [N, row bytes] of `kernel` holding K weights a row, checked.
+wbk::WeightDtype checked_block_rows(const Tensor& w, const std::string& kernel, int64_t K, const char* fn) {
+  check_tensor(w, fn, "w", 2, "[N, row bytes]");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, fn, ": w must be uint8 rows of blocks, got ", w.scalar_type());
+  const int64_t bytes = block_row_bytes(kernel, K);
+  TORCH_CHECK_VALUE(w.size(1) == bytes, fn, ": ", kernel, " rows of K = ", K, " take ", bytes, " bytes, w has ",
+                    w.size(1));
+  return weight_kernel(kernel, fn);
+}
+}  // namespace
+
+Tensor quantize_blocks(const Tensor& x, const std::string& kernel, bool search) {
+  const char* fn = "quantize_blocks";
+  check_tensor(x, fn, "x", 2, "[rows, K]");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  const int64_t K = x.size(1);
+  const int64_t bytes = block_row_bytes(kernel, K);
+  TORCH_CHECK_VALUE(!search || kernel == "q4_0", fn, ": search is for q4_0 (int4-g32) only, got '", kernel, "'");
+  Tensor out = at::empty({x.size(0), bytes}, x.options().dtype(at::kByte));
+  wbk::quantize_block_rows(weight_kernel(kernel, fn), x.data_ptr<float>(), out.data_ptr<uint8_t>(), x.size(0), K, search);
+  return out;
+}
+
+Tensor repack_blocks(const Tensor& w, const std::string& kernel, int64_t K, bool to_kernel) {
+  const wbk::WeightDtype kind = checked_block_rows(w, kernel, K, "repack_blocks");
+  Tensor out = at::empty_like(w);
+  wbk::repack_block_rows(kind, w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), w.size(0), K, to_kernel);
+  return out;
+}
+
+Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, const std::optional<Tensor>& rows) {
+  const char* fn = "dequantize_blocks";
+  const wbk::WeightDtype kind = checked_block_rows(w, kernel, K, fn);
+  const int64_t* index = nullptr;
+  int64_t count = w.size(0);
+  Tensor idx;
+  if (rows) {
+    check_tensor(*rows, fn, "rows", 1, "[count]");
+    TORCH_CHECK_TYPE(rows->scalar_type() == at::kLong, fn, ": rows must be int64, got ", rows->scalar_type());
+    idx = *rows;
+    count = idx.size(0);
+    index = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+      TORCH_CHECK_INDEX(index[i] >= 0 && index[i] < w.size(0), fn, ": rows[", i, "] = ", index[i], " is not a row of w (",
+                        w.size(0), " rows)");
+  }
+  Tensor out = at::empty({count, K}, w.options().dtype(at::kFloat));
+  wbk::dequantize_block_rows(kind, w.data_ptr<uint8_t>(), index, count, K, out.data_ptr<float>());
+  return out;
 }
 
 void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std) {
@@ -683,8 +776,13 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
   check_tensor(first.attn_norm, fn, "layers[0].attn_norm", 1, "[dim]");
   const int64_t dim = first.attn_norm.size(0);
   const wbk::HeadMap head_map = checked_head_map(group, q_offset, heads, Hkv, fn);
-  check_tensor(first.w_down, fn, "layers[0].w_down", 2, "[dim, ffn]");
-  const int64_t ffn = first.w_down.size(1);
+  TORCH_CHECK_VALUE(!first.w_gate_up.empty(), fn, ": layers[0].w_gate_up needs at least one weight part");
+  int64_t gate_up_rows = 0;
+  for (const WeightPart& part : first.w_gate_up) {
+    check_tensor(part.w, fn, "layers[0].w_gate_up", 2, "[rows, K]");
+    gate_up_rows += part.w.size(0);
+  }
+  const int64_t ffn = gate_up_rows / 2;
   const wbk::CacheDtype dtype = cache_dtype(first.k_cache, fn, "layers[0].k_cache");
   const bool is_int8 = dtype == wbk::CacheDtype::kInt8;
   const wbk::Int8Kernel int8_kernel =
@@ -708,10 +806,10 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
     wbk::LayerRef r{};
     r.attn_norm = in.attn_norm.data_ptr<float>();
     r.mlp_norm = in.mlp_norm.data_ptr<float>();
-    r.qkv = checked_weight(in.wqkv, in.wqkv_scale, fn, at + "wqkv", dim);
-    r.o = checked_weight(in.wo, in.wo_scale, fn, at + "wo", heads * D);
-    r.gate_up = checked_weight(in.w_gate_up, in.w_gate_up_scale, fn, at + "w_gate_up", dim);
-    r.down = checked_weight(in.w_down, in.w_down_scale, fn, at + "w_down", ffn);
+    r.qkv = checked_linear(in.wqkv, fn, at + "wqkv", dim);
+    r.o = checked_linear(in.wo, fn, at + "wo", heads * D);
+    r.gate_up = checked_linear(in.w_gate_up, fn, at + "w_gate_up", dim);
+    r.down = checked_linear(in.w_down, fn, at + "w_down", ffn);
     TORCH_CHECK_VALUE(r.qkv.N == (heads + 2 * Hkv) * D && r.o.N == dim && r.gate_up.N == 2 * ffn && r.down.N == dim,
                       fn, ": layer ", l, "'s weights do not fit dim ", dim, ", ", heads, " heads, ", Hkv,
                       " KV heads of ", D, " and ffn ", ffn);

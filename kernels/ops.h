@@ -45,7 +45,15 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
                      const std::optional<Tensor>& scales, const std::string& layout);
 
 Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
-              const std::optional<Tensor>& scale);
+              const std::optional<Tensor>& scale, const std::string& kernel);
+
+// Block-quantized rows (blocks.h), by the kernel's name: a row's bytes; our quantizer (x fp32
+// [rows, K] -> uint8 [rows, row bytes] in GGUF's block order, search: q4_0 with least-squares
+// scales); GGUF's order <-> the kernels' (to_kernel); the rows (all, or `rows`) as fp32.
+int64_t block_row_bytes(const std::string& kernel, int64_t K);
+Tensor quantize_blocks(const Tensor& x, const std::string& kernel, bool search);
+Tensor repack_blocks(const Tensor& w, const std::string& kernel, int64_t K, bool to_kernel);
+Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, const std::optional<Tensor>& rows);
 
 void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std);
 
@@ -149,12 +157,19 @@ class ForeignCollective : public wbk::StepCollective {
   wbk::StepCollective* target_;
 };
 
-// One decoder layer's tensors as the fused step reads them: its norms, its four linears
-// (weight and, for int8 weights, the per-row scales) and its KV cache (scales for int8).
+// One row-wise part of a linear layer: its weights, int8's scales, and for block-quantized rows
+// (uint8) their kernel's name ("" otherwise: the dtype says).
+struct WeightPart {
+  Tensor w;
+  std::optional<Tensor> scale;
+  std::string kernel;
+};
+
+// One decoder layer's tensors as the fused step reads them: its norms, its four linears (each
+// one or more parts, whose outputs are concatenated) and its KV cache (scales for int8).
 struct DecodeLayer {
   Tensor attn_norm, mlp_norm;
-  Tensor wqkv, wo, w_gate_up, w_down;
-  std::optional<Tensor> wqkv_scale, wo_scale, w_gate_up_scale, w_down_scale;
+  std::vector<WeightPart> wqkv, wo, w_gate_up, w_down;
   Tensor k_cache, v_cache;
   std::optional<Tensor> k_scale, v_scale;
 };

@@ -72,6 +72,15 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// half_to_float with the F16C instruction where the build has it (the block kernels' scales).
+inline float half_to_float_fast(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
 #if defined(WBK_ISA_AVX512)
 
 struct VecF {
@@ -511,5 +520,221 @@ struct Load<BFloat16> {
     return VecF::load_bf16(reinterpret_cast<const uint16_t*>(p), n);
   }
 };
+
+// 16-bit integer lanes, for the dot products of block-quantized weights (blocks.cpp): a block's
+// 4-, 5-, 6- or 8-bit values widened to int16 and multiplied with the activations quantized to
+// int16 (one scale per 32 values), pairs of products summed into int32 lanes (pmaddwd, or
+// VNNI's vpdpwssd). Every x86 build uses 256-bit vectors here, AVX-512 ones included: a 32-weight
+// chunk of a block is two of them, and the kernels are bound by memory, not by vector width.
+//   VecS    16 int16 lanes: widen_u8 / widen_i8 (16 bytes), load (16 int16), set1, &, |, -,
+//           shr<n> / shl<n> (logical shifts of each lane)
+//   VecI8   8 int32 lanes: dot(acc, a, b) adds a . b in pairs of lanes; hsum8(s) gives the
+//           8 lane-sums of s[0..7] as one vector
+//   Vec8F   8 fp32 lanes: load, load_f16 (8 IEEE halves), set1, +, *, fmadd, reduce_add,
+//           to_float(VecI8)
+#if defined(__AVX2__)
+struct VecS {
+  __m256i v;
+  static inline VecS widen_u8(const uint8_t* p) {
+    return {_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static inline VecS widen_i8(const int8_t* p) {
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static inline VecS load(const int16_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  static inline VecS set1(int16_t x) { return {_mm256_set1_epi16(x)}; }
+  // Lane i = 0x10 where bit i of the 16-bit `bits` is set, else 0 (Q5's fifth bit).
+  static inline VecS bit4_of(uint32_t bits) {
+    const __m256i lanes = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                            static_cast<int16_t>(-32768));
+    const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits & 0xFFFF)), lanes);
+    return {_mm256_and_si256(_mm256_cmpeq_epi16(set, lanes), _mm256_set1_epi16(0x10))};
+  }
+};
+inline VecS operator&(VecS a, VecS b) { return {_mm256_and_si256(a.v, b.v)}; }
+inline VecS operator|(VecS a, VecS b) { return {_mm256_or_si256(a.v, b.v)}; }
+inline VecS operator-(VecS a, VecS b) { return {_mm256_sub_epi16(a.v, b.v)}; }
+template <int N>
+inline VecS shr(VecS a) { return {_mm256_srli_epi16(a.v, N)}; }
+template <int N>
+inline VecS shl(VecS a) { return {_mm256_slli_epi16(a.v, N)}; }
+
+struct VecI8 {
+  __m256i v;
+  static inline VecI8 zero() { return {_mm256_setzero_si256()}; }
+};
+inline VecI8 operator+(VecI8 a, VecI8 b) { return {_mm256_add_epi32(a.v, b.v)}; }
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(WBK_EMULATE_ISA)
+inline constexpr const char* kBlockDotIsa = "avx512-vnni (vpdpwssd)";
+inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_dpwssd_epi32(acc.v, a.v, b.v)}; }
+#elif defined(__AVXVNNI__)
+inline constexpr const char* kBlockDotIsa = "avx-vnni (vpdpwssd)";
+inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_dpwssd_avx_epi32(acc.v, a.v, b.v)}; }
+#else
+inline constexpr const char* kBlockDotIsa = "avx2 (pmaddwd)";
+inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(a.v, b.v))}; }
+#endif
+// The sums of the lanes of s[0] .. s[7], as lanes 0 .. 7 of one vector.
+inline VecI8 hsum8(const VecI8* s) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0].v, s[1].v), _mm256_hadd_epi32(s[2].v, s[3].v));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4].v, s[5].v), _mm256_hadd_epi32(s[6].v, s[7].v));
+  // a: [s0 s1 s2 s3 (low 128 bits' halves) | s0 s1 s2 s3 (high)], b the same for s4..s7
+  return {_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))};
+}
+
+struct Vec8F {
+  __m256 v;
+  static inline Vec8F zero() { return {_mm256_setzero_ps()}; }
+  static inline Vec8F set1(float x) { return {_mm256_set1_ps(x)}; }
+  static inline Vec8F load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static inline Vec8F load_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  // The 8 bytes of `bytes` (little-endian: byte i is lane i), unsigned / signed.
+  static inline Vec8F from_u8(uint64_t bytes) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))))};
+  }
+  static inline Vec8F from_i8(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // Lanes p[0], p[0], p[1], p[1], ..., p[3], p[3].
+  static inline Vec8F load4_doubled(const float* p) {
+    return {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))};
+  }
+};
+inline Vec8F operator+(Vec8F a, Vec8F b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec8F operator*(Vec8F a, Vec8F b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec8F fmadd(Vec8F a, Vec8F b, Vec8F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec8F to_float(VecI8 a) { return {_mm256_cvtepi32_ps(a.v)}; }
+inline float reduce_add(Vec8F a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else  // the portable fallback: the same lanes as arrays
+struct VecS {
+  int16_t v[16];
+  static inline VecS widen_u8(const uint8_t* p) {
+    VecS r;
+    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static inline VecS widen_i8(const int8_t* p) {
+    VecS r;
+    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static inline VecS load(const int16_t* p) {
+    VecS r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+  }
+  static inline VecS set1(int16_t x) {
+    VecS r;
+    for (auto& e : r.v) e = x;
+    return r;
+  }
+  static inline VecS bit4_of(uint32_t bits) {
+    VecS r;
+    for (int i = 0; i < 16; ++i) r.v[i] = static_cast<int16_t>((bits >> i) & 1 ? 0x10 : 0);
+    return r;
+  }
+};
+template <typename F>
+inline VecS lanewise(VecS a, VecS b, F f) {
+  VecS r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<int16_t>(f(a.v[i], b.v[i]));
+  return r;
+}
+inline VecS operator&(VecS a, VecS b) { return lanewise(a, b, [](int x, int y) { return x & y; }); }
+inline VecS operator|(VecS a, VecS b) { return lanewise(a, b, [](int x, int y) { return x | y; }); }
+inline VecS operator-(VecS a, VecS b) { return lanewise(a, b, [](int x, int y) { return x - y; }); }
+template <int N>
+inline VecS shr(VecS a) {
+  for (auto& e : a.v) e = static_cast<int16_t>(static_cast<uint16_t>(e) >> N);
+  return a;
+}
+template <int N>
+inline VecS shl(VecS a) {
+  for (auto& e : a.v) e = static_cast<int16_t>(static_cast<uint16_t>(e) << N);
+  return a;
+}
+struct VecI8 {
+  int32_t v[8];
+  static inline VecI8 zero() { return {{0, 0, 0, 0, 0, 0, 0, 0}}; }
+};
+inline VecI8 operator+(VecI8 a, VecI8 b) {
+  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline constexpr const char* kBlockDotIsa = "scalar";
+inline VecI8 dot(VecI8 acc, VecS a, VecS b) {
+  for (int i = 0; i < 8; ++i) acc.v[i] += a.v[2 * i] * b.v[2 * i] + a.v[2 * i + 1] * b.v[2 * i + 1];
+  return acc;
+}
+inline VecI8 hsum8(const VecI8* s) {
+  VecI8 r = VecI8::zero();
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 8; ++i) r.v[j] += s[j].v[i];
+  return r;
+}
+struct Vec8F {
+  float v[8];
+  static inline Vec8F zero() { return set1(0.0f); }
+  static inline Vec8F set1(float x) {
+    Vec8F r;
+    for (auto& e : r.v) e = x;
+    return r;
+  }
+  static inline Vec8F load(const float* p) {
+    Vec8F r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+  }
+  static inline Vec8F load_f16(const uint16_t* p) {
+    Vec8F r;
+    for (int i = 0; i < 8; ++i) r.v[i] = half_to_float(p[i]);
+    return r;
+  }
+  static inline Vec8F from_u8(uint64_t bytes) {
+    Vec8F r;
+    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>((bytes >> (8 * i)) & 0xFF);
+    return r;
+  }
+  static inline Vec8F from_i8(const int8_t* p) {
+    Vec8F r;
+    for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static inline Vec8F load4_doubled(const float* p) {
+    Vec8F r;
+    for (int i = 0; i < 8; ++i) r.v[i] = p[i / 2];
+    return r;
+  }
+};
+inline Vec8F operator+(Vec8F a, Vec8F b) {
+  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline Vec8F operator*(Vec8F a, Vec8F b) {
+  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec8F fmadd(Vec8F a, Vec8F b, Vec8F c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline Vec8F to_float(VecI8 a) {
+  Vec8F r;
+  for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(a.v[i]);
+  return r;
+}
+inline float reduce_add(Vec8F a) {
+  float s = 0.0f;
+  for (float e : a.v) s += e;
+  return s;
+}
+#endif
 
 }  // namespace wbk

@@ -16,7 +16,6 @@ from workbench.kernels import KernelSet
 from workbench.model.kv_formats import KERNEL_FORMATS, kernel_configs, kv_label
 from workbench.model.switches import Switches
 from workbench.model.timing import Clock
-from workbench.model.weights import WEIGHT_FORMATS
 
 # Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
 ALSO_EMULATED = True
@@ -33,7 +32,7 @@ def _matvec_for_the_batch(request):
     from workbench import kernels as K
 
     sets = [K.native] + ([request.getfixturevalue("kernels")] if "kernels" in request.fixturenames else [])
-    kinds = ("float32", "bfloat16", "int8", "int8_group")
+    kinds = tuple(K.constants()["weight_kernels"])
     saved = [(ks, {k: ks.matvec_max_rows(k) for k in kinds}) for ks in sets]
     for ks, _ in saved:
         for k in kinds:
@@ -44,9 +43,19 @@ def _matvec_for_the_batch(request):
             ks.ext.set_matvec_max_rows(k, n)
 
 
-@pytest.fixture(scope="module", params=list(WEIGHT_FORMATS))
+# Every kind of weight: the unblocked formats; the file's own (Q4_1 blocks, a Q8_0 table tied
+# to the LM head); K-quants (whose 576-wide rows fall back to q5_0 / q8_0 but for down's);
+# our int4 with a zero point (the same, to int4-g32).
+FORMATS = ["fp32", "bf16", "int8", "int8-g32", "file", "q4_k", "q6_k", "int4-g128"]
+
+
+@pytest.fixture(scope="module", params=FORMATS)
 def model(request):
     return wb.load_model("smollm2-135m", dtype=request.param, max_batch=2)
+
+
+def in_blocks(llama) -> bool:
+    return any(part.fmt.blocks for layer in llama.layers for part in layer.wqkv.parts)
 
 
 def step_logits(llama, kv: tuple[str, str | None], step: str, steps: int = 6) -> torch.Tensor:
@@ -63,18 +72,26 @@ def test_fused_step_matches_the_reference_path(model, kv):
     python = step_logits(model.llama, kv, "reference")
     diff = (fused - python).abs()
     same_top1 = (fused.argmax(-1) == python.argmax(-1)).float().mean()
-    if kv[0] == "fp32":
+    if kv[0] == "fp32" and not in_blocks(model.llama):
         # The same kernels in the same order but for RMSNorm's and SiLU's own loops: fp32
         # rounding through 30 layers (measured up to 4e-5 on logits up to 34).
         assert diff.max() < 1e-3 and same_top1 == 1, (diff.max(), same_top1)
+    elif kv[0] == "fp32":
+        # Block weights: their products round each activation to int16 (kernels/blocks.cpp), and
+        # a last-bit difference now and then rounds one the other way (measured up to 3.3e-3).
+        assert diff.max() < 0.03 and same_top1 == 1, (diff.max(), same_top1)
     else:
         # A rounded cache turns those last-bit differences into an occasional value that
         # rounds the other way (an int8 step, a bf16 ulp, a 7-bit probability), and that
         # compounds over the layers: measured up to 0.26 at one logit, a mean of 0.5x what the
         # format's own rounding does to the logits (the Python path with an fp32 cache). A
         # wrong layout, scale or head would be many times that.
+        # Block weights' int16 activations add their own occasional other-way rounding: one more
+        # near-tie top-1 of 12 may go the other way (measured with int4 weights, whose logits tie
+        # more often).
         effect = (python - step_logits(model.llama, ("fp32", None), "reference")).abs().mean()
-        assert diff.max() < 2.0 and diff.mean() < effect and same_top1 >= 11 / 12, (diff.max(), diff.mean(), effect)
+        top1 = 10 / 12 if in_blocks(model.llama) else 11 / 12
+        assert diff.max() < 2.0 and diff.mean() < effect and same_top1 >= top1, (diff.max(), diff.mean(), effect)
 
 
 def test_greedy_tokens_are_the_reference_paths(model):
@@ -157,7 +174,9 @@ def test_every_isa_build_runs_the_same_step(kernels, model):
             stack.step(x, cos, sin, lengths, None)
             outs[name] = x
     rel = (outs["fused"] - outs["python"]).norm() / outs["python"].norm()
-    assert rel < 1e-4, rel
+    # block weights round the activations to int16 per product, so the paths' last-bit
+    # differences sometimes round one the other way (measured 5e-4 over the 30 layers)
+    assert rel < (2e-3 if in_blocks(llama) else 1e-4), rel
 
 
 def test_a_collective_runs_inside_the_step_after_o_proj_and_down(model):
@@ -228,18 +247,21 @@ def test_the_weights_are_one_stream_in_the_order_decode_reads_them(model):
     4 KiB boundary; the tied LM head is still the embedding the tokens are looked up in."""
     llama = model.llama
     tensors = []
-    for layer in llama.layers:
-        for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-            tensors += [t for t in (lin.weight, lin.scale) if t is not None]
-    tensors += [t for t in (llama.lm_head.weight, llama.lm_head.scale) if t is not None]
+    for lin in [lin for layer in llama.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [
+            llama.lm_head]:
+        tensors += [t for part in lin.parts for t in (part.weight, part.scale) if t is not None]
     base = tensors[0].untyped_storage().data_ptr()
     for prev, t in zip(tensors, tensors[1:]):
         assert t.untyped_storage().data_ptr() == base  # one buffer
         end = prev.data_ptr() + prev.numel() * prev.element_size()
         assert t.data_ptr() == -(-end // 4096) * 4096  # next, at the following 4 KiB boundary
     assert tensors[0].data_ptr() % (2 << 20) == 0  # the stream starts on a huge-page boundary
-    if not WEIGHT_FORMATS[llama.weight_dtype].quantized:  # SmolLM2 ties the LM head to the embedding
-        assert llama.lm_head.weight is llama.embedding
+    # SmolLM2 ties the LM head to the embedding: the same rows, unless int8 weights made a copy
+    shared = llama.weight_dtype not in ("int8", "int8-g32")
+    assert llama.embedding_shared == shared
+    if shared:
+        table = llama.embedding.data if hasattr(llama.embedding, "data") and in_blocks(llama) else llama.embedding
+        assert llama.lm_head.parts[0].weight is table
 
 
 def test_an_arena_refuses_what_does_not_fit():

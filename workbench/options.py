@@ -12,7 +12,7 @@ from __future__ import annotations
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.kv_formats import KV_FORMATS, KV_KERNELS
 from workbench.model.switches import STEP_PATHS
-from workbench.model.weights import WEIGHT_FORMATS
+from workbench.model.weights import AS_FILE, WEIGHT_FORMATS
 
 Option = tuple[tuple[str, ...], dict]
 
@@ -20,7 +20,9 @@ Option = tuple[tuple[str, ...], dict]
 LOAD_OPTIONS: list[Option] = [
     (("--random",), dict(action="store_true", help="the preset's exact shapes with seeded random weights")),
     (("--layers",), dict(type=int, default=None, help="keep only the first N layers")),
-    (("--dtype",), dict(default="fp32", choices=list(WEIGHT_FORMATS), help="weight dtype")),
+    (("--dtype",), dict(default=None, choices=[*WEIGHT_FORMATS, AS_FILE],
+                        help=f"weight format every matrix is converted to (default: a GGUF file's own formats, "
+                             f"'{AS_FILE}'; fp32 for other models)")),
 ]
 
 # One generation. --attention / --kv-cache default to the model's current switches.

@@ -315,6 +315,52 @@ def _allreduce_s(nbytes: int, ranks: int, hw: Hardware) -> float:
     return min(ring, doubling)
 
 
+@dataclass
+class _WeightBytes:
+    """What the roofline needs of the weights' formats: the bytes of a [rows, cols] matrix of a
+    tensor group ("qkv", "o", "gate_up", "down", "lm_head"), the embedding's bytes a row, the
+    weight kernel whose measured crossover applies, and whether the GEMM runs on the matrix
+    engine."""
+
+    nbytes: object  # (group, rows, cols) -> bytes
+    embed_row: float
+    kernel: str
+    matrix_engine: bool
+
+    @classmethod
+    def of(cls, model, cfg: ModelConfig, weight_dtype: str) -> _WeightBytes:
+        from workbench.model.weights import AS_FILE, BlockTensor, weight_format
+
+        if weight_dtype != AS_FILE:
+            # bytes a weight in each group at the model's own widths (a block format's fallback
+            # where a row is not whole blocks), applied to a rank's share of the rows and columns
+            w = weight_format(weight_dtype)
+            widths = {"qkv": cfg.dim, "o": cfg.n_heads * cfg.head_dim, "gate_up": cfg.dim, "down": cfg.ffn_dim,
+                      "lm_head": cfg.dim}
+            group_fmt = {g: w.for_cols(k) for g, k in widths.items()}  # a block format's fallback where it takes one
+
+            def nbytes(group: str, rows: int, cols: int) -> float:
+                f = group_fmt[group]
+                if f.fits(cols):
+                    return f.nbytes(rows, cols)
+                return f.nbytes(64, widths[group]) / (64 * widths[group]) * rows * cols  # a split inside a block
+
+            embed_row = w.nbytes(1, cfg.dim) if w.blocks else cfg.dim * w.embedding_dtype().itemsize
+            return cls(nbytes, lambda d: embed_row, w.kernel, w.matrix_engine)
+        # a model loaded as its file holds it: each group's mean bytes per weight over the layers
+        llama = getattr(model, "llama", model)
+        per_weight = {}
+        for group in ("qkv", "o", "gate_up", "down"):
+            lins = [layer.linears[group] for layer in llama.layers]
+            per_weight[group] = sum(lin.nbytes for lin in lins) / sum(lin.params for lin in lins)
+        per_weight["lm_head"] = llama.lm_head.nbytes / llama.lm_head.params
+        emb = llama.embedding
+        row_bytes = emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
+        main = llama.layers[0].wqkv.parts[0].fmt
+        return cls(lambda group, rows, cols: per_weight[group] * rows * cols, lambda d: row_bytes, main.kernel,
+                   main.matrix_engine)
+
+
 def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,
             kv_cache: str = "fp16", weight_dtype: str | None = None, ranks: int = 1, backend: str | None = None,
             hardware: Hardware | None = None, comm: tuple[float, float] | None = None,
@@ -327,12 +373,11 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     kv_handoff: a KV head two ranks hold is computed by one of them in decode (the fused
     step over shm, workbench.distributed.tp)."""
     from workbench.model.kv_formats import kv_format
-    from workbench.model.weights import weight_format
 
     cfg = _config(model)
     if weight_dtype is None:
         weight_dtype = getattr(model, "weight_dtype", "fp32")
-    wfmt = weight_format(weight_dtype)
+    wfmt = _WeightBytes.of(model, cfg, weight_dtype)
     fmt = kv_format(kv_cache)
     _check_ranks(ranks)
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
@@ -344,9 +389,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     f = _busiest_ffn(cfg, ranks)
     mlp_params = 3 * d * f
     # Bytes of a rank's matrices in the weight format, scales included.
-    mlp_bytes = wfmt.nbytes(round(2 * f), d) + wfmt.nbytes(d, round(f))
-    head_bytes = wfmt.nbytes(round(cfg.vocab_size / ranks), d)
-    embed_row = d * wfmt.embedding_dtype().itemsize
+    mlp_bytes = wfmt.nbytes("gate_up", round(2 * f), d) + wfmt.nbytes("down", d, round(f))
+    head_bytes = wfmt.nbytes("lm_head", round(cfg.vocab_size / ranks), d)
+    embed_row = wfmt.embed_row(d)
     norm_bytes = 2 * d * NORM_BYTES_PER_ELEM
     kv_len = prompt_len + new_tokens / 2  # the mean KV length the decode steps read
 
@@ -373,7 +418,7 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         # the handoff is the fused decode step's: prefill computes every KV head a rank holds
         heads, kv_heads, kv_computed = _busiest_attention(cfg, ranks, kv_handoff and phase == "decode")
         attn_params = d * hd * (2 * heads + 2 * kv_computed)
-        attn_bytes = wfmt.nbytes(round(hd * (heads + 2 * kv_computed)), d) + wfmt.nbytes(d, round(hd * heads))
+        attn_bytes = wfmt.nbytes("qkv", round(hd * (heads + 2 * kv_computed)), d) + wfmt.nbytes("o", d, round(hd * heads))
         kv_bytes = 0 if phase == "prefill" else 2 * batch * kv_len * kv_heads * fmt.bytes_per_vector(hd, max(1, round(kv_heads)))
         layers[phase] = {
             "attention": cost(attn_bytes + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs,

@@ -50,7 +50,7 @@ import torch
 from workbench import kernels
 from workbench.distributed.shard import ShardPlan, plan, split, take
 from workbench.model.config import ModelConfig
-from workbench.model.llama import rms_norm
+from workbench.model.llama import embed_rows, rms_norm
 
 TOKEN_BROADCAST = ("ids", "embeddings")
 LM_HEAD = ("topk", "gather", "hidden-split")
@@ -131,8 +131,8 @@ class TensorParallel:
         comm, embedding = self.comm, self.llama.embedding
         if self.options.token_broadcast == "ids":
             tokens = comm.broadcast_(tokens.clone(), 0)
-            return embedding[tokens].float()
-        x = embedding[tokens].float() if comm.rank == 0 else torch.empty(tokens.numel(), self.llama.cfg.dim)
+            return embed_rows(embedding, tokens)
+        x = embed_rows(embedding, tokens) if comm.rank == 0 else torch.empty(tokens.numel(), self.llama.cfg.dim)
         return comm.broadcast_(x, 0)
 
     def reduce(self, linear, x: torch.Tensor, layer: int, part: str) -> torch.Tensor:
@@ -140,7 +140,7 @@ class TensorParallel:
         the all-reduce's time goes to the step's "comm" part of this layer."""
         x = x.contiguous()
         comm = self.comm
-        out = comm.buffer((x.shape[0], linear.weight.shape[0]))
+        out = comm.buffer((x.shape[0], linear.out_features))
         if self.options.zero_copy:
             linear(x, out=out)  # straight into the collective's buffer
         else:

@@ -188,10 +188,12 @@ class KernelSet:
     # -- linear layers -----------------------------------------------------------------
 
     def linear(self, x, w, *, matvec_max_rows: int | None = None, out: torch.Tensor | None = None,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None, kernel: str = "") -> torch.Tensor:
         """y = x @ w.T for weights w [N, K] (nn.Linear layout) in fp32, bf16 or int8 and fp32
         x [..., K] -> fp32 [..., N]. int8 weights need `scale` [N] fp32, one per output row
         (quantize_weight_int8): dequantized in registers, the scale applied to each output.
+        Block-quantized weights are uint8 rows [N, block_row_bytes(kernel, K)] in the kernels'
+        layout (repack_blocks) with their `kernel` named ("q4_0" ... "q6_k", "i4_g128").
 
         Up to matvec_max_rows rows of x (decode at small batch) run our memory-bound
         matrix-vector kernel, which reads each weight byte once, widening bf16 in registers;
@@ -208,8 +210,39 @@ class KernelSet:
             raise ValueError(f"linear: x must have a last dimension K, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         rows = -1 if matvec_max_rows is None else _positive_int("matvec_max_rows", matvec_max_rows, 0)
-        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, rows, out, scale)
+        y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, rows, out, scale, kernel)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
+
+    # -- block-quantized weights (kernels/blocks.h) -----------------------------------------
+
+    def block_row_bytes(self, kernel: str, K: int) -> int:
+        """Bytes of one row of K weights of a block kernel ("q4_0" ... "q6_k", "i4_g128")."""
+        return self.ext.block_row_bytes(kernel, _positive_int("K", K))
+
+    def quantize_blocks(self, x, kernel: str, *, search: bool = False) -> torch.Tensor:
+        """Our quantizer: x [rows, K] fp32 -> uint8 [rows, row bytes] in GGUF's block order (what
+        a GGUF file holds; i4_g128 in its own layout). search (q4_0 only, our int4-g32): each
+        block's least-squares scale instead of GGUF's reference rounding."""
+        _check_tensor_args(x=x)
+        return self.ext.quantize_blocks(x, kernel, bool(search))
+
+    def repack_blocks(self, w, kernel: str, K: int, *, to_kernel: bool = True) -> torch.Tensor:
+        """Block rows w [N, row bytes] from GGUF's byte order to the kernels' (to_kernel) or back;
+        the values are unchanged (blocks.h: the blocks of 32 become planes, the rest stays)."""
+        _check_tensor_args(w=w)
+        return self.ext.repack_blocks(w, kernel, _positive_int("K", K), bool(to_kernel))
+
+    def dequantize_blocks(self, w, kernel: str, K: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Block rows w [N, row bytes] (the kernels' layout) -> fp32 [N, K], or only the rows
+        `rows` (int64 [count]) -> [count, K]: the embedding's gather, and the tests' reference."""
+        _check_tensor_args(w=w)
+        if rows is not None:
+            _check_tensor_args(rows=rows)
+        return self.ext.dequantize_blocks(w, kernel, _positive_int("K", K), rows)
+
+    def block_dot_isa(self) -> str:
+        """The instructions of the block-quantized matrix-vector kernel's dot products here."""
+        return self.ext.block_dot_isa()
 
     def matvec_max_rows(self, kernel: str) -> int:
         """Up to how many rows of x a linear layer with `kernel` weights (WeightFormat.kernel:
@@ -270,9 +303,11 @@ class KernelSet:
         if len(caches) != len(layers):
             raise ValueError(f"decode_stack: caches needs one (k, v, k_scale, v_scale) per layer: {len(layers)}, "
                              f"got {len(caches)}")
+        def parts(linear):  # each row-wise part of a workbench.model.llama.Linear
+            return [self.ext.WeightPart(p.weight, p.scale, p.fmt.kernel if p.fmt.blocks else "") for p in linear.parts]
+
         records = [self.ext.DecodeLayer(layer.attn_norm, layer.mlp_norm,
-                                        *(getattr(layer, n).weight for n in ("wqkv", "wo", "w_gate_up", "w_down")),
-                                        *(getattr(layer, n).scale for n in ("wqkv", "wo", "w_gate_up", "w_down")),
+                                        *(parts(getattr(layer, n)) for n in ("wqkv", "wo", "w_gate_up", "w_down")),
                                         *cache)
                    for layer, cache in zip(layers, caches)]
         group, q_offset = _head_map("decode_stack", group, q_offset)
@@ -493,3 +528,7 @@ merge_topk = native.merge_topk
 rms_norm = native.rms_norm
 random_normal = native.random_normal
 decode_stack = native.decode_stack
+block_row_bytes = native.block_row_bytes
+quantize_blocks = native.quantize_blocks
+repack_blocks = native.repack_blocks
+dequantize_blocks = native.dequantize_blocks

@@ -49,7 +49,7 @@ def _source_dir() -> Path:
 SOURCE_DIR = _source_dir()
 SOURCES = ("bindings.cpp", "ops.cpp", "prefill_attention.cpp", "decode_attention.cpp", "decode_tiled.cpp", "decode_step.cpp", "kv_cache.cpp", "linear.cpp",
            "rope.cpp", "peaks.cpp", "shm_comm.cpp", "gemm_bf16.cpp", "prefill_tiles.cpp",
-           "random.cpp")
+           "random.cpp", "blocks.cpp")
 # GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside the intrinsics themselves
 # (_mm512_castps512_ps256 and friends use a self-initialised temporary); fixed in GCC 13.
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag

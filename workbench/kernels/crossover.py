@@ -23,7 +23,7 @@ from workbench.cache import cache_dir, cpu_key, write_json
 
 ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # candidate row counts, ascending
 K = 4096  # a Llama-2-7B layer's input width
-VERSION = 3  # 2: the crossover that makes the measured counts fastest together; 3: best of 5
+VERSION = 4  # 2: the crossover that makes the measured counts fastest together; 3: best of 5; 4: block kernels
 
 
 def _path(sources_key: str):
@@ -31,8 +31,15 @@ def _path(sources_key: str):
 
 
 def _weights(ext, kernel: str, min_bytes: int):
-    """(w, scale) of `kernel`'s storage, N x K with at least min_bytes of weights, normal values."""
+    """(w, scale) of `kernel`'s storage, N x K with at least min_bytes of weights, normal values
+    (block kernels: 64 rows quantized by our quantizer, repeated; scale None)."""
     group = ext.constants()["weight_group"]
+    if kernel in ext.constants()["weight_blocks"]:
+        sample = torch.empty(64, K)
+        ext.fill_normal_(sample, 0, 0, 0.02)
+        rows = ext.repack_blocks(ext.quantize_blocks(sample, kernel, False), kernel, K, True)
+        n = -(-min_bytes // rows.shape[1] // 64) * 64
+        return rows.repeat(n // 64, 1), None
     itemsize = {"float32": 4, "bfloat16": 2}.get(kernel, 1)
     n = -(-min_bytes // (K * itemsize) // 64) * 64
     if kernel in ("float32", "bfloat16"):
@@ -68,17 +75,19 @@ def measure(ext, repeats: int = 5) -> dict:
 
     min_bytes = max(64 << 20, 2 * (machine_info().cache_bytes(3) or 0))
     found = {}
+    blocks = ext.constants()["weight_blocks"]
     for kernel in ext.constants()["weight_kernels"]:
         w, scale = _weights(ext, kernel, min_bytes)
+        named = kernel if kernel in blocks else ""  # block rows name their kernel
         times: dict[int, dict[str, float]] = {}
         for m in ROWS:
             x = torch.randn(m, K)
             best = {"matvec": float("inf"), "gemm": float("inf")}
-            ext.linear(x, w, 0, None, scale)  # warm: the GEMM's scratch, the thread pool
+            ext.linear(x, w, 0, None, scale, named)  # warm: the GEMM's scratch, the thread pool
             for _ in range(repeats):
                 for name, limit in (("matvec", m), ("gemm", 0)):
                     t0 = time.perf_counter()
-                    ext.linear(x, w, limit, None, scale)
+                    ext.linear(x, w, limit, None, scale, named)
                     best[name] = min(best[name], time.perf_counter() - t0)
             times[m] = {name: 1e3 * sec for name, sec in best.items()}
             rows, done = decide(times)

@@ -63,8 +63,9 @@ class ModelConfig:
         format's embedding dtype when it is not the LM head itself (untied, or quantized)."""
         norms = (2 * self.n_layers + 1) * self.dim * 4
         linear = sum(fmt.nbytes(n, k) for n, k in self.linear_shapes())
-        shares_head = self.tied_embeddings and not fmt.quantized
-        embedding = 0 if shares_head else self.vocab_size * self.dim * fmt.embedding_dtype().itemsize
+        # tied: the table is the LM head's own rows, unless int8 weights made the head a copy
+        shares_head = self.tied_embeddings and (not fmt.quantized or fmt.blocks)
+        embedding = 0 if shares_head else fmt.embedding_bytes(self.vocab_size, self.dim)
         return linear + norms + embedding
 
     def as_dict(self) -> dict:

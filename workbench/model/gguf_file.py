@@ -13,6 +13,7 @@ dtype GGUFReader gives it, so gguf.quants.dequantize reads it the same way.
 
 from __future__ import annotations
 
+import mmap
 import struct
 import warnings
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class GGUFTensor:
     tensor_type: object  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
     data: np.ndarray  # as GGUFReader gives it: typed for plain types, bytes per row when quantized
+    offset: int = 0  # where its bytes start in the file
+    nbytes: int = 0
 
 
 @dataclass
@@ -51,6 +54,22 @@ class GGUFFile:
     # each field's GGUF value type, and for arrays their elements' (else None): what a writer
     # needs to write the field again as it was
     types: dict[str, tuple[int, int | None]]
+    mapping: mmap.mmap | None = None  # the file, mapped read-only; the tensors' data are views of it
+
+    def release(self, t: GGUFTensor) -> None:
+        """Drop the pages of t's bytes from this process (madvise MADV_DONTNEED): a loader that has
+        copied a tensor out keeps only the copy resident, not the file's pages as well (they stay
+        in the page cache, not in the process). Pages t shares with a neighbour are kept; a
+        later read maps them in again."""
+        if self.mapping is None or t.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        lo, hi = -(-t.offset // page) * page, (t.offset + t.nbytes) // page * page
+        if hi > lo:
+            try:
+                self.mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError, AttributeError):
+                pass  # no madvise here: the pages are dropped with the mapping
 
 
 class _Cursor:
@@ -103,7 +122,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
     path = Path(path)
     try:
-        data = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = np.frombuffer(mapping, dtype=np.uint8)
     except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
         raise GGUFError(f"{path} cannot be mapped ({e})") from None
     if bytes(data[:4]) != MAGIC:
@@ -155,8 +176,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
             view = raw.view(plain[ttype.name]).reshape(np_shape)
         else:
             view = raw.reshape(quant_shape_to_byte_shape(np_shape, ttype))
-        tensors[name] = GGUFTensor(name, ttype, shape, view)
-    return GGUFFile(version, fields, tensors, types)
+        tensors[name] = GGUFTensor(name, ttype, shape, view, begin, n_bytes)
+    return GGUFFile(version, fields, tensors, types, mapping)
 
 
 def _read_only_tensor(a: np.ndarray) -> torch.Tensor:

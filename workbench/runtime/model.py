@@ -234,9 +234,11 @@ class Model(SwitchProperties):
 
 
 def load_model(name_or_path: str = "smollm2-135m", *, random: bool = False, layers: int | None = None,
-               dtype: str = "fp32", seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None,
+               dtype: str | None = None, seed: int = 0, max_batch: int = 1, max_seq_len: int | None = None,
                parallel=None) -> Model:
     """Load a model by preset name or path (see workbench.model.loaders). Raises ModelLoadError.
+    dtype: a weight format (workbench.model.weights.WEIGHT_FORMATS) every matrix is converted to;
+    None: a GGUF file's own formats (its 4-bit blocks as they are), fp32 for anything else.
     parallel: this process is one rank of a tensor-parallel model (workbench.model.llama.Parallel;
     workbench.distributed.tp.TensorParallel), which keeps its shard of the weights."""
     from workbench.kernels import native

@@ -1,0 +1,761 @@
+// Block-quantized weights: layouts, dequantization, our quantizers, and the matrix-vector
+// kernel of decode (blocks.h says what each format stores and how rows are laid out).
+//
+// block_matvec, y [M, N] = x [M, K] . w^T, memory-bound on w's bytes:
+//   - each row of x is quantized once per call to int16, one scale per 32 values
+//     (scale = max |x| / 32767; relative error at most 1.5e-5 of the chunk's largest value,
+//     where llama.cpp's q8 activations have 4e-3), with the exact fp32 sum of each chunk kept
+//     for the formats' offsets (q4_0's -8, the minimums);
+//   - a weight chunk of 32 is widened to int16 in registers (nibbles, fifth and sixth bits
+//     put together) and multiplied with the activations in pairs into int32 lanes (pmaddwd, or
+//     VNNI's vpdpwssd): exact integer sums, no float work per weight;
+//   - eight chunks' int32 vectors are summed horizontally into one vector of eight chunk sums
+//     (hsum8), and everything per chunk (its weight scale, minimum, activation scale and sum)
+//     is then done eight chunks at a time in fp32. Hence the planar layout of the blocks of 32:
+//     eight blocks' scales are one load. A K-quant super-block is eight chunks (q6_k: two
+//     vectors of eight 16-weight sub-blocks);
+//   - parallel split: rows of w in tasks of 16, one contiguous range of tasks per thread (every
+//     row costs the same), so each thread streams one run of memory. With M > 1 each row of w
+//     is read from memory once and from L1 for the further rows of x.
+#include "blocks.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace wbk {
+
+uint16_t float_to_half_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504: inf
+  if (abs < 0x38800000u) {  // a subnormal half (or zero): round the value times 2^24 to an integer
+    float a;
+    std::memcpy(&a, &abs, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  // normal: rebias the exponent, round the 23-bit mantissa to 10 bits, to nearest even
+  const uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+namespace {
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float_fast(h);
+}
+inline void put_f16(uint8_t* p, float f) {
+  const uint16_t h = float_to_half_bits(f);
+  std::memcpy(p, &h, 2);
+}
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// -- layouts ------------------------------------------------------------------------------
+
+// The fields of a GGUF block of 32, in the order of the kernels' planes: where each sits in
+// the GGUF block, and its bytes.
+struct Field {
+  int64_t offset, size;
+};
+struct PlanarFormat {
+  int n;  // fields
+  Field f[4];
+  int64_t bytes;   // per block
+  int64_t block;   // weights per block
+};
+// Planes: quants, [fifth bits], scales, [minimums]. i4_g128's block order (it has no GGUF
+// type) is ours: fp16 scale, fp16 offset, 64 bytes of quants, the same fields as Q4_1's.
+PlanarFormat planar(WeightDtype t) {
+  switch (t) {
+    case WeightDtype::kQ4_0: return {2, {{2, 16}, {0, 2}}, 18, 32};
+    case WeightDtype::kQ4_1: return {3, {{4, 16}, {0, 2}, {2, 2}}, 20, 32};
+    case WeightDtype::kQ5_0: return {3, {{6, 16}, {2, 4}, {0, 2}}, 22, 32};
+    case WeightDtype::kQ5_1: return {4, {{8, 16}, {4, 4}, {0, 2}, {2, 2}}, 24, 32};
+    case WeightDtype::kQ8_0: return {2, {{2, 32}, {0, 2}}, 34, 32};
+    case WeightDtype::kI4G128: return {3, {{4, 64}, {0, 2}, {2, 2}}, 68, kI4Group};
+    default: return {0, {}, 0, 0};
+  }
+}
+
+// A planar row's planes: byte offsets of the quants, fifth bits, scales and minimums.
+struct Planes {
+  int64_t qs, qh, d, m;
+};
+Planes planes(WeightDtype t, int64_t K) {
+  const int64_t nb = K / kBlockChunk;
+  switch (t) {
+    case WeightDtype::kQ4_0: return {0, -1, nb * 16, -1};
+    case WeightDtype::kQ4_1: return {0, -1, nb * 16, nb * 18};
+    case WeightDtype::kQ5_0: return {0, nb * 16, nb * 20, -1};
+    case WeightDtype::kQ5_1: return {0, nb * 16, nb * 20, nb * 22};
+    case WeightDtype::kQ8_0: return {0, -1, nb * 32, -1};
+    case WeightDtype::kI4G128: {
+      const int64_t groups = K / kI4Group;
+      return {0, -1, nb * 16, nb * 16 + groups * 2};
+    }
+    default: return {-1, -1, -1, -1};
+  }
+}
+
+bool is_k_quant(WeightDtype t) {
+  return t == WeightDtype::kQ4_K || t == WeightDtype::kQ5_K || t == WeightDtype::kQ6_K;
+}
+
+int64_t super_block_bytes(WeightDtype t) {
+  return t == WeightDtype::kQ4_K ? 144 : t == WeightDtype::kQ5_K ? 176 : 210;
+}
+
+}  // namespace
+
+BlockGeometry block_geometry(WeightDtype t) {
+  if (!is_block(t)) return {0, 0};
+  if (is_k_quant(t)) return {kSuperBlock, super_block_bytes(t)};
+  return {planar(t).block, planar(t).bytes};
+}
+
+const char* block_row_error(WeightDtype t, int64_t K) {
+  if (!is_block(t)) return "not a block-quantized dtype";
+  if (is_k_quant(t)) return K > 0 && K % kSuperBlock == 0 ? "" : "a K-quant row must be whole super-blocks of 256";
+  if (t == WeightDtype::kI4G128) return K > 0 && K % kI4Group == 0 ? "" : "an i4_g128 row must be whole groups of 128";
+  return K > 0 && K % kBlockChunk == 0 ? "" : "a row must be whole blocks of 32";
+}
+
+int64_t block_row_bytes(WeightDtype t, int64_t K) {
+  const BlockGeometry g = block_geometry(t);
+  return K / g.weights * g.bytes;
+}
+
+void repack_block_rows(WeightDtype t, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K, bool to_kernel) {
+  const int64_t row_bytes = block_row_bytes(t, K);
+  const PlanarFormat pf = planar(t);
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* s = src + r * row_bytes;
+      uint8_t* d = dst + r * row_bytes;
+      if (pf.n == 0) {  // K-quants: the same bytes
+        std::memcpy(d, s, static_cast<size_t>(row_bytes));
+        continue;
+      }
+      const int64_t nb = K / pf.block;
+      int64_t plane = 0;
+      for (int i = 0; i < pf.n; ++i) {
+        const Field f = pf.f[i];
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* block_field = (to_kernel ? d : const_cast<uint8_t*>(s)) + plane + b * f.size;
+          uint8_t* gguf_field = (to_kernel ? const_cast<uint8_t*>(s) : d) + b * pf.bytes + f.offset;
+          if (to_kernel)
+            std::memcpy(block_field, gguf_field, static_cast<size_t>(f.size));
+          else
+            std::memcpy(gguf_field, block_field, static_cast<size_t>(f.size));
+        }
+        plane += nb * f.size;
+      }
+    }
+  });
+}
+
+// -- dequantization (the reference every kernel is held to) --------------------------------
+
+namespace {
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and minimum from the super-block's 12 bytes.
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The 32 weights of chunk c (weights 32 c .. 32 c + 31) of one row.
+void dequantize_chunk(WeightDtype t, const uint8_t* row, int64_t K, int64_t c, float* out) {
+  if (is_k_quant(t)) {
+    const uint8_t* blk = row + (c / 8) * super_block_bytes(t);
+    const int j = static_cast<int>(c % 8);
+    if (t == WeightDtype::kQ6_K) {
+      const float d = f16_at(blk + 208);
+      const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const int n = j / 4, k = j % 4;  // half of the super-block, quarter of the half
+      const uint8_t* ql = blk + 64 * n + (k % 2) * 32;
+      const uint8_t* qh = blk + 128 + 32 * n;
+      for (int l = 0; l < 32; ++l) {
+        const int low = k < 2 ? (ql[l] & 0xF) : (ql[l] >> 4);
+        const int q = (low | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+        out[l] = d * sc[8 * n + 2 * k + l / 16] * q;
+      }
+      return;
+    }
+    const float d = f16_at(blk), dmin = f16_at(blk + 2);
+    uint8_t sc, m;
+    scale_min_k4(j, blk + 4, &sc, &m);
+    const float dl = d * sc, ml = dmin * m;
+    const bool q5 = t == WeightDtype::kQ5_K;
+    const uint8_t* qs = blk + (q5 ? 48 : 16) + 32 * (j / 2);
+    const uint8_t* qh = blk + 16;
+    for (int l = 0; l < 32; ++l) {
+      int q = j % 2 ? qs[l] >> 4 : qs[l] & 0xF;
+      if (q5) q += ((qh[l] >> j) & 1) << 4;
+      out[l] = dl * q - ml;
+    }
+    return;
+  }
+  const Planes p = planes(t, K);
+  const int64_t g = t == WeightDtype::kI4G128 ? c / (kI4Group / kBlockChunk) : c;  // the scale's index
+  const float d = f16_at(row + p.d + 2 * g);
+  const float m = p.m >= 0 ? f16_at(row + p.m + 2 * g) : 0.0f;
+  if (t == WeightDtype::kQ8_0) {
+    const auto* qs = reinterpret_cast<const int8_t*>(row + p.qs + 32 * c);
+    for (int l = 0; l < 32; ++l) out[l] = d * qs[l];
+    return;
+  }
+  const uint8_t* qs = row + p.qs + 16 * c;
+  const uint32_t qh = p.qh >= 0 ? u32_at(row + p.qh + 4 * c) : 0;
+  const int offset = t == WeightDtype::kQ4_0 ? 8 : t == WeightDtype::kQ5_0 ? 16 : 0;
+  for (int l = 0; l < 16; ++l) {
+    const int lo = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+    const int hi = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+    out[l] = d * (lo - offset) + m;
+    out[l + 16] = d * (hi - offset) + m;
+  }
+}
+
+}  // namespace
+
+void dequantize_block_range(WeightDtype t, const uint8_t* row, int64_t K, int64_t k0, int64_t n, float* out) {
+  for (int64_t c = k0 / kBlockChunk; c < (k0 + n) / kBlockChunk; ++c)
+    dequantize_chunk(t, row, K, c, out + (c * kBlockChunk - k0));
+}
+
+void dequantize_block_rows(WeightDtype t, const uint8_t* w, const int64_t* index, int64_t count, int64_t K,
+                           float* out) {
+  const int64_t row_bytes = block_row_bytes(t, K);
+  at::parallel_for(0, count, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      dequantize_block_range(t, w + (index ? index[r] : r) * row_bytes, K, 0, K, out + r * K);
+  });
+}
+
+// -- our quantizers ---------------------------------------------------------------------------
+
+namespace {
+
+// The scale and offset of an asymmetric fit x ~ scale q + offset, q in [0, qmax], searched
+// as llama.cpp's K-quants do (a grid of candidate scales around (max - min) / qmax, each
+// refitted by least squares with every weight counted by |x| plus the mean |x|). With
+// clamp_min the offset is at most 0 (K-quants store -offset as an unsigned minimum).
+void fit_affine(const float* x, int n, int qmax, bool clamp_min, float* scale, float* offset) {
+  float lo = x[0], hi = x[0], sum_abs = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+    sum_abs += std::fabs(x[i]);
+  }
+  if (clamp_min) lo = std::min(lo, 0.0f);
+  if (hi == lo) {
+    *scale = 0.0f;
+    *offset = lo;
+    return;
+  }
+  const float mean_abs = sum_abs / n;
+  float wsum = 0.0f, wx = 0.0f;
+  std::vector<float> wts(n);
+  for (int i = 0; i < n; ++i) {
+    wts[i] = mean_abs + std::fabs(x[i]);
+    wsum += wts[i];
+    wx += wts[i] * x[i];
+  }
+  auto error = [&](float s, float o) {
+    float e = 0.0f;
+    const float inv = s != 0.0f ? 1.0f / s : 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const int q = std::clamp(static_cast<int>(std::nearbyint((x[i] - o) * inv)), 0, qmax);
+      const float r = s * q + o - x[i];
+      e += wts[i] * r * r;
+    }
+    return e;
+  };
+  float best_s = (hi - lo) / qmax, best_o = lo;
+  float best_e = error(best_s, best_o);
+  for (int step = 0; step <= 20; ++step) {
+    const float iscale = (qmax - 1.0f + 0.1f * step) / (hi - lo);
+    float sq = 0.0f, sq2 = 0.0f, sqx = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const int q = std::clamp(static_cast<int>(std::nearbyint(iscale * (x[i] - lo))), 0, qmax);
+      sq += wts[i] * q;
+      sq2 += wts[i] * q * q;
+      sqx += wts[i] * q * x[i];
+    }
+    const float det = wsum * sq2 - sq * sq;
+    if (det <= 0.0f) continue;
+    float s = (wsum * sqx - sq * wx) / det, o = (sq2 * wx - sq * sqx) / det;
+    if (clamp_min && o > 0.0f) {
+      o = 0.0f;
+      s = sqx / sq2;
+    }
+    if (s <= 0.0f) continue;
+    const float e = error(s, o);
+    if (e < best_e) {
+      best_e = e;
+      best_s = s;
+      best_o = o;
+    }
+  }
+  *scale = best_s;
+  *offset = best_o;
+}
+
+// The scale of a symmetric fit x ~ scale q, q in [-qneg, qneg - 1] (Q6_K: 32; q4_0 / int4-g32:
+// 8): candidates around the one mapping the largest-magnitude value to -qneg, each refitted by
+// least squares; the one with the least squared error.
+float fit_symmetric(const float* x, int n, int qneg) {
+  float amax = 0.0f, vmax = 0.0f;
+  for (int i = 0; i < n; ++i)
+    if (std::fabs(x[i]) > amax) {
+      amax = std::fabs(x[i]);
+      vmax = x[i];
+    }
+  if (amax == 0.0f) return 0.0f;
+  float best_s = vmax / -qneg, best_gain = -1.0f;
+  for (int step = -9; step <= 9; ++step) {
+    const float iscale = -(qneg + 0.1f * step) / vmax;
+    float sxl = 0.0f, sll = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const int q = std::clamp(static_cast<int>(std::nearbyint(iscale * x[i])), -qneg, qneg - 1);
+      sxl += x[i] * q;
+      sll += static_cast<float>(q) * q;
+    }
+    if (sll > 0.0f && sxl * sxl / sll > best_gain) {  // the least squared error: the largest (x.q)^2 / q.q
+      best_gain = sxl * sxl / sll;
+      best_s = sxl / sll;
+    }
+  }
+  return best_s;
+}
+
+inline int round_clamp(float v, int lo, int hi) { return std::clamp(static_cast<int>(std::nearbyint(v)), lo, hi); }
+
+// GGUF's reference quantizers of the blocks of 32 (gguf-py and ggml round the same way).
+void quantize_block32(WeightDtype t, const float* x, uint8_t* out, bool search) {
+  int q[32];
+  float d = 0.0f, m = 0.0f;
+  if (t == WeightDtype::kQ8_0) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<int>(std::round(x[i] * id));
+    put_f16(out, d);
+    for (int i = 0; i < 32; ++i) out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(q[i]));
+    return;
+  }
+  const bool q5 = t == WeightDtype::kQ5_0 || t == WeightDtype::kQ5_1;
+  const bool affine = t == WeightDtype::kQ4_1 || t == WeightDtype::kQ5_1;
+  const int levels = q5 ? 32 : 16;
+  if (affine) {
+    float lo = x[0], hi = x[0];
+    for (int i = 0; i < 32; ++i) {
+      lo = std::min(lo, x[i]);
+      hi = std::max(hi, x[i]);
+    }
+    d = (hi - lo) / (levels - 1);
+    m = lo;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; ++i) q[i] = std::min(levels - 1, static_cast<int>(static_cast<int8_t>((x[i] - lo) * id + 0.5f)));
+  } else if (search) {  // our symmetric int4 (int4-g32): the least-squares scale, stored in fp16
+    d = half_to_float(float_to_half_bits(fit_symmetric(x, 32, levels / 2)));
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; ++i) q[i] = round_clamp(x[i] * id, -levels / 2, levels / 2 - 1) + levels / 2;
+  } else {
+    float amax = 0.0f, vmax = 0.0f;
+    for (int i = 0; i < 32; ++i)
+      if (std::fabs(x[i]) > amax) {
+        amax = std::fabs(x[i]);
+        vmax = x[i];
+      }
+    d = vmax / -(levels / 2);
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; ++i)
+      q[i] = std::min(levels - 1, static_cast<int>(static_cast<int8_t>(x[i] * id + (levels / 2 + 0.5f))));
+  }
+  const PlanarFormat pf = planar(t);
+  put_f16(out, d);
+  if (affine) put_f16(out + 2, m);
+  uint8_t* qs = out + pf.f[0].offset;
+  for (int i = 0; i < 16; ++i) qs[i] = static_cast<uint8_t>((q[i] & 0xF) | ((q[i + 16] & 0xF) << 4));
+  if (q5) {
+    uint32_t qh = 0;
+    for (int i = 0; i < 32; ++i) qh |= static_cast<uint32_t>((q[i] >> 4) & 1) << i;
+    std::memcpy(out + pf.f[1].offset, &qh, 4);
+  }
+}
+
+void quantize_q4k_q5k(const float* x, uint8_t* out, bool q5) {
+  const int qmax = q5 ? 31 : 15;
+  float scales[8], mins[8];
+  for (int j = 0; j < 8; ++j) {
+    float offset;
+    fit_affine(x + 32 * j, 32, qmax, true, &scales[j], &offset);
+    mins[j] = -offset;
+  }
+  float max_scale = 0.0f, max_min = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    max_scale = std::max(max_scale, scales[j]);
+    max_min = std::max(max_min, mins[j]);
+  }
+  uint8_t ls[8], lm[8];
+  const float inv_s = max_scale > 0.0f ? 63.0f / max_scale : 0.0f, inv_m = max_min > 0.0f ? 63.0f / max_min : 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    ls[j] = static_cast<uint8_t>(round_clamp(inv_s * scales[j], 0, 63));
+    lm[j] = static_cast<uint8_t>(round_clamp(inv_m * mins[j], 0, 63));
+  }
+  put_f16(out, max_scale / 63.0f);
+  put_f16(out + 2, max_min / 63.0f);
+  uint8_t* sc = out + 4;
+  std::memset(sc, 0, 12);
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = ls[j];
+    sc[j + 4] = lm[j];
+  }
+  for (int j = 4; j < 8; ++j) {
+    sc[j + 4] = static_cast<uint8_t>((ls[j] & 0xF) | ((lm[j] & 0xF) << 4));
+    sc[j - 4] |= static_cast<uint8_t>((ls[j] >> 4) << 6);
+    sc[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
+  }
+  const float d = f16_at(out), dmin = f16_at(out + 2);
+  int q[256];
+  for (int j = 0; j < 8; ++j) {
+    uint8_t s, m;
+    scale_min_k4(j, sc, &s, &m);
+    const float dl = d * s, ml = dmin * m;
+    for (int l = 0; l < 32; ++l) q[32 * j + l] = dl != 0.0f ? round_clamp((x[32 * j + l] + ml) / dl, 0, qmax) : 0;
+  }
+  uint8_t* qh = out + 16;
+  uint8_t* qs = out + (q5 ? 48 : 16);
+  if (q5) std::memset(qh, 0, 32);
+  for (int p = 0; p < 4; ++p)
+    for (int l = 0; l < 32; ++l) {
+      const int a = q[64 * p + l], b = q[64 * p + 32 + l];
+      qs[32 * p + l] = static_cast<uint8_t>((a & 0xF) | ((b & 0xF) << 4));
+      if (q5) qh[l] |= static_cast<uint8_t>((((a >> 4) & 1) << (2 * p)) | (((b >> 4) & 1) << (2 * p + 1)));
+    }
+}
+
+void quantize_q6k(const float* x, uint8_t* out) {
+  float scales[16], max_abs = 0.0f, max_scale = 0.0f;
+  for (int i = 0; i < 16; ++i) {
+    scales[i] = fit_symmetric(x + 16 * i, 16, 32);
+    if (std::fabs(scales[i]) > max_abs) {
+      max_abs = std::fabs(scales[i]);
+      max_scale = scales[i];
+    }
+  }
+  auto* sc = reinterpret_cast<int8_t*>(out + 192);
+  const float iscale = max_scale != 0.0f ? -128.0f / max_scale : 0.0f;
+  put_f16(out + 208, iscale != 0.0f ? 1.0f / iscale : 0.0f);
+  for (int i = 0; i < 16; ++i) sc[i] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * scales[i]))));
+  const float d = f16_at(out + 208);
+  int q[256];
+  for (int i = 0; i < 16; ++i) {
+    const float dd = d * sc[i];
+    for (int l = 0; l < 16; ++l) q[16 * i + l] = (dd != 0.0f ? round_clamp(x[16 * i + l] / dd, -32, 31) : 0) + 32;
+  }
+  uint8_t* ql = out;
+  uint8_t* qh = out + 128;
+  for (int n = 0; n < 2; ++n)
+    for (int l = 0; l < 32; ++l) {
+      const int q1 = q[128 * n + l], q2 = q[128 * n + l + 32], q3 = q[128 * n + l + 64], q4 = q[128 * n + l + 96];
+      ql[64 * n + l] = static_cast<uint8_t>((q1 & 0xF) | ((q3 & 0xF) << 4));
+      ql[64 * n + l + 32] = static_cast<uint8_t>((q2 & 0xF) | ((q4 & 0xF) << 4));
+      qh[32 * n + l] = static_cast<uint8_t>((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6));
+    }
+}
+
+// One group of 128 in its block order: fp16 scale, fp16 offset, 64 bytes of quants (chunk c
+// of 32 in bytes 16 c .. 16 c + 15, as a Q4_1 block's).
+void quantize_i4g128(const float* x, uint8_t* out) {
+  float s, o;
+  fit_affine(x, static_cast<int>(kI4Group), 15, false, &s, &o);
+  put_f16(out, s);
+  put_f16(out + 2, o);
+  const float d = f16_at(out), m = f16_at(out + 2);
+  for (int c = 0; c < kI4Group / 32; ++c) {
+    uint8_t* qs = out + 4 + 16 * c;
+    const float* xc = x + 32 * c;
+    for (int l = 0; l < 16; ++l) {
+      const int lo = d != 0.0f ? round_clamp((xc[l] - m) / d, 0, 15) : 0;
+      const int hi = d != 0.0f ? round_clamp((xc[l + 16] - m) / d, 0, 15) : 0;
+      qs[l] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_block_rows(WeightDtype t, const float* x, uint8_t* out, int64_t rows, int64_t K, bool search) {
+  const int64_t row_bytes = block_row_bytes(t, K);
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * K;
+      uint8_t* o = out + r * row_bytes;
+      if (t == WeightDtype::kI4G128) {
+        for (int64_t g = 0; g < K / kI4Group; ++g) quantize_i4g128(xr + g * kI4Group, o + g * 68);
+      } else if (is_k_quant(t)) {
+        const int64_t bytes = super_block_bytes(t);
+        for (int64_t b = 0; b < K / kSuperBlock; ++b) {
+          if (t == WeightDtype::kQ6_K)
+            quantize_q6k(xr + b * kSuperBlock, o + b * bytes);
+          else
+            quantize_q4k_q5k(xr + b * kSuperBlock, o + b * bytes, t == WeightDtype::kQ5_K);
+        }
+      } else {
+        const int64_t bytes = planar(t).bytes;
+        for (int64_t b = 0; b < K / kBlockChunk; ++b) quantize_block32(t, xr + b * kBlockChunk, o + b * bytes, search);
+      }
+    }
+  });
+}
+
+// -- the matrix-vector kernel ---------------------------------------------------------------
+
+const char* block_dot_isa() { return kBlockDotIsa; }
+
+namespace {
+
+// One row of x quantized for the dot products: q [K] int16, and per chunk of 32 its scale
+// and the exact fp32 sum of its values.
+struct Acts {
+  const int16_t* q;
+  const float* scale;
+  const float* sum;
+};
+
+void quantize_acts(const float* x, int64_t K, int16_t* q, float* scale, float* sum) {
+  for (int64_t c = 0; c < K / kBlockChunk; ++c) {
+    const float* xc = x + c * kBlockChunk;
+    float amax = 0.0f, s = 0.0f;
+    for (int i = 0; i < kBlockChunk; ++i) {
+      amax = std::max(amax, std::fabs(xc[i]));
+      s += xc[i];
+    }
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int i = 0; i < kBlockChunk; ++i) q[c * kBlockChunk + i] = static_cast<int16_t>(std::nearbyint(xc[i] * inv));
+    scale[c] = amax / 32767.0f;
+    sum[c] = s;
+  }
+}
+
+// 8 floats from p[0 .. n) (the rest 0), 8 halves likewise.
+inline Vec8F load8(const float* p, int64_t n) {
+  if (n >= 8) return Vec8F::load(p);
+  float t[8] = {};
+  std::copy(p, p + n, t);
+  return Vec8F::load(t);
+}
+inline Vec8F load8_f16(const uint8_t* p, int64_t n) {
+  if (n >= 8) return Vec8F::load_f16(reinterpret_cast<const uint16_t*>(p));
+  uint16_t t[8] = {};
+  std::memcpy(t, p, static_cast<size_t>(2 * n));
+  return Vec8F::load_f16(t);
+}
+// A q4_k / q5_k super-block's 12 bytes of 6-bit scales and minimums as 8 scale bytes and 8
+// minimum bytes (sub-block j in byte j): scale_min_k4 for all eight at once, on 32-bit words.
+inline void scales_mins_k4(const uint8_t* q, uint64_t* scales, uint64_t* mins) {
+  const uint32_t u0 = u32_at(q), u1 = u32_at(q + 4), u2 = u32_at(q + 8);
+  constexpr uint32_t k6 = 0x3f3f3f3fu, k4 = 0x0f0f0f0fu, k2 = 0x03030303u;
+  const uint32_t s_hi = (u2 & k4) | (((u0 >> 6) & k2) << 4), m_hi = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
+  *scales = (u0 & k6) | (static_cast<uint64_t>(s_hi) << 32);
+  *mins = (u1 & k6) | (static_cast<uint64_t>(m_hi) << 32);
+}
+
+// Dot products of the blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, i4_g128) with one row of
+// activations: eight chunks at a time, the chunk sums scaled in fp32 lanes.
+template <WeightDtype T>
+float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
+  const Planes p = planes(T, K);
+  const int64_t nb = K / kBlockChunk;
+  constexpr bool kQ5 = T == WeightDtype::kQ5_0 || T == WeightDtype::kQ5_1;
+  constexpr bool kHasMin = T == WeightDtype::kQ4_1 || T == WeightDtype::kQ5_1 || T == WeightDtype::kI4G128;
+  constexpr float kOffset = T == WeightDtype::kQ4_0 ? -8.0f : T == WeightDtype::kQ5_0 ? -16.0f : 0.0f;
+  const VecS low4 = VecS::set1(0xF);
+  Vec8F acc = Vec8F::zero(), off = Vec8F::zero();
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nb - b0);
+    auto chunk = [&](int64_t b) {  // block b's integer dot product, in 8 lanes
+      const VecS x0 = VecS::load(a.q + b * 32), x1 = VecS::load(a.q + b * 32 + 16);
+      if constexpr (T == WeightDtype::kQ8_0) {
+        const auto* qs = reinterpret_cast<const int8_t*>(row + p.qs + 32 * b);
+        return dot(dot(VecI8::zero(), VecS::widen_i8(qs), x0), VecS::widen_i8(qs + 16), x1);
+      } else {
+        const VecS w = VecS::widen_u8(row + p.qs + 16 * b);
+        VecS lo = w & low4, hi = shr<4>(w);
+        if constexpr (kQ5) {
+          const uint32_t qh = u32_at(row + p.qh + 4 * b);
+          lo = lo | VecS::bit4_of(qh);
+          hi = hi | VecS::bit4_of(qh >> 16);
+        }
+        return dot(dot(VecI8::zero(), lo, x0), hi, x1);
+      }
+    };
+    VecI8 s[8];
+    if (n == 8) {
+      for (int j = 0; j < 8; ++j) s[j] = chunk(b0 + j);
+    } else {
+      for (int j = 0; j < 8; ++j) s[j] = j < n ? chunk(b0 + j) : VecI8::zero();
+    }
+    const Vec8F sums = to_float(hsum8(s));
+    Vec8F d, m = Vec8F::zero();
+    if constexpr (T == WeightDtype::kI4G128) {  // a scale and offset per 4 chunks: 8 chunks are 1 or 2 groups
+      const int64_t g = b0 / (kI4Group / kBlockChunk), g1 = n > 4 ? g + 1 : g;
+      const float d0 = f16_at(row + p.d + 2 * g), d1 = f16_at(row + p.d + 2 * g1);
+      const float m0 = f16_at(row + p.m + 2 * g), m1 = f16_at(row + p.m + 2 * g1);
+      const float dt[8] = {d0, d0, d0, d0, d1, d1, d1, d1}, mt[8] = {m0, m0, m0, m0, m1, m1, m1, m1};
+      d = Vec8F::load(dt);
+      m = Vec8F::load(mt);
+    } else {
+      d = load8_f16(row + p.d + 2 * b0, n);
+      if constexpr (kHasMin) m = load8_f16(row + p.m + 2 * b0, n);
+    }
+    acc = fmadd(sums * load8(a.scale + b0, n), d, acc);
+    const Vec8F xsum = load8(a.sum + b0, n);
+    if constexpr (kHasMin) off = fmadd(m, xsum, off);
+    if constexpr (kOffset != 0.0f) off = fmadd(d * Vec8F::set1(kOffset), xsum, off);
+  }
+  return reduce_add(acc) + reduce_add(off);
+}
+
+// q4_k and q5_k: per super-block, the eight sub-blocks' sums times their scales, less the
+// minimums times the activations' sums.
+template <bool kQ5>
+float dot_q4k_q5k(const uint8_t* row, const Acts& a, int64_t K) {
+  constexpr int64_t kBytes = kQ5 ? 176 : 144;
+  const VecS low4 = VecS::set1(0xF), bit4 = VecS::set1(0x10);
+  Vec8F acc = Vec8F::zero(), off = Vec8F::zero();
+  for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
+    const uint8_t* blk = row + sb * kBytes;
+    const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+    const int16_t* x = a.q + sb * kSuperBlock;
+    VecI8 s[8];
+    VecS ha, hb;
+    if constexpr (kQ5) {
+      ha = VecS::widen_u8(blk + 16);
+      hb = VecS::widen_u8(blk + 32);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const VecS wa = VecS::widen_u8(qs + 32 * p), wb = VecS::widen_u8(qs + 32 * p + 16);
+      VecS la = wa & low4, lb = wb & low4, ua = shr<4>(wa), ub = shr<4>(wb);
+      if constexpr (kQ5) {  // sub-block 2p takes bit 2p of qh, sub-block 2p + 1 bit 2p + 1
+        la = la | (shl<4>(ha) & bit4);
+        lb = lb | (shl<4>(hb) & bit4);
+        ua = ua | (shl<3>(ha) & bit4);
+        ub = ub | (shl<3>(hb) & bit4);
+        ha = shr<2>(ha);
+        hb = shr<2>(hb);
+      }
+      s[2 * p] = dot(dot(VecI8::zero(), la, VecS::load(x + 64 * p)), lb, VecS::load(x + 64 * p + 16));
+      s[2 * p + 1] = dot(dot(VecI8::zero(), ua, VecS::load(x + 64 * p + 32)), ub, VecS::load(x + 64 * p + 48));
+    }
+    uint64_t sc, mn;
+    scales_mins_k4(blk + 4, &sc, &mn);
+    const Vec8F sums = to_float(hsum8(s));
+    acc = fmadd(sums * Vec8F::load(a.scale + 8 * sb), Vec8F::from_u8(sc) * Vec8F::set1(f16_at(blk)), acc);
+    off = fmadd(Vec8F::from_u8(mn) * Vec8F::set1(f16_at(blk + 2)), Vec8F::load(a.sum + 8 * sb), off);
+  }
+  return reduce_add(acc) - reduce_add(off);
+}
+
+// q6_k: per super-block, sixteen 16-weight sub-blocks (q - 32 formed in int16) as two vectors
+// of eight sums, each sub-block scaled by its int8 scale and its chunk's activation scale.
+float dot_q6k(const uint8_t* row, const Acts& a, int64_t K) {
+  const VecS low4 = VecS::set1(0xF), low2 = VecS::set1(3), bias = VecS::set1(32);
+  Vec8F acc = Vec8F::zero();
+  for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const int16_t* x = a.q + sb * kSuperBlock;
+    VecI8 s[16];
+    for (int n = 0; n < 2; ++n)
+      for (int h = 0; h < 2; ++h) {  // weights 16 h .. 16 h + 15 of each quarter of half n
+        const int l0 = 16 * h;
+        const VecS wa = VecS::widen_u8(blk + 64 * n + l0), wb = VecS::widen_u8(blk + 64 * n + 32 + l0);
+        const VecS hh = VecS::widen_u8(blk + 128 + 32 * n + l0);
+        const VecS q0 = ((wa & low4) | shl<4>(hh & low2)) - bias;
+        const VecS q1 = ((wb & low4) | shl<4>(shr<2>(hh) & low2)) - bias;
+        const VecS q2 = (shr<4>(wa) | shl<4>(shr<4>(hh) & low2)) - bias;
+        const VecS q3 = (shr<4>(wb) | shl<4>(shr<6>(hh))) - bias;
+        const int16_t* xn = x + 128 * n + l0;
+        s[8 * n + h] = dot(VecI8::zero(), q0, VecS::load(xn));
+        s[8 * n + 2 + h] = dot(VecI8::zero(), q1, VecS::load(xn + 32));
+        s[8 * n + 4 + h] = dot(VecI8::zero(), q2, VecS::load(xn + 64));
+        s[8 * n + 6 + h] = dot(VecI8::zero(), q3, VecS::load(xn + 96));
+      }
+    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const Vec8F d = Vec8F::set1(f16_at(blk + 208));
+    const float* xs = a.scale + 8 * sb;
+    acc = fmadd(to_float(hsum8(s)) * Vec8F::load4_doubled(xs), Vec8F::from_i8(sc) * d, acc);
+    acc = fmadd(to_float(hsum8(s + 8)) * Vec8F::load4_doubled(xs + 4), Vec8F::from_i8(sc + 8) * d, acc);
+  }
+  return reduce_add(acc);
+}
+
+using RowDot = float (*)(const uint8_t*, const Acts&, int64_t);
+
+RowDot row_dot(WeightDtype t) {
+  switch (t) {
+    case WeightDtype::kQ4_0: return dot_block32<WeightDtype::kQ4_0>;
+    case WeightDtype::kQ4_1: return dot_block32<WeightDtype::kQ4_1>;
+    case WeightDtype::kQ5_0: return dot_block32<WeightDtype::kQ5_0>;
+    case WeightDtype::kQ5_1: return dot_block32<WeightDtype::kQ5_1>;
+    case WeightDtype::kQ8_0: return dot_block32<WeightDtype::kQ8_0>;
+    case WeightDtype::kI4G128: return dot_block32<WeightDtype::kI4G128>;
+    case WeightDtype::kQ4_K: return dot_q4k_q5k<false>;
+    case WeightDtype::kQ5_K: return dot_q4k_q5k<true>;
+    case WeightDtype::kQ6_K: return dot_q6k;
+    default: return nullptr;
+  }
+}
+
+// The calling thread's scratch for the quantized activations (parallel.h's last slot, as
+// the other kernels' prepared operands).
+constexpr int kActsSlot = Scratch::kSlots - 1;
+constexpr int64_t kRowsPerTask = 16;
+
+}  // namespace
+
+void block_matvec(const float* x, const uint8_t* w, WeightDtype t, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t chunks = K / kBlockChunk;
+  // [M][K] int16, then [M][chunks] scales and [M][chunks] sums, in one float buffer
+  const int64_t q_floats = (M * K + 1) / 2;
+  float* buf = Scratch(kActsSlot, q_floats + 2 * M * chunks).data();  // outlives the handle (parallel.h)
+  auto* q = reinterpret_cast<int16_t*>(buf);
+  float* scale = buf + q_floats;
+  float* sum = scale + M * chunks;
+  for (int64_t m = 0; m < M; ++m) quantize_acts(x + m * K, K, q + m * K, scale + m * chunks, sum + m * chunks);
+  const RowDot dot_row = row_dot(t);
+  const int64_t row_bytes = block_row_bytes(t, K);
+  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kRowsPerTask; n < std::min(N, end * kRowsPerTask); ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t m = 0; m < M; ++m)
+        y[m * N + n] = dot_row(row, {q + m * K, scale + m * chunks, sum + m * chunks}, K);
+    }
+  });
+}
+
+}  // namespace wbk

