@@ -528,10 +528,9 @@ struct Load<BFloat16> {
 // chunk of a block is two of them, and the kernels are bound by memory, not by vector width.
 //   VecS    16 int16 lanes: widen_u8 / widen_i8 (16 bytes), load (16 int16), set1, &, |, -,
 //           shr<n> / shl<n> (logical shifts of each lane)
-//   VecI8   8 int32 lanes: dot(acc, a, b) adds a . b in pairs of lanes; hsum8(s) gives the
-//           8 lane-sums of s[0..7] as one vector
-//   Vec8F   8 fp32 lanes: load, load_f16 (8 IEEE halves), set1, +, *, fmadd, reduce_add,
-//           to_float(VecI8)
+//   VecI8   8 int32 lanes: dot(acc, a, b) adds a . b in pairs of lanes
+//   Vec8F   8 fp32 lanes: load, bcast, store, load_f16 (8 IEEE halves), from_u8 / from_i8,
+//           load4_doubled, set1, +, *, fmadd, reduce_add, to_float(VecI8)
 #if defined(__AVX2__)
 struct VecS {
   __m256i v;
@@ -543,12 +542,16 @@ struct VecS {
   }
   static inline VecS load(const int16_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
   static inline VecS set1(int16_t x) { return {_mm256_set1_epi16(x)}; }
-  // Lane i = 0x10 where bit i of the 16-bit `bits` is set, else 0 (Q5's fifth bit).
-  static inline VecS bit4_of(uint32_t bits) {
-    const __m256i lanes = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                            static_cast<int16_t>(-32768));
-    const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits & 0xFFFF)), lanes);
-    return {_mm256_and_si256(_mm256_cmpeq_epi16(set, lanes), _mm256_set1_epi16(0x10))};
+  // Q5's fifth bits of one half (kHalf 0: weights 0-15 of a block, 1: 16-31) as 0x10 in each
+  // lane, from the block's 32-bit word in the kernels' order (blocks.cpp q5_bit: lane pair i of
+  // half 0 at bits i and 16 + i, of half 1 at bits 8 + i and 24 + i), so that one variable shift
+  // of each 32-bit lane puts both of its weights' bits at bit 4 of their 16-bit halves.
+  template <int kHalf>
+  static inline VecS fifth_bits(uint32_t qh) {
+    const __m256i w = _mm256_set1_epi32(static_cast<int>(qh));
+    const __m256i shifted = kHalf ? _mm256_srlv_epi32(w, _mm256_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11))
+                                  : _mm256_srlv_epi32(_mm256_slli_epi32(w, 4), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return {_mm256_and_si256(shifted, _mm256_set1_epi32(0x00100010))};
   }
 };
 inline VecS operator&(VecS a, VecS b) { return {_mm256_and_si256(a.v, b.v)}; }
@@ -574,19 +577,13 @@ inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_dpwssd_avx_epi32(ac
 inline constexpr const char* kBlockDotIsa = "avx2 (pmaddwd)";
 inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(a.v, b.v))}; }
 #endif
-// The sums of the lanes of s[0] .. s[7], as lanes 0 .. 7 of one vector.
-inline VecI8 hsum8(const VecI8* s) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0].v, s[1].v), _mm256_hadd_epi32(s[2].v, s[3].v));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4].v, s[5].v), _mm256_hadd_epi32(s[6].v, s[7].v));
-  // a: [s0 s1 s2 s3 (low 128 bits' halves) | s0 s1 s2 s3 (high)], b the same for s4..s7
-  return {_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))};
-}
-
 struct Vec8F {
   __m256 v;
   static inline Vec8F zero() { return {_mm256_setzero_ps()}; }
   static inline Vec8F set1(float x) { return {_mm256_set1_ps(x)}; }
   static inline Vec8F load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static inline Vec8F bcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+  inline void store(float* p) const { _mm256_storeu_ps(p, v); }
   static inline Vec8F load_f16(const uint16_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }
@@ -635,9 +632,13 @@ struct VecS {
     for (auto& e : r.v) e = x;
     return r;
   }
-  static inline VecS bit4_of(uint32_t bits) {
+  template <int kHalf>
+  static inline VecS fifth_bits(uint32_t qh) {
     VecS r;
-    for (int i = 0; i < 16; ++i) r.v[i] = static_cast<int16_t>((bits >> i) & 1 ? 0x10 : 0);
+    for (int i = 0; i < 16; ++i) {
+      const int bit = i / 2 + 16 * (i % 2) + 8 * kHalf;
+      r.v[i] = static_cast<int16_t>((qh >> bit) & 1 ? 0x10 : 0);
+    }
     return r;
   }
 };
@@ -673,12 +674,6 @@ inline VecI8 dot(VecI8 acc, VecS a, VecS b) {
   for (int i = 0; i < 8; ++i) acc.v[i] += a.v[2 * i] * b.v[2 * i] + a.v[2 * i + 1] * b.v[2 * i + 1];
   return acc;
 }
-inline VecI8 hsum8(const VecI8* s) {
-  VecI8 r = VecI8::zero();
-  for (int j = 0; j < 8; ++j)
-    for (int i = 0; i < 8; ++i) r.v[j] += s[j].v[i];
-  return r;
-}
 struct Vec8F {
   float v[8];
   static inline Vec8F zero() { return set1(0.0f); }
@@ -692,6 +687,8 @@ struct Vec8F {
     std::memcpy(r.v, p, sizeof r.v);
     return r;
   }
+  static inline Vec8F bcast(const float* p) { return set1(*p); }
+  inline void store(float* p) const { std::memcpy(p, v, sizeof v); }
   static inline Vec8F load_f16(const uint16_t* p) {
     Vec8F r;
     for (int i = 0; i < 8; ++i) r.v[i] = half_to_float(p[i]);

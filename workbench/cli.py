@@ -8,6 +8,7 @@
     workbench profile [--native] -- generate "Hello"          # py-spy over a workbench command
     workbench serve --port 8000 --slots 8 --prefix-cache-tokens 8192   # OpenAI-compatible server
     workbench serve-bench --url http://127.0.0.1:8000 --rate 1,2,4 --slo-ttft 1s --slo-tpot 100ms
+    workbench quantize in.gguf out.gguf --type Q4_K_M            # our quantizer, llama.cpp's mixes
     workbench bench attention|generation|peaks [args...]
 """
 
@@ -222,6 +223,20 @@ def cmd_serve_bench(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from workbench.model.loaders import BUNDLED_MODEL, bundled_gguf_path
+    from workbench.model.quantize import write_quantized
+
+    source = bundled_gguf_path() if args.source == BUNDLED_MODEL else Path(args.source)
+    if not source.is_file():
+        print(f"workbench quantize: {source} is not a file (a GGUF file, or {BUNDLED_MODEL})", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    out = write_quantized(source, Path(args.out), args.type)
+    print(f"wrote {out.resolve()} ({out.stat().st_size / 2**20:.1f} MiB, {args.type}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_bench(args) -> int:
     script = ROOT / "bench" / {"attention": "all.py", "generation": "generation.py", "peaks": "peaks.py"}[args.which]
     if not script.is_file():
@@ -320,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--label", default="", help="a name for these rows (which server, which settings)")
     sb.add_argument("--out", default=str(Path("results") / "serve-bench.json"))
     sb.set_defaults(func=cmd_serve_bench)
+
+    from workbench.model.quantize import MIXES
+
+    q = sub.add_parser("quantize", help="requantize a GGUF file with our quantizer (a llama.cpp file type's mix)")
+    q.add_argument("source", help="a GGUF file (F32, F16 or quantized), or smollm2-135m for the bundled one")
+    q.add_argument("out", help="the GGUF file to write")
+    q.add_argument("--type", default="Q4_K_M", choices=list(MIXES), help="the file type (default Q4_K_M)")
+    q.set_defaults(func=cmd_quantize)
 
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("which", choices=["attention", "generation", "peaks"])
