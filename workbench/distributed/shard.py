@@ -9,13 +9,19 @@
                 (ShardPlan.head_map tells the kernels which KV head each query head reads).
                 wq / wk / wv rows, wo columns
     MLP         gate / up rows (the FFN's columns), down columns, split evenly in steps of
-                FFN_ALIGN features
+                FFN_ALIGN features, or of down's blocks where they are longer (a K-quant's
+                256: Llama-2-7B's 11008 features are 43 of them, so two ranks keep 22 and 21)
     after       o_proj and down_proj give partial sums on every rank: an all-reduce follows
                 (workbench.distributed.tp)
     norms       replicated
     embedding   replicated (every rank embeds the broadcast token ids itself)
     LM head     by vocabulary rows (each rank scores its slice: local top-k, then a gather);
-                the "hidden-split" variant keeps columns of the hidden size instead
+                the "hidden-split" variant keeps columns of the hidden size instead (in fp32
+                where block weights cannot be cut there: the variant is a study of the exchange)
+
+Block-quantized matrices (workbench.model.weights.BlockTensor) are cut at whole blocks only,
+rows anywhere, columns (wo's, down's) at block boundaries: a split that would cut a block is
+an error naming the matrix and its block.
 
 The ranks meet at both all-reduces of every layer, so each of the two parts between them (the
 attention block, the MLP block) should take every rank the same time on its own: a rank that
@@ -36,6 +42,7 @@ on both).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,15 +61,23 @@ def split(n: int, parts: int, index: int) -> tuple[int, int]:
 FFN_ALIGN = 64  # FFN features per step of the split: whole int8-g32 groups and cache lines
 
 
-def ffn_split(cfg: ModelConfig, world: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of the FFN features rank keeps: whole FFN_ALIGN steps split as evenly as
-    split() splits them (the last rank also takes the features past the last whole step);
+def ffn_split(cfg: ModelConfig, world: int, rank: int, align: int = FFN_ALIGN) -> tuple[int, int]:
+    """[lo, hi) of the FFN features rank keeps: whole steps of `align` features split as evenly
+    as split() splits them (the last rank also takes the features past the last whole step);
     a plain even split where there are fewer steps than ranks."""
-    steps = cfg.ffn_dim // FFN_ALIGN
+    steps = cfg.ffn_dim // align
     if steps < world:
         return split(cfg.ffn_dim, world, rank)
     lo, hi = split(steps, world, rank)
-    return lo * FFN_ALIGN, cfg.ffn_dim if rank == world - 1 else hi * FFN_ALIGN
+    return lo * align, cfg.ffn_dim if rank == world - 1 else hi * align
+
+
+def ffn_align(w_down) -> int:
+    """The FFN split's step for a layer whose down projection is w_down: FFN_ALIGN, or the
+    block of a block format where that is longer (a K-quant's 256 features)."""
+    from workbench.model.weights import BlockTensor
+
+    return math.lcm(FFN_ALIGN, w_down.fmt.block_geometry[0]) if isinstance(w_down, BlockTensor) else FFN_ALIGN
 
 
 @dataclass(frozen=True)
@@ -121,14 +136,14 @@ def attention_split(cfg: ModelConfig, world: int, rank: int) -> tuple[tuple[int,
     return (by_q if busiest(by_q) < busiest(by_kv) else by_kv)(rank)
 
 
-def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
+def plan(cfg: ModelConfig, rank: int, world: int, align: int = FFN_ALIGN) -> ShardPlan:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"ranks must be a positive integer, got {world!r}")
     if world > cfg.n_kv_heads:
         raise ValueError(f"{cfg.name} has {cfg.n_kv_heads} KV heads, so at most {cfg.n_kv_heads} tensor-parallel "
                          f"ranks (each keeps at least one KV head with its query heads); got {world}")
     q, kv, q_offset = attention_split(cfg, world, rank)
-    return ShardPlan(rank, world, kv, q, ffn_split(cfg, world, rank), split(cfg.vocab_size, world, rank),
+    return ShardPlan(rank, world, kv, q, ffn_split(cfg, world, rank, align), split(cfg.vocab_size, world, rank),
                      split(cfg.dim, world, rank), q_offset, cfg.n_heads // cfg.n_kv_heads)
 
 
@@ -141,16 +156,39 @@ def take(p: ShardPlan, head_dim: int, layer: int | None, w: dict[str, torch.Tens
     """The slices of one layer's unfused weights (layer None: the embedding, final norm and LM
     head dict) that the rank of plan p keeps (see the module docstring). Slices are copied
     (contiguous), so the full matrices can be freed as loading goes."""
-    q = slice(p.q_heads[0] * head_dim, p.q_heads[1] * head_dim)
+    q = (p.q_heads[0] * head_dim, p.q_heads[1] * head_dim)
     kv = slice(p.kv_heads[0] * head_dim, p.kv_heads[1] * head_dim)
-    ffn = slice(*p.ffn)
+    ffn = p.ffn
     if layer is None:  # embedding (replicated), final norm, LM head by vocabulary
         head = w["lm_head"]
+        try:
+            hidden = _cols(head, *p.hidden, "lm_head")
+        except ValueError:  # blocks the hidden split would cut: this variant's head in fp32
+            hidden = head.dequantize()[:, slice(*p.hidden)].contiguous()
         return {"embedding": w["embedding"], "final_norm": w["final_norm"],
-                "lm_head": head[slice(*p.vocab)].contiguous(),
-                "lm_head_hidden_split": head[:, slice(*p.hidden)].contiguous()}
+                "lm_head": _rows(head, slice(*p.vocab)), "lm_head_hidden_split": hidden}
     return {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
-            "wq": w["wq"][q].contiguous(), "wk": w["wk"][kv].contiguous(), "wv": w["wv"][kv].contiguous(),
-            "wo": w["wo"][:, q].contiguous(),
-            "w_gate": w["w_gate"][ffn].contiguous(), "w_up": w["w_up"][ffn].contiguous(),
-            "w_down": w["w_down"][:, ffn].contiguous()}
+            "wq": _rows(w["wq"], slice(*q)), "wk": _rows(w["wk"], kv), "wv": _rows(w["wv"], kv),
+            "wo": _cols(w["wo"], *q, f"layer {layer}'s wo"),
+            "w_gate": _rows(w["w_gate"], slice(*ffn)), "w_up": _rows(w["w_up"], slice(*ffn)),
+            "w_down": _cols(w["w_down"], *ffn, f"layer {layer}'s w_down")}
+
+
+def _rows(w, rows: slice):
+    """Rows of a matrix: a copy of a tensor's; a BlockTensor's whole rows (its own blocks)."""
+    from workbench.model.weights import BlockTensor
+
+    return w.take_rows(rows) if isinstance(w, BlockTensor) else w[rows].contiguous()
+
+
+def _cols(w, lo: int, hi: int, what: str):
+    """Columns [lo, hi) of a matrix: a copy of a tensor's; a BlockTensor's whole blocks (a
+    ValueError naming the matrix where the split would cut one)."""
+    from workbench.model.weights import BlockTensor
+
+    if not isinstance(w, BlockTensor):
+        return w[:, lo:hi].contiguous()
+    try:
+        return w.take_cols(lo, hi)
+    except ValueError as e:
+        raise ValueError(f"tensor parallel cannot split {what} ({w.fmt.name}) at columns [{lo}, {hi}): {e}") from None

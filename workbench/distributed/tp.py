@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench import kernels
-from workbench.distributed.shard import ShardPlan, plan, split, take
+from workbench.distributed.shard import FFN_ALIGN, ShardPlan, ffn_align, plan, split, take
 from workbench.model.config import ModelConfig
 from workbench.model.llama import embed_rows, rms_norm
 
@@ -92,8 +92,9 @@ class TensorParallel:
 
     # -- at load ------------------------------------------------------------------------------
     def keep(self, cfg: ModelConfig, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.plan is None:
-            self.plan = plan(cfg, self.comm.rank, self.comm.world)
+        if self.plan is None:  # every rank loads the same file, so finds the same FFN step
+            align = ffn_align(w["w_down"]) if layer is not None else FFN_ALIGN
+            self.plan = plan(cfg, self.comm.rank, self.comm.world, align)
         return take(self.plan, cfg.head_dim, layer, w)
 
     def attach(self, model) -> None:

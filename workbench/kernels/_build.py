@@ -265,9 +265,11 @@ def build_info(variant: str | None = None) -> dict:
         "int8_dot": module.decode_dot_isa(),
         # the GEMM (batched decode, prefill) per weight kernel: fp32 on the FMA micro-kernel,
         # bf16 and int8 on the engine in force; and why the matrix engine may or may not run
-        "gemm_engine": {k: module.gemm_engine_for(k) for k in ("float32", "bfloat16", "int8", "int8_group")},
+        "gemm_engine": {k: module.gemm_engine_for(k) for k in module.constants()["weight_kernels"]},
         # up to how many rows each weight kernel runs the matrix-vector kernel (measured here)
-        "matvec_max_rows": {k: module.matvec_max_rows(k) for k in ("float32", "bfloat16", "int8", "int8_group")},
+        "matvec_max_rows": {k: module.matvec_max_rows(k) for k in module.constants()["weight_kernels"]},
+        # the block-quantized weights' integer dot products (kernels/blocks.cpp)
+        "block_dot": module.block_dot_isa(),
         # prefill attention per input dtype: bf16 q / k / v on the same engine (prefill_tiles.cpp)
         "prefill_attention": {"float32": "fma", "bfloat16": module.gemm_engine_for("bfloat16")},
         "amx_bf16": module.gemm_engines()["amx_bf16"][1],

@@ -166,6 +166,18 @@ FILE_FORMATS: dict[str, WeightFormat] = {f.gguf_type: f for f in WEIGHT_FORMATS.
 AS_FILE = "file"
 
 
+def describe_formats(groups: dict[str, dict[str, int]]) -> str:
+    """A model's formats by tensor group (LlamaModel.weight_formats) in one line, e.g.
+    "qkv q5_0 x30 + q8_0 x14, o q5_0, gate_up q5_0, down q4_k x16 + q6_k x14, lm_head q8_0"."""
+    parts = []
+    for group, counts in groups.items():
+        if len(counts) == 1:
+            parts.append(f"{group} {next(iter(counts))}")
+        else:
+            parts.append(f"{group} " + " + ".join(f"{name} x{n}" for name, n in counts.items()))
+    return ", ".join(parts)
+
+
 def weight_format(name: str) -> WeightFormat:
     try:
         return WEIGHT_FORMATS[name]

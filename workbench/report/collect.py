@@ -51,6 +51,8 @@ def model_identity(model) -> dict:
     return {"description": model.description, "name": cfg.name, "source": source,
             "sha256": _sha256(source) if source else None, "parameters": cfg.parameter_count(),
             "weight_dtype": model.weight_dtype, "config": cfg.as_dict(),
+            "weight_formats": llama.weight_formats if llama is not None else None,
+            "weight_bytes": llama.weight_bytes if llama is not None else None,
             "ranks": getattr(getattr(model, "cluster", None), "n", 1)}
 
 

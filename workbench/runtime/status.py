@@ -13,6 +13,11 @@ def status_report(model=None) -> str:
     info, m, p = build_info(), machine_info(), measured_peaks()
     lines = [f"model      {model!r}" if model is not None else "model      (none loaded: %load_model smollm2-135m)"]
     if model is not None:
+        llama = getattr(model, "llama", None)
+        if llama is not None:  # each tensor group's format (a file's own: a Q4_K_M mixes them)
+            from workbench.model.weights import describe_formats
+
+            lines.append(f"weights    {describe_formats(llama.weight_formats)} ({llama.weight_bytes / 2**20:.1f} MiB)")
         lines.append(f"switches   attention={model.attention} kv_cache={model.kv_cache}")
     lines += [
         f"threads    {get_threads()}",
