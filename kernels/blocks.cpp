@@ -744,6 +744,27 @@ float dot_q6k(const uint8_t* row, const Acts& a, int64_t K) {
   return reduce_add(even + odd) - 32.0f * reduce_add(off);
 }
 
+// Weight-only int8 rows (the int8 / int8-g32 formats, linear.cpp's layout: K int8 a row, with
+// fp32 scales per 32 of a row, gs, or one per row applied by the caller): the same int16
+// products as q8_0's, each chunk's factor its group scale (or 1) times its activation scale.
+float dot_int8(const int8_t* row, const float* gs, const Acts& a, int64_t K) {
+  const int64_t nc = K / kBlockChunk;
+  alignas(32) float factor[8];
+  Vec8F even = Vec8F::zero(), odd = Vec8F::zero();
+  for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nc - c0);
+    const Vec8F xs = load8(a.scale + c0, n);
+    (gs ? xs * load8(gs + c0, n) : xs).store(factor);
+    for (int j = 0; j < n; ++j) {
+      const int8_t* w = row + (c0 + j) * 32;
+      const int16_t* x = a.q + (c0 + j) * 32;
+      WBK_ADD_CHUNK(j, dot(dot(VecI8::zero(), VecS::widen_i8(w), VecS::load(x)), VecS::widen_i8(w + 16),
+                           VecS::load(x + 16)));
+    }
+  }
+  return reduce_add(even + odd);
+}
+
 #undef WBK_ADD_CHUNK
 
 using RowDot = float (*)(const uint8_t*, const Acts&, int64_t);
@@ -768,29 +789,55 @@ RowDot row_dot(WeightDtype t) {
 constexpr int kActsSlot = Scratch::kSlots - 1;
 constexpr int64_t kRowsPerTask = 16;
 
+// Rows of x quantized for the dot products, in the calling thread's scratch; `at(m)` is row m's.
+class QuantizedRows {
+ public:
+  QuantizedRows(const float* x, int64_t M, int64_t K) : K_(K), chunks_(K / kBlockChunk) {
+    // [M][K] int16, then [M][chunks] scales, [M][chunks] sums and [M][2 chunks] half sums, in
+    // one float buffer (it outlives the Scratch handle: parallel.h)
+    const int64_t q_floats = (M * K + 1) / 2;
+    float* buf = Scratch(kActsSlot, q_floats + 4 * M * chunks_).data();
+    q_ = reinterpret_cast<int16_t*>(buf);
+    scale_ = buf + q_floats;
+    sum_ = scale_ + M * chunks_;
+    sum16_ = sum_ + M * chunks_;
+    for (int64_t m = 0; m < M; ++m)
+      quantize_acts(x + m * K, K, q_ + m * K, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_);
+  }
+  Acts at(int64_t m) const { return {q_ + m * K_, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_}; }
+
+ private:
+  int64_t K_, chunks_;
+  int16_t* q_;
+  float *scale_, *sum_, *sum16_;
+};
+
+// y[m][n] = dot(row n, x row m) for every row of w, rows in tasks of kRowsPerTask, one
+// contiguous range of tasks per thread.
+template <typename Dot>
+void rows_times_x(int64_t M, int64_t N, float* y, Dot&& dot_row) {
+  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kRowsPerTask; n < std::min(N, end * kRowsPerTask); ++n)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_row(n, m);
+  });
+}
+
 }  // namespace
 
 void block_matvec(const float* x, const uint8_t* w, WeightDtype t, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t chunks = K / kBlockChunk;
-  // [M][K] int16, then [M][chunks] scales, [M][chunks] sums and [M][2 chunks] half sums, in one
-  // float buffer
-  const int64_t q_floats = (M * K + 1) / 2;
-  float* buf = Scratch(kActsSlot, q_floats + 4 * M * chunks).data();  // outlives the handle (parallel.h)
-  auto* q = reinterpret_cast<int16_t*>(buf);
-  float* scale = buf + q_floats;
-  float* sum = scale + M * chunks;
-  float* sum16 = sum + M * chunks;
-  for (int64_t m = 0; m < M; ++m)
-    quantize_acts(x + m * K, K, q + m * K, scale + m * chunks, sum + m * chunks, sum16 + 2 * m * chunks);
+  const QuantizedRows acts(x, M, K);
   const RowDot dot_row = row_dot(t);
   const int64_t row_bytes = block_row_bytes(t, K);
-  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin * kRowsPerTask; n < std::min(N, end * kRowsPerTask); ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      for (int64_t m = 0; m < M; ++m)
-        y[m * N + n] = dot_row(row, {q + m * K, scale + m * chunks, sum + m * chunks, sum16 + 2 * m * chunks}, K);
-    }
+  rows_times_x(M, N, y, [&](int64_t n, int64_t m) { return dot_row(w + n * row_bytes, acts.at(m), K); });
+}
+
+void int8_matvec(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
+                 int64_t K) {
+  const QuantizedRows acts(x, M, K);
+  const int64_t groups = K / kBlockChunk;
+  rows_times_x(M, N, y, [&](int64_t n, int64_t m) {
+    return dot_int8(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
   });
 }
 

@@ -65,6 +65,11 @@ void quantize_block_rows(WeightDtype dtype, const float* x, uint8_t* out, int64_
 // dot products summed in int32, then scaled in fp32 (blocks.cpp). Memory-bound at small M.
 void block_matvec(const float* x, const uint8_t* w, WeightDtype dtype, float* y, int64_t M, int64_t N, int64_t K);
 
+// The same for weight-only int8 rows w [N, K] (K a multiple of 32): group_scale [N][K / 32]
+// for int8-g32, or null (per-row scales: the caller's, applied to y).
+void int8_matvec(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
+                 int64_t K);
+
 // The instructions block_matvec's dot products use in this build.
 const char* block_dot_isa();
 

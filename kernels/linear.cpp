@@ -753,6 +753,13 @@ void set_matvec_max_rows(WeightDtype dtype, int64_t rows) {
 void linear_matvec(const float* x, const void* w, WeightDtype dtype, const float* row_scale, float* y, int64_t M,
                    int64_t N, int64_t K) {
   if (is_block(dtype)) return block_matvec(x, static_cast<const uint8_t*>(w), dtype, y, M, N, K);
+  if ((dtype == WeightDtype::kInt8 || dtype == WeightDtype::kInt8Group) && K % kBlockChunk == 0) {
+    // int8 weights times int16 activations (blocks.cpp): integer products, memory-bound where the
+    // fp32 FMA path below, widening every weight to fp32, was bound by its arithmetic
+    int8_matvec(x, static_cast<const int8_t*>(w), dtype == WeightDtype::kInt8Group ? row_scale : nullptr, y, M, N, K);
+    if (dtype == WeightDtype::kInt8) scale_columns(y, row_scale, M, N);
+    return;
+  }
   with_weights(w, dtype, row_scale, y, M, N, [&](auto* tw, const float* gs) { matvec(x, tw, y, M, N, K, gs); });
 }
 

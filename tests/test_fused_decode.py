@@ -20,6 +20,8 @@ from workbench.model.timing import Clock
 # Also on the "emulated" build (conftest.py): the AVX-512 path, VNNI included, on any AVX2 host.
 ALSO_EMULATED = True
 
+from workbench.model.weights import BlockTensor  # noqa: E402
+
 PROMPTS = [[1, 504, 3458, 1024, 29, 10, 77, 99, 314], [5, 6, 7, 8, 9, 10, 11]]  # ragged batch
 
 
@@ -55,7 +57,8 @@ def model(request):
 
 
 def in_blocks(llama) -> bool:
-    return any(part.fmt.blocks for layer in llama.layers for part in layer.wqkv.parts)
+    """Whether decode's products round the activations to int16 (block and int8 weights)."""
+    return any(part.fmt.decode_activations == "int16" for layer in llama.layers for part in layer.wqkv.parts)
 
 
 def step_logits(llama, kv: tuple[str, str | None], step: str, steps: int = 6) -> torch.Tensor:
@@ -77,7 +80,7 @@ def test_fused_step_matches_the_reference_path(model, kv):
         # rounding through 30 layers (measured up to 4e-5 on logits up to 34).
         assert diff.max() < 1e-3 and same_top1 == 1, (diff.max(), same_top1)
     elif kv[0] == "fp32":
-        # Block weights: their products round each activation to int16 (kernels/blocks.cpp), and
+        # Block and int8 weights: their products round each activation to int16 (kernels/blocks.cpp), and
         # a last-bit difference now and then rounds one the other way (measured up to 3.3e-3).
         assert diff.max() < 0.03 and same_top1 == 1, (diff.max(), same_top1)
     else:
@@ -260,7 +263,7 @@ def test_the_weights_are_one_stream_in_the_order_decode_reads_them(model):
     shared = llama.weight_dtype not in ("int8", "int8-g32")
     assert llama.embedding_shared == shared
     if shared:
-        table = llama.embedding.data if hasattr(llama.embedding, "data") and in_blocks(llama) else llama.embedding
+        table = llama.embedding.data if isinstance(llama.embedding, BlockTensor) else llama.embedding
         assert llama.lm_head.parts[0].weight is table
 
 

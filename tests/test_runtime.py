@@ -36,7 +36,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model():
-    return wb.load_model("smollm2-135m")
+    """The bundled model in fp32 (its Q4_1 blocks dequantized exactly): the path these tests
+    hold to transformers' fp32 at fp32 rounding. The file's own blocks (the default load) are
+    held to the same model in tests/test_gguf_weights.py."""
+    return wb.load_model("smollm2-135m", dtype="fp32")
 
 
 prepare_in_background = background.peer_files  # the GGUF as transformers decodes it, written once
@@ -286,12 +289,12 @@ def test_hf_directory_and_gguf_path_load_the_same_model(model, tmp_path):
     from_dir = wb.load_model(str(tmp_path))
     assert from_dir.tokenizer.encode(PROMPTS[0]) == ids
     torch.testing.assert_close(from_dir.logits(ids), model.logits(ids), atol=1e-5, rtol=0)
-    from_path = wb.load_model(str(bundled_gguf_path()))
+    from_path = wb.load_model(str(bundled_gguf_path()), dtype="fp32")
     torch.testing.assert_close(from_path.logits(ids), model.logits(ids), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "tinyllama-1.1b"])  # tied and untied embeddings
-@pytest.mark.parametrize("dtype", list(WEIGHT_FORMATS))
+@pytest.mark.parametrize("dtype", [f for f, fmt in WEIGHT_FORMATS.items() if not fmt.blocks])
 def test_step_bytes_and_flops_written_out_by_hand(preset, dtype):
     """Every byte a step must read, from the config by hand, for every KV format: each layer's
     weights (fp32 norms), the embedding rows of the step's tokens, the final norm and the
@@ -413,3 +416,35 @@ def test_the_fused_step_books_the_thread_wake_up_apart(model):
         assert s.wake_s > 0 and s.head_s >= s.wake_s and layers <= s.total_s - s.head_s + 1e-9
     ref = model.generate("Hello there", max_new_tokens=3, stop_at_eos=False, step="reference")
     assert all(s.wake_s > 0 and s.head_s >= s.wake_s for s in ref.timings.decode_steps)  # the same there
+
+
+# GGUF's blocks by hand: (weights, bytes) of a block of each format these tests use.
+BLOCKS = {"q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}
+
+
+@pytest.mark.parametrize("preset, dtype", [("smollm2-135m", "q4_k"), ("smollm2-135m", "q8_0"),
+                                           ("tinyllama-1.1b", "q4_0")])
+def test_step_bytes_of_block_formats_written_out_by_hand(preset, dtype):
+    """Block formats: each matrix is rows x (K / block) blocks of its format's bytes, the
+    format's fallback where K is not whole blocks (SmolLM2's 576-wide rows take q4_k's q5_0;
+    its 1536-wide down rows stay q4_k); the embedding keeps the blocks too (a decode step
+    reads one row per token), and a tied table is the LM head itself."""
+    m = wb.load_model(preset, random=True, layers=2, dtype=dtype)
+    c = m.config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+
+    def nbytes(rows, k):
+        fmt = dtype if k % BLOCKS[dtype][0] == 0 else {"q4_k": "q5_0", "q6_k": "q8_0"}[dtype]
+        return rows * k // BLOCKS[fmt][0] * BLOCKS[fmt][1]
+
+    layer = (nbytes(q + 2 * kv, c.dim) + nbytes(c.dim, q) + nbytes(2 * c.ffn_dim, c.dim) + nbytes(c.dim, c.ffn_dim)
+             + 2 * c.dim * 4)
+    head = nbytes(c.vocab_size, c.dim) + c.dim * 4
+    row = nbytes(1, c.dim)
+    out = m.generate([[5, 6, 7, 8, 9], [10, 11, 12]], max_new_tokens=3, kv_cache="fp32", stop_at_eos=False)
+    assert out.timings.prefill.bytes_read == 2 * layer + 8 * row + head
+    for step, st in enumerate(out.timings.decode_steps):
+        cached = (5 + step + 1) + (3 + step + 1)
+        assert st.bytes_read == 2 * (layer + cached * 2 * c.n_kv_heads * c.head_dim * 4) + 2 * row + head
+    extra = 0 if c.tied_embeddings else nbytes(c.vocab_size, c.dim)
+    assert m.llama.weight_bytes == 2 * layer + head + extra

@@ -140,6 +140,19 @@ class Linear:
                 self.parts.append(part)
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The weights of a linear layer kept in one format (an AttributeError naming the
+        formats where its rows come in several: see parts)."""
+        if len(self.parts) != 1:
+            raise AttributeError(f"this linear layer's rows are in {len(self.parts)} formats "
+                                 f"({', '.join(p.fmt.name for p in self.parts)}): read .parts")
+        return self.parts[0].weight
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self.parts[0].scale if len(self.parts) == 1 else None
+
+    @property
     def out_features(self) -> int:
         return sum(part.rows for part in self.parts)
 
@@ -325,6 +338,8 @@ class LlamaModel:
         if tied and len(head) == 1 and not head[0].fmt.quantized:
             return head[0].weight  # fp32 / bf16 weights: the LM head is the table itself
         table = source.dequantize() if isinstance(source, BlockTensor) else source
+        if fmt is not None and fmt.quantized:  # int8 weights: the table stays as the loader made it
+            return table
         return table.to(fmt.embedding_dtype() if fmt is not None else torch.float32)
 
     def _pack_weights(self) -> None:
