@@ -15,13 +15,13 @@
 //          offset m (minus the zero point times d); 4-bit q          w = d q + m
 //
 // Layout in memory (the kernels' layout). The K-quants' super-blocks are read as the file has
-// them. The blocks of 32 (q4_0 ... q8_0) are repacked at load into planes: a row's quants of
-// every block one after another, then each further field of every block (Q5's fifth bits as
-// 4 bytes a block, the fp16 scales, the fp16 minimums), so that a kernel reads eight blocks'
-// scales with one load; the repack moves bytes and changes no value, and a row keeps GGUF's
-// size. Within 32 weights the 4-bit formats keep GGUF's order: byte j holds weight j in its
+// them. The blocks of 32 (q4_0 ... q8_0) are repacked at load into groups of eight blocks: the
+// group's quants one after another, then each further field of its blocks (Q5's fifth bits as
+// 4 bytes a block, in an order of ours; the fp16 scales; the fp16 minimums), so that a kernel
+// reads eight blocks' scales with one load; the repack moves bytes and changes no value, and a
+// row keeps GGUF's size (blocks.cpp: group_at). Within 32 weights the 4-bit formats keep GGUF's order: byte j holds weight j in its
 // low nibble and weight j + 16 in its high one (q4_k and q5_k: weights j and j + 32 of a
-// 64-weight pair of sub-blocks). i4_g128's planes: quants, the groups' scales, their offsets.
+// 64-weight pair of sub-blocks). i4_g128 is grouped the same way, two blocks of 128 a group.
 #pragma once
 
 #include <cstdint>

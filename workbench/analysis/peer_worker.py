@@ -1,11 +1,14 @@
 """One inference engine in its own process, for workbench.analysis.peers: it loads once,
 prints {"ready": ...} as a JSON line, then answers each request line
 
-    {"prompt": [token ids], "new_tokens": N}
+    {"prompt": [token ids], "new_tokens": N[, "batch": B]}
 
 with {"prefill_ms", "decode_ms": [per token], "tokens": [greedy ids]} (or {"error": ...}).
 Every engine does the same thing: the prompt in one forward pass (prefill, timed), then N - 1
-greedy decode steps of one token each (each timed, argmax included), no stop at EOS.
+greedy decode steps of one token each (each timed, argmax included), no stop at EOS. With a
+batch B (workbench and llama.cpp), B copies of the prompt are decoded together as B sequences:
+each decode step makes B tokens (llama.cpp: B parallel sequences of one context, its batched
+decode); "tokens" are the first sequence's.
 
     python -m workbench.analysis.peer_worker '{"engine": "llama.cpp", "path": "...", "threads": 2}'
 """
@@ -27,7 +30,8 @@ def _workbench(spec: dict):
         from workbench import kernels
 
         kernels.set_gemm_engine(spec["gemm_engine"])
-    model = wb.load_model(spec.get("model", "smollm2-135m"), dtype=spec.get("dtype", "fp32"))
+    model = wb.load_model(spec.get("model", "smollm2-135m"), dtype=spec.get("dtype", "fp32"),
+                          max_batch=spec.get("max_batch", 1))
     model.attention, model.kv_cache = spec.get("attention", "slim"), spec.get("kv_cache", "fp16")
 
     from workbench.model.kv_formats import kv_format
@@ -37,14 +41,14 @@ def _workbench(spec: dict):
     kv_per_token = 2 * llama.cfg.n_layers * llama.n_kv_heads * kv_format(model.kv_cache).bytes_per_vector(
         llama.cfg.head_dim, llama.n_kv_heads)
 
-    def run(prompt: list[int], n: int) -> dict:
+    def run(prompt: list[int], n: int, batch: int = 1) -> dict:
         stamps = []  # wall time at each token: the gaps are decode steps, sampling included
-        out = model.generate([prompt], max_new_tokens=n, stop_at_eos=False, record=False,
+        out = model.generate([prompt] * batch, max_new_tokens=n, stop_at_eos=False, record=False,
                              on_token=lambda step, ids: stamps.append(time.perf_counter()))
         return {"prefill_ms": 1e3 * out.timings.time_to_first_token_s,
                 "decode_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], "tokens": out.token_ids[0],
                 # what a decode step reads, as the step records count it, at the run's middle step
-                "decode_bytes_per_step": weights + kv_per_token * (len(prompt) + n / 2)}
+                "decode_bytes_per_step": weights + batch * kv_per_token * (len(prompt) + n / 2)}
 
     return run, model.description
 
@@ -116,7 +120,51 @@ def _llama_cpp(spec: dict):
     def next_token() -> int:  # argmax of the last position's logits (llama.cpp keeps only those)
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
-    def run(prompt: list[int], n: int) -> dict:
+    batched = {}  # batch size -> (context, llama_batch): B parallel sequences, made on first use
+
+    def run_batch(prompt: list[int], n: int, batch: int) -> dict:
+        if batch not in batched:
+            params = low.llama_context_default_params()
+            params.n_ctx = batch * (len(prompt) + n + 16)
+            params.n_batch = params.n_ubatch = max(512, batch * len(prompt))
+            params.n_seq_max = batch
+            params.n_threads = params.n_threads_batch = spec["threads"]
+            params.type_k = params.type_v = kv
+            ctx = low.llama_init_from_model(llm.model, params)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not make a context for {batch} sequences")
+            batched[batch] = (ctx, low.llama_batch_init(params.n_batch, 0, 1))
+        ctx, b = batched[batch]
+        low.llama_memory_clear(low.llama_get_memory(ctx), True)
+
+        def decode(items) -> None:  # (token, position, sequence, want logits) each
+            b.n_tokens = len(items)
+            for i, (tok, pos, seq, out) in enumerate(items):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+                b.seq_id[i][0] = seq
+            if low.llama_decode(ctx, b) != 0:
+                raise RuntimeError("llama_decode failed")
+
+        def argmax(i: int) -> int:
+            return int(np.argmax(np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+
+        P = len(prompt)
+        t0 = time.perf_counter()  # every sequence's prompt in one batch, each last position's logits
+        decode([(tok, pos, s, pos == P - 1) for s in range(batch) for pos, tok in enumerate(prompt)])
+        last = [argmax(s * P + P - 1) for s in range(batch)]
+        prefill = time.perf_counter() - t0
+        tokens, steps = [last[0]], []
+        for step in range(n - 1):
+            t0 = time.perf_counter()
+            decode([(last[s], P + step, s, True) for s in range(batch)])
+            last = [argmax(s) for s in range(batch)]
+            steps.append(time.perf_counter() - t0)
+            tokens.append(last[0])
+        return {"prefill_ms": 1e3 * prefill, "decode_ms": [1e3 * t for t in steps], "tokens": tokens}
+
+    def run(prompt: list[int], n: int, batch: int = 1) -> dict:
+        if batch > 1:
+            return run_batch(prompt, n, batch)
         llm.reset()  # n_tokens = 0: the next eval overwrites the cache from position 0
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -179,7 +227,9 @@ def main() -> int:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            reply = run(request["prompt"], request["new_tokens"])
+            batch = request.get("batch", 1)
+            reply = run(request["prompt"], request["new_tokens"], batch) if batch > 1 else run(
+                request["prompt"], request["new_tokens"])
         except Exception as e:
             reply = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(reply), file=out, flush=True)

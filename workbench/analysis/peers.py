@@ -151,8 +151,8 @@ class _Worker:
             raise RuntimeError(f"peer {self.engine.name!r}: {msg['error']}")
         return msg
 
-    def run(self, prompt: list[int], new_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+    def run(self, prompt: list[int], new_tokens: int, batch: int = 1) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens, "batch": batch}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
