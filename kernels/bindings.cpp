@@ -185,7 +185,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_blocks", &repack_blocks, py::arg("w"), py::arg("kernel"), py::arg("K"), py::arg("to_kernel"),
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_blocks", &dequantize_blocks, py::arg("w"), py::arg("kernel"), py::arg("K"),
-        py::arg("rows") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("rows") = py::none(), py::arg("reference") = false, py::call_guard<py::gil_scoped_release>());
   m.def("block_dot_isa", &wbk::block_dot_isa);
   m.def("shm_segment_bytes", [](int64_t world, int64_t capacity) { return wbk::shm_segment_bytes(world, capacity); });
   m.def("shm_all_reduce", &shm_all_reduce, py::call_guard<py::gil_scoped_release>());

@@ -261,17 +261,23 @@ void dequantize_chunk(WeightDtype t, const uint8_t* row, int64_t K, int64_t c, f
 
 }  // namespace
 
-void dequantize_block_range(WeightDtype t, const uint8_t* row, int64_t K, int64_t k0, int64_t n, float* out) {
+void dequantize_block_range_reference(WeightDtype t, const uint8_t* row, int64_t K, int64_t k0, int64_t n,
+                                      float* out) {
   for (int64_t c = k0 / kBlockChunk; c < (k0 + n) / kBlockChunk; ++c)
     dequantize_chunk(t, row, K, c, out + (c * kBlockChunk - k0));
 }
 
 void dequantize_block_rows(WeightDtype t, const uint8_t* w, const int64_t* index, int64_t count, int64_t K,
-                           float* out) {
+                           float* out, bool reference) {
   const int64_t row_bytes = block_row_bytes(t, K);
   at::parallel_for(0, count, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      dequantize_block_range(t, w + (index ? index[r] : r) * row_bytes, K, 0, K, out + r * K);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w + (index ? index[r] : r) * row_bytes;
+      if (reference)
+        dequantize_block_range_reference(t, row, K, 0, K, out + r * K);
+      else
+        dequantize_block_range(t, row, K, 0, K, out + r * K);
+    }
   });
 }
 
@@ -622,16 +628,175 @@ inline void scales_mins_k4(const uint8_t* q, uint64_t* scales, uint64_t* mins) {
   (((j) & 1) ? (odd = fmadd(to_float(sum), Vec8F::bcast(factor + (j)), odd)) \
              : (even = fmadd(to_float(sum), Vec8F::bcast(factor + (j)), even)))
 
+// The weights of each format as int16 lanes, 16 at a time in their order: what the dot products
+// multiply and the dequantization scales, written once for both.
+
+// Chunk j (32 weights) of a group of blocks of 32 (or of i4_g128's 128): lo = weights 0-15,
+// hi = 16-31, before scale and offset.
+template <WeightDtype T>
+inline void unpack_chunk(const Group& G, int64_t j, VecS& lo, VecS& hi) {
+  if constexpr (T == WeightDtype::kQ8_0) {
+    const auto* qs = reinterpret_cast<const int8_t*>(G.qs + 32 * j);
+    lo = VecS::widen_i8(qs);
+    hi = VecS::widen_i8(qs + 16);
+  } else {
+    const VecS w = VecS::widen_u8(G.qs + 16 * j);
+    lo = w & VecS::set1(0xF);
+    hi = shr<4>(w);
+    if constexpr (T == WeightDtype::kQ5_0 || T == WeightDtype::kQ5_1) {
+      const uint32_t qh = u32_at(G.qh + 4 * j);
+      lo = lo | VecS::fifth_bits<0>(qh);
+      hi = hi | VecS::fifth_bits<1>(qh);
+    }
+  }
+}
+
+// Sub-blocks 2p and 2p + 1 (weights 64 p .. 64 p + 63) of a q4_k / q5_k super-block, q before
+// scale and minimum: out[0], out[1] = sub-block 2p's halves, out[2], out[3] = 2p + 1's. For
+// q5_k, ha / hb are qh[0..15] / qh[16..31] widened and shifted right by 2p (bit 0: sub-block
+// 2p's fifth bit, bit 1: 2p + 1's).
+template <bool kQ5>
+inline void unpack_k4_pair(const uint8_t* qs, int p, VecS ha, VecS hb, VecS out[4]) {
+  const VecS low4 = VecS::set1(0xF), bit4 = VecS::set1(0x10);
+  const VecS wa = VecS::widen_u8(qs + 32 * p), wb = VecS::widen_u8(qs + 32 * p + 16);
+  out[0] = wa & low4;
+  out[1] = wb & low4;
+  out[2] = shr<4>(wa);
+  out[3] = shr<4>(wb);
+  if constexpr (kQ5) {
+    out[0] = out[0] | (shl<4>(ha) & bit4);
+    out[1] = out[1] | (shl<4>(hb) & bit4);
+    out[2] = out[2] | (shl<3>(ha) & bit4);
+    out[3] = out[3] | (shl<3>(hb) & bit4);
+  }
+}
+
+// Lanes 16 h .. 16 h + 15 of each quarter of half n of a q6_k super-block, q in 0-63 (the -32
+// not taken off): out[k] = weights 128 n + 32 k + 16 h + 0..15, sub-block 8 n + 2 k + h.
+inline void unpack_q6k(const uint8_t* blk, int n, int h, VecS out[4]) {
+  const VecS low4 = VecS::set1(0xF), bits45 = VecS::set1(0x30);
+  const VecS wa = VecS::widen_u8(blk + 64 * n + 16 * h), wb = VecS::widen_u8(blk + 64 * n + 32 + 16 * h);
+  const VecS hh = VecS::widen_u8(blk + 128 + 32 * n + 16 * h);  // quarter k's two bits at 2k, 2k + 1
+  out[0] = (wa & low4) | (shl<4>(hh) & bits45);
+  out[1] = (wb & low4) | (shl<2>(hh) & bits45);
+  out[2] = shr<4>(wa) | (hh & bits45);
+  out[3] = shr<4>(wb) | (shr<2>(hh) & bits45);
+}
+
+// out[0..15] = d q + m for q the 16 int16 lanes of w, multiplied then added as ggml's own
+// dequantization rounds them (an offset of q, q4_0's -8, is taken off in int16 first): the
+// values are bit for bit what the file's format defines.
+inline void store_scaled(VecS w, Vec8F d, Vec8F m, float* out) {
+  Vec8F lo, hi;
+  to_float(w, lo, hi);
+  (lo * d + m).store(out);
+  (hi * d + m).store(out + 8);
+}
+
+// Vector dequantization of chunks [c0, c1) of one row into out (the GEMM's fp32 slices): the
+// kernels' own unpacking (unpack_chunk, unpack_k4_pair, unpack_q6k), then d q + m in fp32.
+template <WeightDtype T>
+void dequantize_chunks_block32(const uint8_t* row, int64_t K, int64_t c0, int64_t c1, float* out) {
+  const PlanarFormat pf = planar(T);
+  constexpr float kOffset = T == WeightDtype::kQ4_0 ? -8.0f : T == WeightDtype::kQ5_0 ? -16.0f : 0.0f;
+  for (int64_t c = c0; c < c1; ++c) {
+    const Group G = group_at(pf, row, K, c / 8);
+    const int64_t j = c % 8, b = j * kBlockChunk / pf.block;
+    const float d = f16_at(G.d + 2 * b), m = G.m ? f16_at(G.m + 2 * b) : 0.0f;
+    VecS lo, hi;
+    unpack_chunk<T>(G, j, lo, hi);
+    if constexpr (kOffset != 0) {
+      lo = lo - VecS::set1(static_cast<int16_t>(-kOffset));
+      hi = hi - VecS::set1(static_cast<int16_t>(-kOffset));
+    }
+    const Vec8F vd = Vec8F::set1(d), vm = Vec8F::set1(m);
+    store_scaled(lo, vd, vm, out + (c - c0) * 32);
+    store_scaled(hi, vd, vm, out + (c - c0) * 32 + 16);
+  }
+}
+
+template <bool kQ5>
+void dequantize_chunks_k4(const uint8_t* row, int64_t c0, int64_t c1, float* out) {
+  constexpr int64_t kBytes = kQ5 ? 176 : 144;
+  for (int64_t sb = c0 / 8; sb <= (c1 - 1) / 8; ++sb) {
+    const uint8_t* blk = row + sb * kBytes;
+    uint64_t sc, mn;
+    scales_mins_k4(blk + 4, &sc, &mn);
+    const float d = f16_at(blk), dmin = f16_at(blk + 2);
+    VecS ha, hb;
+    if constexpr (kQ5) {
+      ha = VecS::widen_u8(blk + 16);
+      hb = VecS::widen_u8(blk + 32);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const int64_t c = sb * 8 + 2 * p;  // the pair's first chunk
+      if (c + 2 > c0 && c < c1) {
+        VecS w[4];
+        unpack_k4_pair<kQ5>(blk + (kQ5 ? 48 : 16), p, ha, hb, w);
+        for (int half = 0; half < 2; ++half) {
+          if (c + half < c0 || c + half >= c1) continue;
+          const int s = 2 * p + half;
+          const Vec8F vd = Vec8F::set1(d * ((sc >> (8 * s)) & 0xFF)), vm = Vec8F::set1(-dmin * ((mn >> (8 * s)) & 0xFF));
+          float* o = out + (c + half - c0) * 32;
+          store_scaled(w[2 * half], vd, vm, o);
+          store_scaled(w[2 * half + 1], vd, vm, o + 16);
+        }
+      }
+      if constexpr (kQ5) {
+        ha = shr<2>(ha);
+        hb = shr<2>(hb);
+      }
+    }
+  }
+}
+
+void dequantize_chunks_q6k(const uint8_t* row, int64_t c0, int64_t c1, float* out) {
+  for (int64_t sb = c0 / 8; sb <= (c1 - 1) / 8; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = f16_at(blk + 208);
+    for (int n = 0; n < 2; ++n)
+      for (int h = 0; h < 2; ++h) {
+        VecS q[4];
+        unpack_q6k(blk, n, h, q);
+        for (int k = 0; k < 4; ++k) {
+          const int64_t c = sb * 8 + 4 * n + k;  // quarter k of half n is chunk 4 n + k
+          if (c < c0 || c >= c1) continue;
+          const float ds = d * sc[8 * n + 2 * k + h];
+          store_scaled(q[k] - VecS::set1(32), Vec8F::set1(ds), Vec8F::zero(), out + (c - c0) * 32 + 16 * h);
+        }
+      }
+  }
+}
+
+}  // namespace
+
+void dequantize_block_range(WeightDtype t, const uint8_t* row, int64_t K, int64_t k0, int64_t n, float* out) {
+  const int64_t c0 = k0 / kBlockChunk, c1 = (k0 + n) / kBlockChunk;
+  switch (t) {
+    case WeightDtype::kQ4_0: return dequantize_chunks_block32<WeightDtype::kQ4_0>(row, K, c0, c1, out);
+    case WeightDtype::kQ4_1: return dequantize_chunks_block32<WeightDtype::kQ4_1>(row, K, c0, c1, out);
+    case WeightDtype::kQ5_0: return dequantize_chunks_block32<WeightDtype::kQ5_0>(row, K, c0, c1, out);
+    case WeightDtype::kQ5_1: return dequantize_chunks_block32<WeightDtype::kQ5_1>(row, K, c0, c1, out);
+    case WeightDtype::kQ8_0: return dequantize_chunks_block32<WeightDtype::kQ8_0>(row, K, c0, c1, out);
+    case WeightDtype::kI4G128: return dequantize_chunks_block32<WeightDtype::kI4G128>(row, K, c0, c1, out);
+    case WeightDtype::kQ4_K: return dequantize_chunks_k4<false>(row, c0, c1, out);
+    case WeightDtype::kQ5_K: return dequantize_chunks_k4<true>(row, c0, c1, out);
+    case WeightDtype::kQ6_K: return dequantize_chunks_q6k(row, c0, c1, out);
+    default: return;
+  }
+}
+
+namespace {
+
 // Dot products of the blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, i4_g128) with one row of
 // activations, eight blocks (chunks) at a time.
 template <WeightDtype T>
 float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
   const PlanarFormat pf = planar(T);
   const int64_t nb = K / kBlockChunk;
-  constexpr bool kQ5 = T == WeightDtype::kQ5_0 || T == WeightDtype::kQ5_1;
   constexpr bool kHasMin = T == WeightDtype::kQ4_1 || T == WeightDtype::kQ5_1 || T == WeightDtype::kI4G128;
   constexpr float kOffset = T == WeightDtype::kQ4_0 ? -8.0f : T == WeightDtype::kQ5_0 ? -16.0f : 0.0f;
-  const VecS low4 = VecS::set1(0xF);
   alignas(32) float factor[8];
   Vec8F even = Vec8F::zero(), odd = Vec8F::zero(), off = Vec8F::zero();
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {  // chunk b0 + j is chunk j of group b0 / 8
@@ -639,20 +804,9 @@ float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
     const Group G = group_at(pf, row, K, b0 / 8);
     auto chunk = [&](int64_t j) {  // chunk j's integer dot product, in 8 lanes
       const int16_t* x = a.q + (b0 + j) * 32;
-      const VecS x0 = VecS::load(x), x1 = VecS::load(x + 16);
-      if constexpr (T == WeightDtype::kQ8_0) {
-        const auto* qs = reinterpret_cast<const int8_t*>(G.qs + 32 * j);
-        return dot(dot(VecI8::zero(), VecS::widen_i8(qs), x0), VecS::widen_i8(qs + 16), x1);
-      } else {
-        const VecS w = VecS::widen_u8(G.qs + 16 * j);
-        VecS lo = w & low4, hi = shr<4>(w);
-        if constexpr (kQ5) {
-          const uint32_t qh = u32_at(G.qh + 4 * j);
-          lo = lo | VecS::fifth_bits<0>(qh);
-          hi = hi | VecS::fifth_bits<1>(qh);
-        }
-        return dot(dot(VecI8::zero(), lo, x0), hi, x1);
-      }
+      VecS lo, hi;
+      unpack_chunk<T>(G, j, lo, hi);
+      return dot(dot(VecI8::zero(), lo, VecS::load(x)), hi, VecS::load(x + 16));
     };
     Vec8F d, m = Vec8F::zero();
     if constexpr (T == WeightDtype::kI4G128) {  // a scale and offset per 4 chunks: 1 or 2 blocks
@@ -683,7 +837,6 @@ float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
 template <bool kQ5>
 float dot_q4k_q5k(const uint8_t* row, const Acts& a, int64_t K) {
   constexpr int64_t kBytes = kQ5 ? 176 : 144;
-  const VecS low4 = VecS::set1(0xF), bit4 = VecS::set1(0x10);
   alignas(32) float factor[8];
   Vec8F even = Vec8F::zero(), odd = Vec8F::zero(), off = Vec8F::zero();
   for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
@@ -700,18 +853,15 @@ float dot_q4k_q5k(const uint8_t* row, const Acts& a, int64_t K) {
       hb = VecS::widen_u8(blk + 32);
     }
     for (int p = 0; p < 4; ++p) {
-      const VecS wa = VecS::widen_u8(qs + 32 * p), wb = VecS::widen_u8(qs + 32 * p + 16);
-      VecS la = wa & low4, lb = wb & low4, ua = shr<4>(wa), ub = shr<4>(wb);
-      if constexpr (kQ5) {  // sub-block 2p takes bit 2p of qh, sub-block 2p + 1 bit 2p + 1
-        la = la | (shl<4>(ha) & bit4);
-        lb = lb | (shl<4>(hb) & bit4);
-        ua = ua | (shl<3>(ha) & bit4);
-        ub = ub | (shl<3>(hb) & bit4);
+      VecS w[4];
+      unpack_k4_pair<kQ5>(qs, p, ha, hb, w);
+      if constexpr (kQ5) {  // the next pair's bits down to bits 0 and 1
         ha = shr<2>(ha);
         hb = shr<2>(hb);
       }
-      WBK_ADD_CHUNK(2 * p, dot(dot(VecI8::zero(), la, VecS::load(x + 64 * p)), lb, VecS::load(x + 64 * p + 16)));
-      WBK_ADD_CHUNK(2 * p + 1, dot(dot(VecI8::zero(), ua, VecS::load(x + 64 * p + 32)), ub, VecS::load(x + 64 * p + 48)));
+      WBK_ADD_CHUNK(2 * p, dot(dot(VecI8::zero(), w[0], VecS::load(x + 64 * p)), w[1], VecS::load(x + 64 * p + 16)));
+      WBK_ADD_CHUNK(2 * p + 1, dot(dot(VecI8::zero(), w[2], VecS::load(x + 64 * p + 32)), w[3],
+                                   VecS::load(x + 64 * p + 48)));
     }
   }
   return reduce_add(even + odd) - reduce_add(off);
@@ -721,7 +871,6 @@ float dot_q4k_q5k(const uint8_t* row, const Acts& a, int64_t K) {
 // scale and its chunk's activation scale; the -32 of every q is taken off in fp32 with the
 // exact sums of x over each sub-block.
 float dot_q6k(const uint8_t* row, const Acts& a, int64_t K) {
-  const VecS low4 = VecS::set1(0xF), bits45 = VecS::set1(0x30);
   alignas(32) float factor[16];
   Vec8F even = Vec8F::zero(), odd = Vec8F::zero(), off = Vec8F::zero();
   for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
@@ -737,18 +886,10 @@ float dot_q6k(const uint8_t* row, const Acts& a, int64_t K) {
     off = fmadd(sc_hi, Vec8F::load(a.sum16 + 16 * sb + 8), off);
     for (int n = 0; n < 2; ++n)
       for (int h = 0; h < 2; ++h) {  // weights 16 h .. 16 h + 15 of each quarter of half n
-        const int l0 = 16 * h;
-        const VecS wa = VecS::widen_u8(blk + 64 * n + l0), wb = VecS::widen_u8(blk + 64 * n + 32 + l0);
-        const VecS hh = VecS::widen_u8(blk + 128 + 32 * n + l0);  // quarter k's two bits at 2k, 2k + 1
-        const VecS q0 = (wa & low4) | (shl<4>(hh) & bits45);
-        const VecS q1 = (wb & low4) | (shl<2>(hh) & bits45);
-        const VecS q2 = shr<4>(wa) | (hh & bits45);
-        const VecS q3 = shr<4>(wb) | (shr<2>(hh) & bits45);
-        const int16_t* xn = x + 128 * n + l0;
-        WBK_ADD_CHUNK(8 * n + h, dot(VecI8::zero(), q0, VecS::load(xn)));
-        WBK_ADD_CHUNK(8 * n + 2 + h, dot(VecI8::zero(), q1, VecS::load(xn + 32)));
-        WBK_ADD_CHUNK(8 * n + 4 + h, dot(VecI8::zero(), q2, VecS::load(xn + 64)));
-        WBK_ADD_CHUNK(8 * n + 6 + h, dot(VecI8::zero(), q3, VecS::load(xn + 96)));
+        VecS q[4];
+        unpack_q6k(blk, n, h, q);
+        const int16_t* xn = x + 128 * n + 16 * h;
+        for (int k = 0; k < 4; ++k) WBK_ADD_CHUNK(8 * n + 2 * k + h, dot(VecI8::zero(), q[k], VecS::load(xn + 32 * k)));
       }
   }
   return reduce_add(even + odd) - 32.0f * reduce_add(off);

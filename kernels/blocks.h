@@ -47,11 +47,15 @@ int64_t block_row_bytes(WeightDtype dtype, int64_t K);
 // the same bytes for the K-quants and i4_g128.
 void repack_block_rows(WeightDtype dtype, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t K, bool to_kernel);
 
-// Weights [k0, k0 + n) of one row (the kernels' layout) as fp32; k0 and n multiples of 32.
+// Weights [k0, k0 + n) of one row (the kernels' layout) as fp32; k0 and n multiples of 32: in
+// vectors (the GEMM's slices, the embedding's rows), or weight by weight in plain C++ (the
+// reference the tests hold the vectors to); the same bits either way, as ggml rounds them.
 void dequantize_block_range(WeightDtype dtype, const uint8_t* row, int64_t K, int64_t k0, int64_t n, float* out);
+void dequantize_block_range_reference(WeightDtype dtype, const uint8_t* row, int64_t K, int64_t k0, int64_t n,
+                                      float* out);
 // out [count, K] = the rows index[i] of w [N, K] (index null: rows 0 .. count - 1), in parallel.
 void dequantize_block_rows(WeightDtype dtype, const uint8_t* w, const int64_t* index, int64_t count, int64_t K,
-                           float* out);
+                           float* out, bool reference = false);
 
 // Our quantizers: x [rows, K] fp32 -> rows in GGUF's byte order (i4_g128: its block order),
 // rows in parallel. q8_0 / q4_0 / q4_1 / q5_0 / q5_1 round as GGUF's reference quantizers

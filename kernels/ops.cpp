@@ -542,7 +542,8 @@ Tensor repack_blocks(const Tensor& w, const std::string& kernel, int64_t K, bool
   return out;
 }
 
-Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, const std::optional<Tensor>& rows) {
+Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, const std::optional<Tensor>& rows,
+                         bool reference) {
   const char* fn = "dequantize_blocks";
   const wbk::WeightDtype kind = checked_block_rows(w, kernel, K, fn);
   const int64_t* index = nullptr;
@@ -559,7 +560,7 @@ Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, 
                         w.size(0), " rows)");
   }
   Tensor out = at::empty({count, K}, w.options().dtype(at::kFloat));
-  wbk::dequantize_block_rows(kind, w.data_ptr<uint8_t>(), index, count, K, out.data_ptr<float>());
+  wbk::dequantize_block_rows(kind, w.data_ptr<uint8_t>(), index, count, K, out.data_ptr<float>(), reference);
   return out;
 }
 

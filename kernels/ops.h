@@ -53,7 +53,8 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
 int64_t block_row_bytes(const std::string& kernel, int64_t K);
 Tensor quantize_blocks(const Tensor& x, const std::string& kernel, bool search);
 Tensor repack_blocks(const Tensor& w, const std::string& kernel, int64_t K, bool to_kernel);
-Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, const std::optional<Tensor>& rows);
+Tensor dequantize_blocks(const Tensor& w, const std::string& kernel, int64_t K, const std::optional<Tensor>& rows,
+                         bool reference);
 
 void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std);
 

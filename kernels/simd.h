@@ -530,7 +530,7 @@ struct Load<BFloat16> {
 //           shr<n> / shl<n> (logical shifts of each lane)
 //   VecI8   8 int32 lanes: dot(acc, a, b) adds a . b in pairs of lanes
 //   Vec8F   8 fp32 lanes: load, bcast, store, load_f16 (8 IEEE halves), from_u8 / from_i8,
-//           load4_doubled, set1, +, *, fmadd, reduce_add, to_float(VecI8)
+//           load4_doubled, set1, +, *, fmadd, reduce_add, to_float(VecI8), to_float(VecS, lo, hi)
 #if defined(__AVX2__)
 struct VecS {
   __m256i v;
@@ -603,6 +603,11 @@ inline Vec8F operator+(Vec8F a, Vec8F b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec8F operator*(Vec8F a, Vec8F b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec8F fmadd(Vec8F a, Vec8F b, Vec8F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec8F to_float(VecI8 a) { return {_mm256_cvtepi32_ps(a.v)}; }
+// Lanes 0-7 and 8-15 of 16 int16 lanes as fp32.
+inline void to_float(VecS a, Vec8F& lo, Vec8F& hi) {
+  lo = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a.v)))};
+  hi = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a.v, 1)))};
+}
 inline float reduce_add(Vec8F a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -726,6 +731,12 @@ inline Vec8F to_float(VecI8 a) {
   Vec8F r;
   for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(a.v[i]);
   return r;
+}
+inline void to_float(VecS a, Vec8F& lo, Vec8F& hi) {
+  for (int i = 0; i < 8; ++i) {
+    lo.v[i] = a.v[i];
+    hi.v[i] = a.v[i + 8];
+  }
 }
 inline float reduce_add(Vec8F a) {
   float s = 0.0f;

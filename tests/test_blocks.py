@@ -75,6 +75,7 @@ def test_real_tensors_dequantize_exactly_as_gguf_decodes_them(kernels, case):
     ours = kernels.repack_blocks(rows, kind, K)
     assert torch.equal(kernels.repack_blocks(ours, kind, K, to_kernel=False), rows)
     assert torch.equal(kernels.dequantize_blocks(ours, kind, K), ref[:512])
+    assert torch.equal(kernels.dequantize_blocks(ours, kind, K, reference=True), ref[:512])
     index = torch.tensor([5, 0, 5, rows.shape[0] - 1])
     assert torch.equal(kernels.dequantize_blocks(ours, kind, K, rows=index), ref[index])
 

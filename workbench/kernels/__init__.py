@@ -232,13 +232,15 @@ class KernelSet:
         _check_tensor_args(w=w)
         return self.ext.repack_blocks(w, kernel, _positive_int("K", K), bool(to_kernel))
 
-    def dequantize_blocks(self, w, kernel: str, K: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize_blocks(self, w, kernel: str, K: int, rows: torch.Tensor | None = None, *,
+                          reference: bool = False) -> torch.Tensor:
         """Block rows w [N, row bytes] (the kernels' layout) -> fp32 [N, K], or only the rows
-        `rows` (int64 [count]) -> [count, K]: the embedding's gather, and the tests' reference."""
+        `rows` (int64 [count]) -> [count, K]: the embedding's gather. In vectors, or with
+        `reference` weight by weight in plain C++; the same bits either way (tests)."""
         _check_tensor_args(w=w)
         if rows is not None:
             _check_tensor_args(rows=rows)
-        return self.ext.dequantize_blocks(w, kernel, _positive_int("K", K), rows)
+        return self.ext.dequantize_blocks(w, kernel, _positive_int("K", K), rows, bool(reference))
 
     def block_dot_isa(self) -> str:
         """The instructions of the block-quantized matrix-vector kernel's dot products here."""
