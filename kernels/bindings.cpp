@@ -124,10 +124,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timers"), py::arg("comm") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layers", &DecodeStack::layers);
   m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
-        py::arg("scale"), py::arg("block_m"),
+        py::arg("scale"), py::arg("block_m"), py::arg("window") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("flash_attention", &flash_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
-        py::arg("scale"), py::arg("block_m"), py::arg("block_n"),
+        py::arg("scale"), py::arg("block_m"), py::arg("block_n"), py::arg("window") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("lengths"), py::arg("k_scale"), py::arg("v_scale"), py::arg("scale"), py::arg("num_splits"),

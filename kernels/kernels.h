@@ -15,7 +15,8 @@ inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m
 //   q [B, H, N, D], kp: keys packed by pack_keys, vp: values packed by pack_values,
 //   out [B, H, N, D].
 // With `causal`, query row i (0-based) sees keys 0 .. i + (Nk - N): the queries are the
-// last N of Nk positions, so Nk == N is ordinary causal prefill.
+// last N of Nk positions, so Nk == N is ordinary causal prefill. With a sliding `window` too
+// (> 0), only the last `window` of those: keys i + (Nk - N) - window + 1 .. i + (Nk - N).
 struct PrefillArgs {
   const float* q;
   const float* kp;
@@ -26,6 +27,7 @@ struct PrefillArgs {
   float scale;
   int64_t block_m;  // query rows per task
   int64_t block_n;  // key columns per tile (FlashAttention only), a multiple of gemm_nr()
+  int64_t window = 0;  // causal only: each query sees at most this many keys (0: all before it)
 };
 
 // Keys k [B*Hkv, Nk, D] (fp32, or bf16 bits when `bf16`) -> kp, per KV head the
@@ -197,6 +199,7 @@ struct PrefillTileArgs {
   bool causal;
   float scale;
   int64_t block_m, block_n;
+  int64_t window = 0;  // as PrefillArgs::window
 };
 int64_t packed_kv_tile_elems(int64_t Nk, int64_t D);  // bf16 values per KV head, of K and of V each
 void pack_kv_tiles(const uint16_t* k, const uint16_t* v, uint16_t* kp, uint16_t* vp, int64_t BHkv, int64_t Nk,

@@ -100,7 +100,7 @@ float* packed_kv_workspace(int64_t floats, Tensor& fallback) {
 }
 
 Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-               int64_t block_m, int64_t block_n, bool slim) {
+               int64_t block_m, int64_t block_n, bool slim, int64_t window) {
   const char* fn = slim ? "slim_attention" : "flash_attention";
   check_tensor(q, fn, "q", 4, "[B, H, N, D]");
   check_tensor(k, fn, "k", 4, "[B, Hkv, Nk, D]");
@@ -123,6 +123,8 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
   TORCH_CHECK_VALUE(N == 0 || Nk >= 1, fn, ": k and v have no keys (Nk = 0)");
   TORCH_CHECK_VALUE(block_m >= 1, fn, ": block_m must be >= 1, got ", block_m);
   TORCH_CHECK_VALUE(block_n >= 1, fn, ": block_n must be >= 1, got ", block_n);
+  TORCH_CHECK_VALUE(window >= 0, fn, ": window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(window == 0 || causal, fn, ": a sliding window needs causal attention");
   const float s = checked_scale(scale, D, fn);
 
   if (q.numel() == 0) return at::empty({B, H, N, D}, q.options());
@@ -142,7 +144,7 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
     const int64_t bm = std::clamp<int64_t>((std::min(block_m, N) + 31) / 32 * 32, 32, wbk::kMaxTileBlockM);
     Tensor out16 = at::empty({B, H, N, D}, q.options());  // written in bf16 by the kernel
     const wbk::PrefillTileArgs a{bits(qb), kp, vp, reinterpret_cast<uint16_t*>(out16.data_ptr()), B, H, Hkv, N, Nk,
-                                 D, causal, s, bm, (block_n + 31) / 32 * 32};
+                                 D, causal, s, bm, (block_n + 31) / 32 * 32, window};
     wbk::attention_tiles(engine, a, slim);
     return out16;
   }
@@ -160,7 +162,7 @@ Tensor prefill(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, s
   // Key tiles start on micro-kernel panels: block_n rounds up to a multiple of gemm_nr().
   const int64_t nr = wbk::gemm_nr();
   wbk::PrefillArgs a{qf.data_ptr<float>(), kp, vp, out.data_ptr<float>(),
-                     B, H, Hkv, N, Nk, D, causal, s, std::min(block_m, N), (block_n + nr - 1) / nr * nr};
+                     B, H, Hkv, N, Nk, D, causal, s, std::min(block_m, N), (block_n + nr - 1) / nr * nr, window};
   if (slim) {
     wbk::slim_attention(a);
   } else {
@@ -320,13 +322,13 @@ wbk::WeightDtype weight_kernel(const std::string& kernel, const char* fn) {
 }
 
 Tensor slim_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                      int64_t block_m) {
-  return prefill(q, k, v, causal, scale, block_m, 1, true);
+                      int64_t block_m, int64_t window) {
+  return prefill(q, k, v, causal, scale, block_m, 1, true, window);
 }
 
 Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                       std::optional<double> scale, int64_t block_m, int64_t block_n) {
-  return prefill(q, k, v, causal, scale, block_m, block_n, false);
+                       std::optional<double> scale, int64_t block_m, int64_t block_n, int64_t window) {
+  return prefill(q, k, v, causal, scale, block_m, block_n, false, window);
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,

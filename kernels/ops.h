@@ -29,10 +29,10 @@ const char* engine_name(wbk::GemmEngine e);
 wbk::WeightDtype weight_kernel(const std::string& kernel, const char* fn);
 
 Tensor slim_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                      int64_t block_m);
+                      int64_t block_m, int64_t window);
 
 Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                       std::optional<double> scale, int64_t block_m, int64_t block_n);
+                       std::optional<double> scale, int64_t block_m, int64_t block_n, int64_t window);
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,

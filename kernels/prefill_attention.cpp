@@ -59,6 +59,11 @@ struct HeadView {
   int64_t i0, m;    // first query row, rows in block
   int64_t kvis;     // keys visible to the block's last row
   int64_t diag;     // row r (local) sees keys j <= r + diag
+  int64_t k0;       // first key the block computes (a panel start): 0, or with a window the panel
+                    // holding its first row's first visible key
+  int64_t window;   // row r sees keys j > r + diag - window (0: no window)
+  // Row r's first visible key, relative to k0.
+  int64_t lo(int64_t r) const { return window ? std::max<int64_t>(0, r + diag - window + 1) - k0 : 0; }
 };
 
 HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
@@ -73,6 +78,8 @@ HeadView view(const PrefillArgs& a, int64_t bh, int64_t blk) {
   hv.vp = a.vp + kvh * packed_values_floats(a.Nk, a.D);
   hv.diag = a.causal ? hv.i0 + (a.Nk - a.N) : kNoLimit;
   hv.kvis = a.causal ? std::min(a.Nk, hv.i0 + hv.m + (a.Nk - a.N)) : a.Nk;
+  hv.window = a.causal ? a.window : 0;
+  hv.k0 = hv.window ? std::max<int64_t>(0, hv.diag - hv.window + 1) / kGemmNR * kGemmNR : 0;
   return hv;
 }
 
@@ -130,21 +137,23 @@ void slim_attention(const PrefillArgs& a) {
       const HeadView hv = view(a, bh, blk);
       float* S = scores.data();
 
-      // S = Q_blk K^T, visible columns only.
-      gemm_packed_limit_n(hv.m, hv.kvis, a.D, hv.q, a.D, hv.kp, S, ld_s, hv.diag, false);
+      // S = Q_blk K^T, visible columns only (from k0: with a window, the block's first visible panel).
+      const int64_t k0 = hv.k0, cols = hv.kvis - k0, diag = hv.diag == kNoLimit ? kNoLimit : hv.diag - k0;
+      gemm_packed_limit_n(hv.m, cols, a.D, hv.q, a.D, hv.kp + (k0 / kGemmNR) * a.D * kGemmNR, S, ld_s, diag, false);
 
-      // Exact softmax of each row in one pass over its visible columns.
+      // Exact softmax of each row in one pass over its visible columns [lo, lim).
       for (int64_t r = 0; r < hv.m; ++r) {
         float* s = S + r * ld_s;
-        const int64_t lim = std::min(hv.kvis, r + hv.diag + 1);
-        const float mx = row_max(s, lim);
-        const float sum = exp_and_sum(s, lim, a.scale, mx * a.scale);
-        zero_row(s + lim, hv.kvis - lim);  // the P V product reads up to the panel's limit
+        const int64_t lo = hv.lo(r), lim = std::min(hv.kvis, r + hv.diag + 1) - k0;
+        const float mx = row_max(s + lo, lim - lo);
+        const float sum = exp_and_sum(s + lo, lim - lo, a.scale, mx * a.scale);
+        zero_row(s, lo);  // keys before the window
+        zero_row(s + lim, cols - lim);  // the P V product reads up to the panel's limit
         inv_sum[r] = 1.0f / sum;
       }
 
       // O_blk = P V, then normalise each row.
-      gemm_packed_limit_k(hv.m, a.D, hv.kvis, S, ld_s, hv.vp, a.Nk * kGemmNR, hv.out, a.D, hv.diag, false);
+      gemm_packed_limit_k(hv.m, a.D, cols, S, ld_s, hv.vp + k0 * kGemmNR, a.Nk * kGemmNR, hv.out, a.D, diag, false);
       for (int64_t r = 0; r < hv.m; ++r) scale_row(hv.out + r * a.D, a.D, inv_sum[r]);
     };
   });
@@ -170,7 +179,7 @@ void flash_attention(const PrefillArgs& a) {
       std::fill(row_l, row_l + hv.m, 0.0f);
       for (int64_t r = 0; r < hv.m; ++r) zero_row(hv.out + r * a.D, a.D);
 
-      for (int64_t j0 = 0; j0 < hv.kvis; j0 += bn) {
+      for (int64_t j0 = hv.k0; j0 < hv.kvis; j0 += bn) {
         const int64_t n = std::min(bn, hv.kvis - j0);
         const int64_t diag = hv.diag == kNoLimit ? kNoLimit : hv.diag - j0;
         gemm_packed_limit_n(hv.m, n, a.D, hv.q, a.D, hv.kp + (j0 / kGemmNR) * a.D * kGemmNR, S, ld_s, diag,
@@ -180,13 +189,15 @@ void flash_attention(const PrefillArgs& a) {
         for (int64_t r = 0; r < hv.m; ++r) {
           float* s = S + r * ld_s;
           const int64_t lim = std::clamp<int64_t>(r + diag + 1, 0, n);
-          if (lim == 0) {
+          const int64_t lo = std::clamp<int64_t>(hv.lo(r) + hv.k0 - j0, 0, n);  // keys before the window
+          if (lim <= lo) {
             zero_row(s, n);
             continue;
           }
-          const float m_new = std::max(row_m[r], row_max(s, lim) * a.scale);
+          const float m_new = std::max(row_m[r], row_max(s + lo, lim - lo) * a.scale);
           const float alpha = std::exp(row_m[r] - m_new);
-          const float sum = exp_and_sum(s, lim, a.scale, m_new);
+          const float sum = exp_and_sum(s + lo, lim - lo, a.scale, m_new);
+          zero_row(s, lo);
           zero_row(s + lim, n - lim);
           row_l[r] = row_l[r] * alpha + sum;
           if (alpha != 1.0f) scale_row(hv.out + r * a.D, a.D, alpha);

@@ -106,6 +106,9 @@ struct Task {
   const uint16_t* vp;  // packed values
   uint16_t* out;       // [m, D]
   int64_t m, kvis, diag;
+  int64_t k0, window;  // the first key computed (a 32-key block start), the window (0: none)
+  // Row r's first visible key, relative to k0 (0 without a window).
+  int64_t lo(int64_t r) const { return window ? std::max<int64_t>(0, r + diag - window + 1) - k0 : 0; }
 };
 
 Task task_at(const PrefillTileArgs& a, int64_t t) {
@@ -121,6 +124,8 @@ Task task_at(const PrefillTileArgs& a, int64_t t) {
   k.vp = a.vp + kvh * head_elems(a.Nk, a.D);
   k.diag = a.causal ? i0 + (a.Nk - a.N) : kNoLimit;
   k.kvis = a.causal ? std::min(a.Nk, i0 + k.m + (a.Nk - a.N)) : a.Nk;
+  k.window = a.causal ? a.window : 0;
+  k.k0 = k.window ? std::max<int64_t>(0, k.diag - k.window + 1) / 32 * 32 : 0;
   return k;
 }
 
@@ -183,9 +188,9 @@ WBK_AMX_TARGET void slim_task(bool amx, const PrefillTileArgs& a, const Task& k,
   const int64_t Dp = round_up(a.D, 32), rows = round_up(k.m, 32), Nk32 = round_up(a.Nk, 32) / 32;
   copy_queries(k, a.D, Dp, rows, buf.q);
   for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-    const int64_t cols = visible_cols(k, r0, 0, k.kvis);
-    pair_scores(amx, k, buf, Dp, r0, 0, cols);
-    // The exact softmax of each row over its visible keys, rounded to bf16 for P V.
+    const int64_t cols = visible_cols(k, r0, k.k0, k.kvis - k.k0);
+    pair_scores(amx, k, buf, Dp, r0, k.k0, cols);
+    // The exact softmax of each row over its visible keys [lo, lim), rounded to bf16 for P V.
     for (int64_t i = 0; i < 32; ++i) {
       const int64_t r = r0 + i;
       uint16_t* p = buf.p + i * buf.ld_p;
@@ -194,11 +199,12 @@ WBK_AMX_TARGET void slim_task(bool amx, const PrefillTileArgs& a, const Task& k,
         continue;
       }
       const float* s = buf.s + i * buf.ld_s;
-      const int64_t lim = std::min(k.kvis, r + k.diag + 1);
-      const float mx = row_max(s, lim) * a.scale;
-      buf.stats[r] = 1.0f / exp_to_bf16(s, lim, a.scale, mx, p, cols);
+      const int64_t lo = k.lo(r), lim = std::min(k.kvis, r + k.diag + 1) - k.k0;
+      const float mx = row_max(s + lo, lim - lo) * a.scale;
+      std::fill(p, p + lo, uint16_t{0});
+      buf.stats[r] = 1.0f / exp_to_bf16(s + lo, lim - lo, a.scale, mx, p + lo, cols - lo);
     }
-    pair_values(amx, k, buf, Dp, Nk32, r0, 0, cols, false);
+    pair_values(amx, k, buf, Dp, Nk32, r0, k.k0, cols, false);
   }
   for (int64_t r = 0; r < k.m; ++r) write_row(buf.o + r * Dp, a.D, buf.stats[r], k.out + r * a.D);
 }
@@ -213,7 +219,7 @@ WBK_AMX_TARGET void flash_task(bool amx, const PrefillTileArgs& a, const Task& k
   std::fill(buf.o, buf.o + rows * Dp, 0.0f);
   // Key tiles outside, pairs of query rows inside: a tile of K and V stays in L2 while every
   // pair of the task passes over it.
-  for (int64_t j0 = 0; j0 < k.kvis; j0 += a.block_n) {
+  for (int64_t j0 = k.k0; j0 < k.kvis; j0 += a.block_n) {
     const int64_t n = std::min(a.block_n, k.kvis - j0);
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
       const int64_t cols = visible_cols(k, r0, j0, n);
@@ -224,14 +230,16 @@ WBK_AMX_TARGET void flash_task(bool amx, const PrefillTileArgs& a, const Task& k
         const int64_t r = r0 + i;
         uint16_t* p = buf.p + i * buf.ld_p;
         const int64_t lim = r < k.m ? std::clamp<int64_t>(r + k.diag + 1 - j0, 0, n) : 0;
-        if (lim == 0) {
+        const int64_t lo = r < k.m ? std::clamp<int64_t>(k.lo(r) + k.k0 - j0, 0, n) : 0;  // keys before the window
+        if (lim <= lo) {
           std::fill(p, p + cols, uint16_t{0});
           continue;
         }
         const float* s = buf.s + i * buf.ld_s;
-        const float m_new = std::max(row_m[r], row_max(s, lim) * a.scale);
+        const float m_new = std::max(row_m[r], row_max(s + lo, lim - lo) * a.scale);
         const float alpha = std::exp(row_m[r] - m_new);
-        row_l[r] = row_l[r] * alpha + exp_to_bf16(s, lim, a.scale, m_new, p, cols);
+        std::fill(p, p + lo, uint16_t{0});
+        row_l[r] = row_l[r] * alpha + exp_to_bf16(s + lo, lim - lo, a.scale, m_new, p + lo, cols - lo);
         if (alpha != 1.0f) scale_row(buf.o + r * Dp, Dp, alpha);
         row_m[r] = m_new;
       }

@@ -7,9 +7,9 @@ import math
 import torch
 
 
-def attention_reference(q, k, v, *, causal: bool, scale: float | None = None) -> torch.Tensor:
+def attention_reference(q, k, v, *, causal: bool, scale: float | None = None, window: int = 0) -> torch.Tensor:
     """q [B, H, N, D], k / v [B, Hkv, Nk, D] -> float64 [B, H, N, D].
-    Causal: query i sees keys 0 .. i + (Nk - N)."""
+    Causal: query i sees keys 0 .. i + (Nk - N); with a window, only the last `window` of them."""
     q, k, v = q.double(), k.double(), v.double()
     B, H, N, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -20,6 +20,8 @@ def attention_reference(q, k, v, *, causal: bool, scale: float | None = None) ->
         i = torch.arange(N)[:, None]
         j = torch.arange(Nk)[None, :]
         s = s.masked_fill(j > i + (Nk - N), float("-inf"))
+        if window:
+            s = s.masked_fill(j <= i + (Nk - N) - window, float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 
 

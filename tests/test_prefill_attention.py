@@ -128,3 +128,18 @@ def test_default_block_m_is_whole_row_tiles_or_all_rows(kernels):
     for n in (5, 256, 1024, 4096, 32768):
         bm = kernels.default_block_m(n, n, 128, 32)
         assert 1 <= bm <= n and (bm % mr == 0 or bm == n)
+
+
+@given(c=prefill_case(), window=st.integers(1, 300), slim=st.booleans())
+def test_a_sliding_window_matches_reference(kernels, c, window, slim):
+    """Causal attention through a sliding window (Mistral's, Gemma 3's local layers): each query
+    sees only its last `window` keys; windows shorter and longer than the prompt, blocks that
+    start inside a window, with and without extra keys before the queries (an extend)."""
+    c["causal"] = True
+    q, k, v = make_qkv(c)
+    if slim:
+        out = kernels.slim_attention(q, k, v, causal=True, block_m=c["block_m"], window=window)
+    else:
+        out = kernels.flash_attention(q, k, v, causal=True, block_m=c["block_m"], block_n=c["block_n"], window=window)
+    ref = attention_reference(q, k, v, causal=True, window=window)
+    torch.testing.assert_close(out.double(), ref, **tolerance(kernels, c["dtype"], v))

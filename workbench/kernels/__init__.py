@@ -109,12 +109,14 @@ class KernelSet:
         return q.dtype == torch.bfloat16 and self.gemm_engine() != "fma"
 
     def slim_attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                       block_m: int | None = None) -> torch.Tensor:
+                       block_m: int | None = None, window: int = 0) -> torch.Tensor:
         """SlimAttention prefill: split along queries only, exact one-pass softmax per row.
 
         q [B, H, N, D], k / v [B, Hkv, Nk, D] (fp32 or bf16) -> [B, H, N, D] like q.
         causal: query i sees keys 0 .. i + (Nk - N) (needs Nk >= N); only those are computed.
         scale: softmax scale, default 1/sqrt(D). block_m: query rows per task (default from L2).
+        window: a sliding window (causal only): query i sees only the last `window` of its keys,
+        i + (Nk - N) - window + 1 .. i + (Nk - N); 0 (default) for none.
 
         bf16 inputs run on the bf16 engine in force (gemm_engine_for("bfloat16"): AMX tiles or
         AVX512-BF16):
@@ -129,10 +131,11 @@ class KernelSet:
         elif block_m is None:
             block_m = 1  # the extension rejects the shapes with a message naming them
         return self.ext.slim_attention(q, k, v, causal=bool(causal), scale=scale,
-                                       block_m=_positive_int("block_m", block_m))
+                                       block_m=_positive_int("block_m", block_m),
+                                       window=_positive_int("window", window, 0))
 
     def flash_attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                        block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                        block_m: int | None = None, block_n: int | None = None, window: int = 0) -> torch.Tensor:
         """FlashAttention-2 prefill: block_m x block_n tiles, online softmax with rescaling.
 
         Same contract as slim_attention (bf16 inputs on the bf16 engine in force, block_n rounded
@@ -143,7 +146,8 @@ class KernelSet:
         block_n = FLASH_BLOCK_N if block_n is None else block_n
         return self.ext.flash_attention(q, k, v, causal=bool(causal), scale=scale,
                                         block_m=_positive_int("block_m", block_m),
-                                        block_n=_positive_int("block_n", block_n))
+                                        block_n=_positive_int("block_n", block_n),
+                                        window=_positive_int("window", window, 0))
 
     # -- decode ----------------------------------------------------------------------
 

@@ -29,6 +29,12 @@ class ModelConfig:
     # Explicit, not dim // n_heads: some models (and every tensor-parallel shard) have
     # n_heads * head_dim != dim. None means dim // n_heads, the Llama default.
     head_dim: int | None = None
+    # The family (workbench.model.arch.ARCHITECTURES) and its per-model numbers:
+    arch: str = "llama"
+    attn_scale: float | None = None    # softmax scale of q . k; None: 1 / sqrt(head_dim)
+    rotary_dim: int | None = None      # dims of each head RoPE rotates (the first ones); None: all
+    windows: tuple[int, ...] | None = None  # each layer's sliding window, 0 for none; None: none at all
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3); None: rope_theta
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -36,16 +42,53 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.name}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
                              f"({self.n_kv_heads})")
+        if self.windows is not None:
+            object.__setattr__(self, "windows", tuple(int(w) for w in self.windows))
+            if len(self.windows) != self.n_layers:
+                raise ValueError(f"{self.name}: windows has {len(self.windows)} entries for {self.n_layers} layers")
+            if not any(self.windows):
+                object.__setattr__(self, "windows", None)
+        rd = self.rotary_dim
+        if rd is not None and (rd <= 0 or rd > self.head_dim or rd % 2):
+            raise ValueError(f"{self.name}: rotary_dim must be an even number in 1..head_dim ({self.head_dim}), got {rd}")
+
+    @property
+    def spec(self):
+        """The family's record (workbench.model.arch.Architecture)."""
+        from workbench.model.arch import architecture
+
+        return architecture(self.arch)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def rope_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it attends to every earlier token)."""
+        return self.windows[layer] if self.windows else 0
 
     def with_layers(self, n_layers: int) -> ModelConfig:
         if not 1 <= n_layers <= self.n_layers:
             raise ValueError(f"layers must be in [1, {self.n_layers}] for {self.name}, got {n_layers}")
-        return replace(self, n_layers=n_layers)
+        return replace(self, n_layers=n_layers, windows=self.windows[:n_layers] if self.windows else None)
+
+    def layer_vectors(self) -> int:
+        """Values of a layer outside its matrices (fp32 whatever the format): its norms, the
+        per-head q / k norms and the q / k / v biases its family has."""
+        spec, hd = self.spec, self.head_dim
+        norms = (4 if spec.post_norms else 2) * self.dim
+        qk = 2 * hd if spec.qk_norm else 0
+        bias = (self.n_heads + 2 * self.n_kv_heads) * hd if spec.qkv_bias else 0
+        return norms + qk + bias
 
     def parameter_count(self) -> int:
         d, f, hd = self.dim, self.ffn_dim, self.head_dim
         attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + self.layer_vectors()
         head = 0 if self.tied_embeddings else self.vocab_size * d
         return self.n_layers * layer + self.vocab_size * d + head + d
 
@@ -61,7 +104,7 @@ class ModelConfig:
         """Bytes of every weight in weight format `fmt` (workbench.model.weights.WeightFormat):
         the linear layers with their scales, the norms in fp32, and the embedding table in the
         format's embedding dtype when it is not the LM head itself (untied, or quantized)."""
-        norms = (2 * self.n_layers + 1) * self.dim * 4
+        norms = (self.n_layers * self.layer_vectors() + self.dim) * 4
         linear = sum(fmt.nbytes(n, k) for n, k in self.linear_shapes())
         # tied: the table is the LM head's own rows, unless int8 weights made the head a copy
         shares_head = self.tied_embeddings and (not fmt.quantized or fmt.blocks)
