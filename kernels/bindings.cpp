@@ -95,9 +95,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kernel") = "");
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())  // one layer's tensors for DecodeStack
       .def(py::init<Tensor, Tensor, std::vector<WeightPart>, std::vector<WeightPart>, std::vector<WeightPart>,
-                    std::vector<WeightPart>, Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>>(),
+                    std::vector<WeightPart>, Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>,
+                    std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
+                    std::optional<Tensor>, int64_t, int64_t>(),
            py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"),
-           py::arg("w_down"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"));
+           py::arg("w_down"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+           py::arg("qkv_bias") = py::none(), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("post_attn_norm") = py::none(), py::arg("post_mlp_norm") = py::none(), py::arg("window") = 0,
+           py::arg("rope") = 0);
   py::register_exception<wbk::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
   // The collectives a tensor-parallel rank's DecodeStack.step takes (comm=).
   py::class_<wbk::StepCollective>(m, "StepCollective", py::module_local());
@@ -117,11 +122,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::function>(), py::arg("all_reduce"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per build (native, avx2, scalar)
       .def(py::init<const std::vector<DecodeLayer>&, int64_t, double, const std::string&, int64_t, int64_t, bool,
-                    bool>(),
+                    bool, std::optional<double>, int64_t, const std::string&>(),
            py::arg("layers"), py::arg("heads"), py::arg("eps"), py::arg("int8_kernel"), py::arg("group") = 0,
-           py::arg("q_offset") = 0, py::arg("kv_send") = false, py::arg("kv_recv") = false)
+           py::arg("q_offset") = 0, py::arg("kv_send") = false, py::arg("kv_recv") = false,
+           py::arg("scale") = py::none(), py::arg("rotary") = 0, py::arg("activation") = "silu")
       .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
-           py::arg("timers"), py::arg("comm") = nullptr, py::call_guard<py::gil_scoped_release>())
+           py::arg("timers"), py::arg("comm") = nullptr, py::arg("cos_local") = py::none(),
+           py::arg("sin_local") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layers", &DecodeStack::layers);
   m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
         py::arg("scale"), py::arg("block_m"), py::arg("window") = 0,
@@ -165,7 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fill_normal_", &fill_normal_, py::arg("out"), py::arg("seed"), py::arg("stream"), py::arg("std"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+  m.def("act_mul", &act_mul, py::arg("gate_up"), py::arg("activation") = "silu",
+        py::call_guard<py::gil_scoped_release>());
   m.def("topk_pairs", &topk_pairs, py::arg("logits"), py::arg("k"), py::arg("offset"),
         py::call_guard<py::gil_scoped_release>());
   m.def("merge_topk", &merge_topk, py::arg("pairs"), py::arg("vocab"), py::call_guard<py::gil_scoped_release>());

@@ -68,6 +68,32 @@ void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+// out [n] = GELU(g) * u with GELU's tanh form, 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3)
+// (Gemma's GeGLU), computed as g / (1 + exp(-2z)), the same value without 1 + tanh's
+// cancellation where tanh is near -1 (the clamped exp saturates, giving -0 for large -g).
+void gelu_tanh_mul_row(const float* g, const float* u, float* out, int64_t n) {
+  constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
+  const VecF one = VecF::set1(1.0f), zero = VecF::zero();
+  const VecF c2 = VecF::set1(2.0f * kC), a = VecF::set1(kA);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const VecF gv = VecF::load(g + i);
+    const VecF z2 = c2 * gv * fmadd(a * gv, gv, one);  // 2z
+    (gv / (one + vexp(zero - z2)) * VecF::load(u + i)).store(out + i);
+  }
+  for (; i < n; ++i) {
+    const float x = g[i];
+    out[i] = x / (1.0f + std::exp(-2.0f * kC * (x + kA * x * x * x))) * u[i];
+  }
+}
+
+void act_mul_row(Activation act, const float* g, const float* u, float* out, int64_t n) {
+  if (act == Activation::kGeluTanh)
+    gelu_tanh_mul_row(g, u, out, n);
+  else
+    silu_mul_row(g, u, out, n);
+}
+
 // y [M, w.N] = x . w^T for one part of a linear layer (rows w.N apart).
 void linear_part(const float* x, const WeightRef& w, float* y, int64_t M) {
   if (M <= matvec_max_rows(w.dtype)) {
@@ -227,6 +253,9 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
   const double wake_s = wake_threads();
   const int64_t B = a.B, dim = s.dim, D = s.D, H = s.H, Hkv = s.Hkv, ffn = s.ffn;
   const int64_t qkv_w = (H + 2 * Hkv) * D;
+  buf.ring_positions.resize(B);
+  buf.ring_lengths.resize(B);
+  int64_t ring = 0;  // the ring size the slots below are for (windowed layers all share one so far)
   buf.h.resize(B * dim);
   buf.qkv.resize(B * qkv_w);
   buf.q.resize(B * H * D);
@@ -244,19 +273,42 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     for (int64_t b = 0; b < B; ++b) rms_norm_row(a.x + b * dim, L.attn_norm, h + b * dim, dim, s.eps);
     const auto t1 = Clock::now();
 
-    // Attention block: QKV, RoPE, cache append, attention, o_proj.
+    // Attention block: QKV (+ bias, per-head norms), RoPE, cache append, attention, o_proj.
     const double handoff_s = qkv_projection(h, L.qkv, s, a.comm, B, qkv, buf);
-    rope_rotate_half(qkv, B, qkv_w, H + Hkv, D, a.cos, a.sin);
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = qkv + b * qkv_w;
+      if (L.qkv_bias) add_row(row, L.qkv_bias, qkv_w);
+      if (L.q_norm)
+        for (int64_t hh = 0; hh < H; ++hh) rms_norm_row(row + hh * D, L.q_norm, row + hh * D, D, s.eps);
+      if (L.k_norm)
+        for (int64_t hh = H; hh < H + Hkv; ++hh) rms_norm_row(row + hh * D, L.k_norm, row + hh * D, D, s.eps);
+    }
+    rope_rotate_half(qkv, B, qkv_w, H + Hkv, D, s.rotary, a.cos[L.rope], a.sin[L.rope]);
+    // A windowed layer's cache is a ring: the token goes to slot position % window, and
+    // attention reads every slot filled so far (the last `window` tokens, in slot order).
+    const int64_t* positions = a.positions;
+    const int64_t* lengths = a.lengths;
+    if (L.window) {
+      if (ring != L.Lmax) {
+        for (int64_t b = 0; b < B; ++b) {
+          buf.ring_positions[b] = a.positions[b] % L.Lmax;
+          buf.ring_lengths[b] = std::min(a.lengths[b], L.Lmax);
+        }
+        ring = L.Lmax;
+      }
+      positions = buf.ring_positions.data();
+      lengths = buf.ring_lengths.data();
+    }
     for (int64_t b = 0; b < B; ++b) {  // q, k, v as [B, heads, D] for the cache and attention kernels
       const float* row = qkv + b * qkv_w;
       std::copy(row, row + H * D, buf.q.data() + b * H * D);
       std::copy(row + H * D, row + (H + Hkv) * D, buf.k.data() + b * Hkv * D);
       std::copy(row + (H + Hkv) * D, row + qkv_w, buf.v.data() + b * Hkv * D);
     }
-    kv_cache_append({buf.k.data(), L.k_cache, L.k_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.k_layout});
-    kv_cache_append({buf.v.data(), L.v_cache, L.v_scale, a.positions, B, Hkv, 1, s.Lmax, D, s.dtype, s.v_layout});
-    DecodeArgs da{buf.q.data(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, a.lengths, buf.attn.data(), B, H, Hkv,
-                  s.Lmax, D, s.dtype, s.scale, a.num_splits, s.int8_kernel, s.heads};
+    kv_cache_append({buf.k.data(), L.k_cache, L.k_scale, positions, B, Hkv, 1, L.Lmax, D, s.dtype, s.k_layout});
+    kv_cache_append({buf.v.data(), L.v_cache, L.v_scale, positions, B, Hkv, 1, L.Lmax, D, s.dtype, s.v_layout});
+    DecodeArgs da{buf.q.data(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, lengths, buf.attn.data(), B, H, Hkv,
+                  L.Lmax, D, s.dtype, s.scale, std::min(a.num_splits, L.Lmax), s.int8_kernel, s.heads};
     decode_attention(da);
     float* o_out = output_buffer(a.comm, out, B * dim);
     linear(buf.attn.data(), L.o, o_out, dim, B, buf.rows);
@@ -264,6 +316,7 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     const auto t2 = Clock::now();
 
     for (int64_t b = 0; b < B; ++b) {
+      if (L.post_attn_norm) rms_norm_row(o_out + b * dim, L.post_attn_norm, o_out + b * dim, dim, s.eps);
       add_row(a.x + b * dim, o_out + b * dim, dim);
       rms_norm_row(a.x + b * dim, L.mlp_norm, h + b * dim, dim, s.eps);
     }
@@ -273,13 +326,16 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     linear(h, L.gate_up, buf.gate_up.data(), 2 * ffn, B, buf.rows);
     for (int64_t b = 0; b < B; ++b) {
       const float* gu = buf.gate_up.data() + b * 2 * ffn;
-      silu_mul_row(gu, gu + ffn, buf.act.data() + b * ffn, ffn);
+      act_mul_row(s.act, gu, gu + ffn, buf.act.data() + b * ffn, ffn);
     }
     float* d_out = output_buffer(a.comm, out, B * dim);
     linear(buf.act.data(), L.down, d_out, dim, B, buf.rows);
     const double mlp_comm_s = all_reduce(a.comm, d_out, B * dim);
     const auto t4 = Clock::now();
-    for (int64_t b = 0; b < B; ++b) add_row(a.x + b * dim, d_out + b * dim, dim);
+    for (int64_t b = 0; b < B; ++b) {
+      if (L.post_mlp_norm) rms_norm_row(d_out + b * dim, L.post_mlp_norm, d_out + b * dim, dim, s.eps);
+      add_row(a.x + b * dim, d_out + b * dim, dim);
+    }
     if (a.timers) {
       const auto t5 = Clock::now();
       double* t = a.timers + kTimerParts * l;
@@ -298,9 +354,10 @@ void rms_norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t 
   });
 }
 
-void silu_mul_rows(const float* gate_up, float* out, int64_t T, int64_t F) {
+void act_mul_rows(Activation act, const float* gate_up, float* out, int64_t T, int64_t F) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(gate_up + t * 2 * F, gate_up + t * 2 * F + F, out + t * F, F);
+    for (int64_t t = begin; t < end; ++t)
+      act_mul_row(act, gate_up + t * 2 * F, gate_up + t * 2 * F + F, out + t * F, F);
   });
 }
 

@@ -8,6 +8,10 @@
 
 namespace wbk {
 
+// The MLP's gate activation (the model family's: workbench.model.arch).
+enum class Activation { kSilu, kGeluTanh };
+inline constexpr const char* kActivationNames[] = {"silu", "gelu_tanh"};
+
 // x rounded up to a multiple of m.
 inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -219,18 +223,19 @@ double avx512_bf16_loop(int64_t iterations_per_thread);
 // function, rows in parallel): a prefill's norms in one pass each.
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t n, float eps);
 
-// out [T, F] = SiLU(gate) * up for each row [gate | up] of gate_up [T, 2F] (decode_step.cpp's
+// out [T, F] = act(gate) * up for each row [gate | up] of gate_up [T, 2F] (decode_step.cpp's
 // row function, rows in parallel): the MLP's activation of a prefill in one pass.
-void silu_mul_rows(const float* gate_up, float* out, int64_t T, int64_t F);
+void act_mul_rows(Activation act, const float* gate_up, float* out, int64_t T, int64_t F);
 
 // The n values of random stream `stream` under `seed`, times std (random.cpp): approximately
 // N(0, std^2), the same on any number of threads; the bf16 fill is the fp32 one rounded.
 void fill_normal_f32(float* out, int64_t n, uint64_t seed, uint64_t stream, float std);
 void fill_normal_bf16(uint16_t* out, int64_t n, uint64_t seed, uint64_t stream, float std);
 
-// RoPE, rotate-half layout, in place: the first `heads` vectors of D values in each of the
-// T rows of x (ldx apart) rotated by cos / sin [T, D] (rope.cpp).
-void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,
+// RoPE, rotate-half layout, in place: the first R values of each of the first `heads` vectors
+// of D values in each of the T rows of x (ldx apart) rotated by cos / sin [T, R] (rope.cpp;
+// R = D but for partial rotary).
+void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, int64_t R, const float* cos,
                       const float* sin);
 
 // Up to how many rows of x a linear layer runs the matrix-vector kernel, above it the GEMM, per
@@ -263,10 +268,21 @@ struct LayerRef {  // one layer's weights and KV cache
   void* v_cache;
   float* k_scale;  // int8 caches only
   float* v_scale;
+  // What the model's family adds (workbench.model.arch; null where it has none):
+  const float* qkv_bias = nullptr;        // [(H + 2 Hkv) D] added to the qkv product (Qwen2)
+  const float* q_norm = nullptr;          // [D] an RMSNorm of each q head before RoPE (Qwen3, Gemma 3)
+  const float* k_norm = nullptr;          // [D] the same for each k head
+  const float* post_attn_norm = nullptr;  // [dim] on the attention's output before the residual add (Gemma 3)
+  const float* post_mlp_norm = nullptr;   // [dim] on the MLP's output likewise
+  int64_t Lmax = 0;    // this layer's cache length; a windowed layer's is a ring of `window` slots
+  int64_t window = 0;  // sliding window (0: none): token p at slot p % window, the ring attended whole
+  int rope = 0;        // its RoPE table: 0 the global one, 1 the local layers' (StepArgs::cos / sin)
 };
 struct StackShape {
-  int64_t dim, H, Hkv, D, ffn, Lmax;  // local heads (a tensor-parallel rank's share)
-  float eps, scale;                   // RMSNorm epsilon, attention scale
+  int64_t dim, H, Hkv, D, ffn;  // local heads (a tensor-parallel rank's share)
+  float eps, scale;             // RMSNorm epsilon, attention scale
+  int64_t rotary;               // dims of each head RoPE rotates (D, or fewer: partial rotary)
+  Activation act;
   CacheDtype dtype;
   CacheLayout k_layout, v_layout;
   Int8Kernel int8_kernel;
@@ -304,8 +320,8 @@ struct StepCollective {
 struct StepArgs {
   float* x;  // [B, dim] the residual stream, updated in place
   int64_t B;
-  const float* cos;  // [B, D] each sequence's RoPE row
-  const float* sin;
+  const float* cos[2];  // [B, rotary] each sequence's RoPE row: the global table's, the local layers'
+  const float* sin[2];
   const int64_t* positions;  // [B] where each sequence's new token goes
   const int64_t* lengths;    // [B] positions + 1
   int64_t num_splits;
@@ -320,6 +336,7 @@ inline constexpr const char* kTimerPartNames[kTimerParts] = {"attention", "mlp",
 struct StepBuffers {  // scratch reused from step to step
   std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
   std::vector<float> handoff, rows;  // the shared KV head's k and v; a run of rows of qkv
+  std::vector<int64_t> ring_positions, ring_lengths;  // a windowed layer's slots and lengths
 };
 // Wakes the thread pool (an empty parallel region) and returns the seconds it took.
 double wake_threads();

@@ -597,15 +597,24 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return out;
 }
 
-Tensor silu_mul(const Tensor& gate_up) {
-  const char* fn = "silu_mul";
+// The MLP activation by its name ("silu" or "gelu_tanh").
+wbk::Activation activation_named(const std::string& name, const char* fn) {
+  for (int i = 0; i < 2; ++i)
+    if (name == wbk::kActivationNames[i]) return static_cast<wbk::Activation>(i);
+  TORCH_CHECK_VALUE(false, fn, ": activation must be 'silu' or 'gelu_tanh', got '", name, "'");
+  return wbk::Activation::kSilu;  // not reached: the check throws
+}
+
+Tensor act_mul(const Tensor& gate_up, const std::string& activation) {
+  const char* fn = "act_mul";
+  const wbk::Activation act = activation_named(activation, fn);
   check_tensor(gate_up, fn, "gate_up", 2, "[T, 2F]");
   TORCH_CHECK_TYPE(gate_up.scalar_type() == at::kFloat, fn, ": gate_up must be float32, got ", gate_up.scalar_type());
   TORCH_CHECK_VALUE(gate_up.size(1) % 2 == 0, fn, ": gate_up must have an even number of columns [gate | up], got ",
                     gate_up.size(1));
   const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
   Tensor out = at::empty({T, F}, gate_up.options());
-  if (out.numel() > 0) wbk::silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, F);
+  if (out.numel() > 0) wbk::act_mul_rows(act, gate_up.data_ptr<float>(), out.data_ptr<float>(), T, F);
   return out;
 }
 
@@ -692,8 +701,8 @@ Tensor merge_topk(const Tensor& pairs, int64_t vocab) {
 void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t head_dim) {
   const char* fn = "rope_";
   check_tensor(x, fn, "x", 2, "[T, C]", /*need_contiguous=*/false);
-  check_tensor(cos, fn, "cos", 2, "[T, head_dim]");
-  check_tensor(sin, fn, "sin", 2, "[T, head_dim]");
+  check_tensor(cos, fn, "cos", 2, "[T, rotary dims]");
+  check_tensor(sin, fn, "sin", 2, "[T, rotary dims]");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK_TYPE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, fn,
                    ": cos and sin must be float32, got ", cos.scalar_type(), " and ", sin.scalar_type());
@@ -703,12 +712,12 @@ void rope_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads, int64
                     head_dim);
   TORCH_CHECK_VALUE(heads >= 0 && heads * head_dim <= x.size(1), fn, ": heads must be in 0..",
                     x.size(1) / head_dim, " (x has ", x.size(1), " columns, head_dim ", head_dim, "), got ", heads);
-  const int64_t T = x.size(0);
-  TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), fn,
-                    ": cos and sin must be [T, head_dim] = [", T, ", ", head_dim, "], got ", cos.sizes(), " and ",
-                    sin.sizes());
+  const int64_t T = x.size(0), R = cos.size(1);
+  TORCH_CHECK_VALUE(cos.size(0) == T && R >= 2 && R % 2 == 0 && R <= head_dim && sin.sizes() == cos.sizes(), fn,
+                    ": cos and sin must be [T, R] with T = ", T, " and R an even number of rotary dims up to head_dim (",
+                    head_dim, "), got ", cos.sizes(), " and ", sin.sizes());
   if (T == 0 || heads == 0) return;
-  wbk::rope_rotate_half(x.data_ptr<float>(), T, x.stride(0), heads, head_dim, cos.data_ptr<float>(),
+  wbk::rope_rotate_half(x.data_ptr<float>(), T, x.stride(0), heads, head_dim, R, cos.data_ptr<float>(),
                         sin.data_ptr<float>());
 }
 ShmCollective::ShmCollective(Tensor seg, int64_t rank, int64_t world, int64_t capacity, double timeout_s)
@@ -768,14 +777,13 @@ int matvec_weights(const std::string& name) {
 
 DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
                          const std::string& int8_kernel_name, int64_t group, int64_t q_offset, bool kv_send,
-                         bool kv_recv) {
+                         bool kv_recv, std::optional<double> scale, int64_t rotary, const std::string& activation) {
   const char* fn = "DecodeStack";
   const size_t n = layers.size();
   TORCH_CHECK_VALUE(n >= 1, fn, ": needs at least one layer");
   const DecodeLayer& first = layers[0];
   check_tensor(first.k_cache, fn, "layers[0].k_cache", 4, "[B, Hkv, Lmax, D]");
-  const int64_t B = first.k_cache.size(0), Hkv = first.k_cache.size(1), Lmax = first.k_cache.size(2),
-                D = first.k_cache.size(3);
+  const int64_t B = first.k_cache.size(0), Hkv = first.k_cache.size(1), D = first.k_cache.size(3);
   check_tensor(first.attn_norm, fn, "layers[0].attn_norm", 1, "[dim]");
   const int64_t dim = first.attn_norm.size(0);
   const wbk::HeadMap head_map = checked_head_map(group, q_offset, heads, Hkv, fn);
@@ -791,9 +799,10 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
   const wbk::Int8Kernel int8_kernel =
       int8_kernel_named(int8_kernel_name, is_int8, fn, first.k_cache.scalar_type());
   const bool tiled = int8_kernel == wbk::Int8Kernel::kTile;
-  if (tiled) check_tiled_shape(Lmax, D, fn, "k_cache");
-  shape_ = {dim, heads, Hkv, D, ffn, Lmax, static_cast<float>(eps), static_cast<float>(1.0 / std::sqrt(double(D))),
-            dtype, tiled ? wbk::CacheLayout::kKTiles : wbk::CacheLayout::kRows,
+  const int64_t rd = rotary > 0 ? rotary : D;
+  TORCH_CHECK_VALUE(rd % 2 == 0 && rd <= D, fn, ": rotary must be an even number of dims up to D (", D, "), got ", rd);
+  shape_ = {dim, heads, Hkv, D, ffn, static_cast<float>(eps), static_cast<float>(checked_scale(scale, D, fn)), rd,
+            activation_named(activation, fn), dtype, tiled ? wbk::CacheLayout::kKTiles : wbk::CacheLayout::kRows,
             tiled ? wbk::CacheLayout::kVGroups : wbk::CacheLayout::kRows, int8_kernel, head_map, kv_send, kv_recv};
   TORCH_CHECK_VALUE(!(kv_send && kv_recv) || Hkv >= 2, fn, ": kv_send and kv_recv name the first and the last "
                     "KV head, so both need at least 2 KV heads, got ", Hkv);
@@ -816,12 +825,35 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
     TORCH_CHECK_VALUE(r.qkv.N == (heads + 2 * Hkv) * D && r.o.N == dim && r.gate_up.N == 2 * ffn && r.down.N == dim,
                       fn, ": layer ", l, "'s weights do not fit dim ", dim, ", ", heads, " heads, ", Hkv,
                       " KV heads of ", D, " and ffn ", ffn);
+    // the family's vectors: each optional, float32, of the length its place needs
+    auto vector = [&](const std::optional<Tensor>& t, const char* name, int64_t len) -> const float* {
+      if (!t) return nullptr;
+      check_tensor(*t, fn, (at + name).c_str(), 1, "[n]");
+      TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", at, name, " must be float32, got ", t->scalar_type());
+      TORCH_CHECK_VALUE(t->size(0) == len, fn, ": ", at, name, " has ", t->size(0), " values, expected ", len);
+      return t->data_ptr<float>();
+    };
+    r.qkv_bias = vector(in.qkv_bias, "qkv_bias", (heads + 2 * Hkv) * D);
+    r.q_norm = vector(in.q_norm, "q_norm", D);
+    r.k_norm = vector(in.k_norm, "k_norm", D);
+    r.post_attn_norm = vector(in.post_attn_norm, "post_attn_norm", dim);
+    r.post_mlp_norm = vector(in.post_mlp_norm, "post_mlp_norm", dim);
     for (auto [t, name] : {std::pair{in.k_cache, "k_cache"}, std::pair{in.v_cache, "v_cache"}}) {
       check_tensor(t, fn, (at + name).c_str(), 4, "[B, Hkv, Lmax, D]");
-      TORCH_CHECK_VALUE(t.sizes() == first.k_cache.sizes() && t.scalar_type() == first.k_cache.scalar_type(), fn,
-                        ": ", at, name, " must match layers[0].k_cache (", first.k_cache.sizes(), " ",
-                        first.k_cache.scalar_type(), "), got ", t.sizes(), " ", t.scalar_type());
+      TORCH_CHECK_VALUE(t.size(0) == B && t.size(1) == Hkv && t.size(3) == D &&
+                        t.scalar_type() == first.k_cache.scalar_type() && t.sizes() == in.k_cache.sizes(), fn,
+                        ": ", at, name, " must be [", B, ", ", Hkv, ", Lmax, ", D, "] ", first.k_cache.scalar_type(),
+                        " as layers[0].k_cache, and k and v alike, got ", t.sizes(), " ", t.scalar_type());
     }
+    r.Lmax = in.k_cache.size(2);
+    if (tiled) check_tiled_shape(r.Lmax, D, fn, (at + "k_cache").c_str());
+    TORCH_CHECK_VALUE(in.window >= 0 && (in.window == 0 || in.window == r.Lmax), fn, ": ", at,
+                      "window must be 0 or its cache's length (a windowed layer's cache is a ring of window slots), "
+                      "got ", in.window, " for a cache of ", r.Lmax);
+    TORCH_CHECK_VALUE(in.rope == 0 || in.rope == 1, fn, ": ", at, "rope must be 0 (the global table) or 1 (the "
+                      "local one), got ", in.rope);
+    r.window = in.window;
+    r.rope = static_cast<int>(in.rope);
     r.k_cache = in.k_cache.data_ptr();
     r.v_cache = in.v_cache.data_ptr();
     for (auto [t, name] : {std::pair{in.k_scale, "k_scale"}, std::pair{in.v_scale, "v_scale"}}) {
@@ -830,12 +862,14 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
       if (t) {
         check_tensor(*t, fn, (at + name).c_str(), 3, "[B, Hkv, Lmax]");
         TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", at, name, " must be float32");
-        TORCH_CHECK_VALUE(t->sizes() == first.k_cache.sizes().slice(0, 3), fn, ": ", at, name, " must be ",
-                          first.k_cache.sizes().slice(0, 3), ", got ", t->sizes());
+        TORCH_CHECK_VALUE(t->sizes() == in.k_cache.sizes().slice(0, 3), fn, ": ", at, name, " must be ",
+                          in.k_cache.sizes().slice(0, 3), ", got ", t->sizes());
       }
     }
     r.k_scale = in.k_scale ? in.k_scale->data_ptr<float>() : nullptr;
     r.v_scale = in.v_scale ? in.v_scale->data_ptr<float>() : nullptr;
+    uses_local_rope_ = uses_local_rope_ || r.rope == 1;
+    if (!r.window) full_length_ = full_length_ ? std::min(full_length_, r.Lmax) : r.Lmax;
     layers_.push_back(r);
     keep_.push_back(in);  // the stack holds its tensors, not copies
   }
@@ -843,21 +877,30 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
 
 
 double DecodeStack::step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
-                         const std::optional<Tensor>& timers, wbk::StepCollective* comm) {
+                         const std::optional<Tensor>& timers, wbk::StepCollective* comm,
+                         const std::optional<Tensor>& cos_local, const std::optional<Tensor>& sin_local) {
   const char* fn = "DecodeStack.step";
-  const int64_t B = batch_, D = shape_.D;
+  const int64_t B = batch_, R = shape_.rotary;
   check_tensor(x, fn, "x", 2, "[B, dim]");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.size(0) == B && x.size(1) == shape_.dim, fn, ": x must be [B, dim] = [", B, ", ",
                     shape_.dim, "], got ", x.sizes());
-  for (auto [t, name] : {std::pair{cos, "cos"}, std::pair{sin, "sin"}}) {
-    check_tensor(t, fn, name, 2, "[B, D]");
+  auto table = [&](const Tensor& t, const char* name) {
+    check_tensor(t, fn, name, 2, "[B, rotary]");
     TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", name, " must be float32");
-    TORCH_CHECK_VALUE(t.size(0) == B && t.size(1) == D, fn, ": ", name, " must be [", B, ", ", D, "], got ",
+    TORCH_CHECK_VALUE(t.size(0) == B && t.size(1) == R, fn, ": ", name, " must be [", B, ", ", R, "], got ",
                       t.sizes());
-  }
-  Tensor pos = checked_positions(positions, fn, "positions", B, 0, shape_.Lmax - 1,
-                                 "each new token must fit in the cache");
+    return t.data_ptr<float>();
+  };
+  const float* c0 = table(cos, "cos");
+  const float* s0 = table(sin, "sin");
+  TORCH_CHECK_VALUE(!uses_local_rope_ || (cos_local && sin_local), fn, ": some layers use the local RoPE table: "
+                    "cos_local and sin_local are needed");
+  const float* c1 = cos_local ? table(*cos_local, "cos_local") : c0;
+  const float* s1 = sin_local ? table(*sin_local, "sin_local") : s0;
+  // Only the full-length layers bound a position; a windowed layer's ring wraps.
+  const int64_t limit = full_length_ ? full_length_ : std::numeric_limits<int64_t>::max();
+  Tensor pos = checked_positions(positions, fn, "positions", B, 0, limit - 1, "each new token must fit in the cache");
   Tensor len = pos + 1;
   double* tm = nullptr;
   if (timers) {
@@ -869,10 +912,8 @@ double DecodeStack::step(Tensor& x, const Tensor& cos, const Tensor& sin, const 
   }
   const int64_t* lp = len.data_ptr<int64_t>();
   const int64_t longest = *std::max_element(lp, lp + B);
-  const int64_t splits = std::min(wbk::decode_default_splits(B, shape_.Hkv, longest, at::get_num_threads()),
-                                  shape_.Lmax);
-  wbk::StepArgs a{x.data_ptr<float>(), B, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                  lp, splits, tm, comm};
+  const int64_t splits = wbk::decode_default_splits(B, shape_.Hkv, longest, at::get_num_threads());
+  wbk::StepArgs a{x.data_ptr<float>(), B, {c0, c1}, {s0, s1}, pos.data_ptr<int64_t>(), lp, splits, tm, comm};
   return wbk::decode_stack_step(shape_, layers_, a, buffers_);
 }
 

@@ -60,7 +60,9 @@ void fill_normal_(Tensor& out, int64_t seed, int64_t stream, double std);
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 
-Tensor silu_mul(const Tensor& gate_up);
+// The MLP's activation of each row [gate | up]: act(gate) * up, act "silu" or "gelu_tanh".
+Tensor act_mul(const Tensor& gate_up, const std::string& activation);
+wbk::Activation activation_named(const std::string& name, const char* fn);
 
 // The tensor-parallel LM head's exchange. topk_pairs: each row's k best logits of [rows, n],
 // best first (NaN first, ties by the lower index), as [rows, 2k]: the k values, then their
@@ -167,12 +169,17 @@ struct WeightPart {
 };
 
 // One decoder layer's tensors as the fused step reads them: its norms, its four linears (each
-// one or more parts, whose outputs are concatenated) and its KV cache (scales for int8).
+// one or more parts, whose outputs are concatenated), its KV cache (scales for int8), and what
+// its family adds (workbench.model.arch): q / k / v biases, per-head q / k norms, norms after
+// attention and the MLP; its sliding window (its cache then a ring of that many slots) and
+// which RoPE table it reads (0 global, 1 the local layers').
 struct DecodeLayer {
   Tensor attn_norm, mlp_norm;
   std::vector<WeightPart> wqkv, wo, w_gate_up, w_down;
   Tensor k_cache, v_cache;
   std::optional<Tensor> k_scale, v_scale;
+  std::optional<Tensor> qkv_bias, q_norm, k_norm, post_attn_norm, post_mlp_norm;
+  int64_t window = 0, rope = 0;
 };
 
 // The fused decode step's Python face: built once per (model, cache) with every layer's
@@ -182,19 +189,23 @@ class DecodeStack {
  public:
   DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, double eps,
               const std::string& int8_kernel_name, int64_t group, int64_t q_offset, bool kv_send,
-              bool kv_recv);
+              bool kv_recv, std::optional<double> scale, int64_t rotary, const std::string& activation);
 
-  // x [B, dim] fp32 (updated in place), cos / sin [B, D], positions [B]; timers [layers, kTimerParts]
-  // float64 (attention, mlp, other seconds added) or None. Returns the seconds spent waking
-  // the thread pool before layer 0.
+  // x [B, dim] fp32 (updated in place), cos / sin [B, rotary] (and the local layers' table,
+  // where some layers read it), positions [B]; timers [layers, kTimerParts] float64 (attention,
+  // mlp, other seconds added) or None. Returns the seconds spent waking the thread pool before
+  // layer 0.
   double step(Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
-              const std::optional<Tensor>& timers, wbk::StepCollective* comm);
+              const std::optional<Tensor>& timers, wbk::StepCollective* comm,
+              const std::optional<Tensor>& cos_local, const std::optional<Tensor>& sin_local);
 
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   wbk::StackShape shape_{};
   int64_t batch_ = 0;
+  int64_t full_length_ = 0;  // the shortest cache of the layers without a window (0: none)
+  bool uses_local_rope_ = false;
   std::vector<wbk::LayerRef> layers_;
   std::vector<DecodeLayer> keep_;  // every tensor a pointer above points into
   wbk::StepBuffers buffers_;

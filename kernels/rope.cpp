@@ -9,6 +9,8 @@
 //
 // with cos / sin [T, D] (Hugging Face's tables, both halves of a row equal). One call
 // rotates q and k of every token, in place, instead of a chain of tensor ops per tensor.
+// Partial rotary (Phi-4-mini): only the first R of each head's D values rotate (pairs i and
+// i + R/2, tables [T, R]); the rest pass through.
 #include <algorithm>
 
 #include "kernels.h"
@@ -38,14 +40,14 @@ inline void rotate(float* v, const float* c, const float* s, int64_t half) {
 
 }  // namespace
 
-void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float* cos,
+void rope_rotate_half(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t D, int64_t R, const float* cos,
                       const float* sin) {
-  const int64_t half = D / 2;
+  const int64_t half = R / 2;
   // Parallel only when there is enough work to pay for waking the pool (prefill).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, heads * D));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) rotate(x + t * ldx + h * D, cos + t * D, sin + t * D, half);
+      for (int64_t h = 0; h < heads; ++h) rotate(x + t * ldx + h * D, cos + t * R, sin + t * R, half);
   });
 }
 

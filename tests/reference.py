@@ -54,13 +54,16 @@ def decode_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None
 
 def rope_reference(x, cos, sin, heads: int, head_dim: int) -> torch.Tensor:
     """Rotate-half RoPE in float64 on the first `heads` head vectors of each row of x [T, C]
-    (as Hugging Face's apply_rotary_pos_emb: x * cos + rotate_half(x) * sin)."""
+    (as Hugging Face's apply_rotary_pos_emb: x * cos + rotate_half(x) * sin), on each head's
+    first R = cos.shape[-1] values (partial rotary, as Phi's), the rest passed through."""
     out = x.double().clone()
-    n = heads * head_dim
-    h = out[:, :n].reshape(x.shape[0], heads, head_dim)
-    half = head_dim // 2
-    rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
-    out[:, :n] = (h * cos.double()[:, None] + rotated * sin.double()[:, None]).reshape(x.shape[0], n)
+    n, R = heads * head_dim, cos.shape[-1]
+    h = out[:, :n].reshape(x.shape[0], heads, head_dim).clone()
+    r = h[..., :R]
+    half = R // 2
+    rotated = torch.cat([-r[..., half:], r[..., :half]], dim=-1)
+    h[..., :R] = r * cos.double()[:, None] + rotated * sin.double()[:, None]
+    out[:, :n] = h.reshape(x.shape[0], n)
     return out
 
 

@@ -240,8 +240,17 @@ def test_the_stack_checks_what_it_is_given(model):
         ks.decode_stack(llama.layers, cache.per_layer[:2], heads=llama.n_heads, eps=1e-5)
     wrong = list(cache.per_layer)
     wrong[3] = (cache.k[3][:, :, :16].contiguous(), *wrong[3][1:])
-    with pytest.raises(ValueError, match="layers\\[3\\].k_cache must match layers\\[0\\].k_cache"):
+    with pytest.raises(ValueError, match="layers\\[3\\].v_cache must be \\[2, 3, Lmax, 64\\] Float as layers\\[0\\]"
+                                         ".k_cache, and k and v alike, got \\[2, 3, 32, 64\\]"):
         ks.decode_stack(llama.layers, wrong, heads=llama.n_heads, eps=1e-5)
+    windows = [0] * len(llama.layers)
+    windows[2] = 8  # a windowed layer's cache is a ring of exactly its window
+    with pytest.raises(ValueError, match="layers\\[2\\].window must be 0 or its cache's length .* got 8 for a cache of 32"):
+        ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=1e-5, windows=windows)
+    with pytest.raises(ValueError, match="activation must be 'silu' or 'gelu_tanh', got 'relu'"):
+        ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=1e-5, activation="relu")
+    with pytest.raises(ValueError, match="rotary must be an even number of dims up to D \\(64\\), got 65"):
+        ks.decode_stack(llama.layers, cache.per_layer, heads=llama.n_heads, eps=1e-5, rotary=65)
 
 
 def test_the_weights_are_one_stream_in_the_order_decode_reads_them(model):

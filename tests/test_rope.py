@@ -1,5 +1,6 @@
 """RoPE (rotate-half, in place on the fused QKV rows) against a float64 reference, on every
-ISA build: odd half-dims (masked tails), several heads, strided rows, untouched columns."""
+ISA build: odd half-dims (masked tails), several heads, strided rows, untouched columns,
+partial rotary (each head's first R dims rotated, the rest untouched)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ ALSO_EMULATED = True
     extra_heads=st.integers(0, 3),
     pad=st.integers(0, 9),
     seed=st.integers(0, 1000),
+    rotary_share=st.sampled_from([1.0, 0.5, 0.25, 0.0]),
 )
-def test_rope_matches_reference(kernels, T, head_dim, heads, extra_heads, pad, seed):
+def test_rope_matches_reference(kernels, T, head_dim, heads, extra_heads, pad, seed, rotary_share):
     gen = torch.Generator().manual_seed(seed)
     C = (heads + extra_heads) * head_dim + 1
     base = torch.randn(T, C + pad, generator=gen)
     x = base[:, :C]  # rows C + pad apart: a strided view, like q/k inside the fused QKV output
-    angles = torch.rand(T, head_dim // 2, generator=gen, dtype=torch.float64) * 100
+    R = max(2, 2 * int(head_dim * rotary_share / 2))  # rotated dims of each head, even
+    angles = torch.rand(T, R // 2, generator=gen, dtype=torch.float64) * 100
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().float(), angles.sin().float()
     expected = rope_reference(x, cos, sin, heads, head_dim)
@@ -47,8 +50,12 @@ def test_rope_bad_input(kernels):
         kernels.rope_(torch.randn(3, 14), torch.randn(3, 7), torch.randn(3, 7), heads=2, head_dim=7)
     with pytest.raises(ValueError, match=r"heads must be in 0..2 .*got 3"):
         kernels.rope_(x, cs, cs, heads=3, head_dim=8)
-    with pytest.raises(ValueError, match=r"cos and sin must be \[T, head_dim\] = \[3, 8\]"):
+    with pytest.raises(ValueError, match=r"cos and sin must be \[T, R\] with T = 3 .* got \[2, 8\]"):
         kernels.rope_(x, torch.randn(2, 8), torch.randn(2, 8), heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"R an even number of rotary dims up to head_dim \(8\), got \[3, 10\]"):
+        kernels.rope_(x, torch.randn(3, 10), torch.randn(3, 10), heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"got \[3, 3\]"):
+        kernels.rope_(x, torch.randn(3, 3), torch.randn(3, 3), heads=2, head_dim=8)
     with pytest.raises(TypeError, match="x must be float32"):
         kernels.rope_(x.double(), cs, cs, heads=2, head_dim=8)
     with pytest.raises(ValueError, match="x rows must be contiguous"):

@@ -291,43 +291,61 @@ class KernelSet:
         self.ext.set_gemm_engine(engine)
 
     def decode_stack(self, layers, caches, *, heads: int, eps: float, int8_kernel: str = "widen", group: int = 0,
-                     q_offset: int = 0, kv_handoff: tuple[bool, bool] = (False, False)):
+                     q_offset: int = 0, kv_handoff: tuple[bool, bool] = (False, False), scale: float | None = None,
+                     rotary: int = 0, activation: str = "silu", windows=None):
         """The fused decode step over a whole decoder stack (kernels/decode_step.cpp).
 
-        layers: the model's Layer objects (attn_norm, mlp_norm, and the Linear wqkv, wo,
-        w_gate_up, w_down); caches: one (k, v, k_scale, v_scale) per layer, the scales None
-        unless int8; int8_kernel: decode_attention's. Returns an object whose
-        step(x, cos, sin, positions, timers) runs every layer for one new token per sequence
-        in one call with the GIL released: x [B, dim] fp32 updated in place, cos / sin
-        [B, head_dim], positions [B]; timers a float64 [layers, parts] tensor that receives
-        each layer's seconds per part (constants()["timer_parts"]), or None. The weights and
-        caches are held, not copied: build one per (model, cache). group, q_offset:
-        decode_attention's. kv_handoff (send, recv): a tensor-parallel rank's shared KV head
+        layers: the model's Layer objects (attn_norm, mlp_norm, the Linear wqkv, wo,
+        w_gate_up, w_down, and what the family adds: qkv_bias, q_norm, k_norm,
+        post_attn_norm, post_mlp_norm, None where absent; rope: which RoPE table the layer
+        reads, 0 global, 1 local); caches: one (k, v, k_scale, v_scale) per layer, the scales
+        None unless int8; int8_kernel: decode_attention's. Returns an object whose
+        step(x, cos, sin, positions, timers, comm, cos_local, sin_local) runs every layer for
+        one new token per sequence in one call with the GIL released: x [B, dim] fp32 updated
+        in place, cos / sin [B, rotary] (the local table's too where a layer reads it),
+        positions [B]; timers a float64 [layers, parts] tensor that receives each layer's
+        seconds per part (constants()["timer_parts"]), or None. The weights and caches are
+        held, not copied: build one per (model, cache). group, q_offset: decode_attention's.
+        kv_handoff (send, recv): a tensor-parallel rank's shared KV head
         (workbench.distributed.shard.kv_handoff): its first KV head computed here and handed
-        to the previous rank, its last taken from the next rank, where step's comm can."""
+        to the previous rank, its last taken from the next rank, where step's comm can.
+        scale: the softmax scale (None: 1/sqrt(head_dim)); rotary: the rotated dims of each
+        head (0: all); activation: the MLP's, "silu" or "gelu_tanh"; windows: each layer's
+        ring length where its cache is a sliding-window ring (0 or None: the whole cache)."""
         layers, caches = list(layers), list(caches)
         if len(caches) != len(layers):
             raise ValueError(f"decode_stack: caches needs one (k, v, k_scale, v_scale) per layer: {len(layers)}, "
                              f"got {len(caches)}")
+        windows = list(windows) if windows is not None else [0] * len(layers)
+        if len(windows) != len(layers) or not all(isinstance(w, int) and w >= 0 for w in windows):
+            raise ValueError(f"decode_stack: windows needs one ring length >= 0 per layer ({len(layers)}), "
+                             f"got {windows!r}")
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"decode_stack: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
         def parts(linear):  # each row-wise part of a workbench.model.llama.Linear
             return [self.ext.WeightPart(p.weight, p.scale, p.fmt.kernel if p.fmt.blocks else "") for p in linear.parts]
 
         records = [self.ext.DecodeLayer(layer.attn_norm, layer.mlp_norm,
                                         *(parts(getattr(layer, n)) for n in ("wqkv", "wo", "w_gate_up", "w_down")),
-                                        *cache)
-                   for layer, cache in zip(layers, caches)]
+                                        *cache, qkv_bias=getattr(layer, "qkv_bias", None),
+                                        **{n: getattr(layer, n, None) for n in ("q_norm", "k_norm", "post_attn_norm",
+                                                                               "post_mlp_norm")},
+                                        window=window, rope=getattr(layer, "rope", 0))
+                   for layer, cache, window in zip(layers, caches, windows)]
         group, q_offset = _head_map("decode_stack", group, q_offset)
         if (not isinstance(kv_handoff, tuple) or len(kv_handoff) != 2
                 or not all(isinstance(f, bool) for f in kv_handoff)):
             raise ValueError(f"decode_stack: kv_handoff must be a (send, recv) pair of bools, got {kv_handoff!r}")
         return self.ext.DecodeStack(records, heads, float(eps), _int8_kernel("decode_stack", int8_kernel), group,
-                                    q_offset, *kv_handoff)
+                                    q_offset, *kv_handoff, None if scale is None else float(scale),
+                                    _positive_int("rotary", rotary, 0), activation)
 
     def rope_(self, x, cos, sin, *, heads: int, head_dim: int) -> torch.Tensor:
         """Rotary position embedding (rotate-half layout) in place: in each row of x [T, C]
         fp32 (rows contiguous), the first `heads` vectors of head_dim values are rotated by
-        that row's cos / sin [T, head_dim]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin for
-        the halves x1, x2. Returns x."""
+        that row's cos / sin [T, R]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin for the
+        halves x1, x2 of each head's first R values (R = head_dim, or fewer for partial
+        rotary: the rest pass through). Returns x."""
         _check_tensor_args(x=x, cos=cos, sin=sin)
         self.ext.rope_(x, cos, sin, _positive_int("heads", heads, 0), _positive_int("head_dim", head_dim))
         return x
@@ -341,11 +359,14 @@ class KernelSet:
             raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
         return self.ext.rms_norm(x, weight, float(eps))
 
-    def silu_mul(self, gate_up) -> torch.Tensor:
+    def act_mul(self, gate_up, activation: str = "silu") -> torch.Tensor:
         """The MLP's activation in one pass: gate_up [T, 2F] fp32 (each row [gate | up], as the
-        fused gate/up product writes it) -> SiLU(gate) * up [T, F]."""
+        fused gate/up product writes it) -> act(gate) * up [T, F], act "silu" (SwiGLU) or
+        "gelu_tanh" (GeGLU: GELU's tanh approximation)."""
         _check_tensor_args(gate_up=gate_up)
-        return self.ext.silu_mul(gate_up)
+        if not isinstance(activation, str):
+            raise TypeError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+        return self.ext.act_mul(gate_up, activation)
 
     def topk_pairs(self, logits, k: int, offset: int = 0) -> torch.Tensor:
         """Each row's k best logits of [rows, n] fp32, best first (NaN first, as torch.topk; equal
@@ -528,7 +549,7 @@ set_gemm_engine = native.set_gemm_engine
 gemm_engines = native.gemm_engines
 matvec_max_rows = native.matvec_max_rows
 rope_ = native.rope_
-silu_mul = native.silu_mul
+act_mul = native.act_mul
 topk_pairs = native.topk_pairs
 merge_topk = native.merge_topk
 rms_norm = native.rms_norm

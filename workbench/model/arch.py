@@ -26,6 +26,16 @@ ModelConfig fields, read from each checkpoint's config):
     windows         which layers attend through a sliding window: "none", "all" (Mistral), or
                     "layer_types" (Gemma 3: the config's per-layer types, local layers with
                     their own RoPE base)
+    window_pattern / local_rope_theta   Gemma 3's defaults where a GGUF file does not say:
+                    every 6th layer global, the local layers' RoPE base 10,000 (llama.cpp's)
+    hf_names / gguf_names   where the family's checkpoints name a layer's tensor differently
+                    from HF_LAYER_NAMES / GGUF_LAYER_NAMES (Gemma 3's norms, Phi-3's fused ones)
+
+A layer's tensors have one set of names inside the workbench (the keys of a loader's dict,
+which workbench.model.llama.Layer reads): attn_norm, mlp_norm, wq, wk, wv, wo, w_gate, w_up,
+w_down, and by family bq, bk, bv, q_norm, k_norm, post_attn_norm, post_mlp_norm; a fused
+checkpoint's wqkv and w_gate_up are split into them at load. layer_tensors(spec, cfg) lists
+the ones a family's layer must have, with their shapes.
 """
 
 from __future__ import annotations
@@ -50,6 +60,43 @@ class Architecture:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     windows: str = "none"
+    window_pattern: int = 0
+    local_rope_theta: float | None = None
+    hf_names: tuple[tuple[str, str], ...] = ()
+    gguf_names: tuple[tuple[str, str], ...] = ()
+
+    def hf_name(self, ours: str) -> str:
+        """A layer tensor's name in a Hugging Face checkpoint, after model.layers.{i}."""
+        return dict(self.hf_names).get(ours, HF_LAYER_NAMES[ours])
+
+    def gguf_name(self, ours: str) -> str:
+        """... and in a GGUF file, after blk.{i}."""
+        return dict(self.gguf_names).get(ours, GGUF_LAYER_NAMES[ours])
+
+
+# A layer's tensors in each checkpoint format, by the workbench's names (Llama's, and what the
+# families add where they add it).
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "wqkv": "self_attn.qkv_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight", "post_mlp_norm": "post_feedforward_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "w_gate_up": "mlp.gate_up_proj.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
+    "wqkv": "attn_qkv.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
+    "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+    "w_gate_up": "ffn_up.weight",  # Phi-3's [gate; up] is one ffn_up of 2 x ffn rows
+}
+# The pieces a fused checkpoint tensor is split into, in its row order.
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -63,7 +110,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("gemma3", "Gemma 3: RMSNorm (1 + w) before and after attention and the MLP, on each head of q "
                  "and k; GeGLU; embeddings times sqrt(hidden); five local (sliding-window) layers of every six, "
                  "with their own RoPE base", ("gemma3_text", "gemma3"), "gemma3", qk_norm=True, post_norms=True,
-                 norm_offset=1.0, activation="gelu_tanh", embed_scale=True, windows="layer_types"),
+                 norm_offset=1.0, activation="gelu_tanh", embed_scale=True, windows="layer_types",
+                 window_pattern=6, local_rope_theta=10000.0,
+                 hf_names=(("mlp_norm", "pre_feedforward_layernorm.weight"),
+                           ("post_attn_norm", "post_attention_layernorm.weight"))),
     Architecture("phi3", "Phi-3 / Phi-4-mini: fused qkv and gate_up projections, partial rotary dims",
                  ("phi3",), "phi3", fused_qkv=True, fused_gate_up=True, windows="all"),
 )}
@@ -86,6 +136,34 @@ def by_gguf(arch: str) -> Architecture | None:
     return next((a for a in ARCHITECTURES.values() if a.gguf == arch), None)
 
 
+def layer_tensors(arch: Architecture, cfg) -> dict[str, tuple[int, ...]]:
+    """The tensors one layer of family `arch` has, by the workbench's names, with their shapes
+    ([out, in] for matrices) for ModelConfig cfg: the fused ones where its checkpoints fuse."""
+    d, f, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    out = {"attn_norm": (d,), "mlp_norm": (d,), "wo": (d, q), "w_down": (d, f)}
+    out.update({"wqkv": (q + 2 * kv, d)} if arch.fused_qkv else {"wq": (q, d), "wk": (kv, d), "wv": (kv, d)})
+    out.update({"w_gate_up": (2 * f, d)} if arch.fused_gate_up else {"w_gate": (f, d), "w_up": (f, d)})
+    if arch.qkv_bias:
+        out.update({"bq": (q,), "bk": (kv,), "bv": (kv,)})
+    if arch.qk_norm:
+        out.update({"q_norm": (hd,), "k_norm": (hd,)})
+    if arch.post_norms:
+        out.update({"post_attn_norm": (d,), "post_mlp_norm": (d,)})
+    return out
+
+
+def fused_rows(name: str, cfg) -> tuple[int, ...]:
+    """Rows of each piece of fused tensor `name` ("wqkv": q, k, v; "w_gate_up": gate, up)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return (q, kv, kv) if name == "wqkv" else (cfg.ffn_dim, cfg.ffn_dim)
+
+
+def is_norm(name: str) -> bool:
+    """Whether a layer tensor is an RMSNorm weight (the ones a family's norm_offset applies to)."""
+    return name.endswith("norm")
+
+
 def layer_windows(arch: Architecture, n_layers: int, window: int | None, layer_types=None,
                   pattern: int | None = None) -> tuple[int, ...]:
     """Each layer's sliding window (0: attends to every earlier token): none; every layer
@@ -96,7 +174,7 @@ def layer_windows(arch: Architecture, n_layers: int, window: int | None, layer_t
     if arch.windows == "all":
         return (int(window),) * n_layers
     if layer_types is None:
-        pattern = pattern or 6
+        pattern = pattern or arch.window_pattern or 6
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types[:n_layers])
 

@@ -77,9 +77,10 @@ class KVFormat:
     quant: QuantSpec | None = None
     kernels: tuple[str, ...] = ("widen",)  # KV_KERNELS that read it, the default first; () on the reference path
 
-    def kernel(self, requested: str | None = None, head_dim: int | None = None) -> str | None:
+    def kernel(self, requested: str | None = None, head_dim: int | None = None, rings=()) -> str | None:
         """The kernel that reads this format: `requested`, checked, or the default (the first
-        of `kernels` the head dim allows: "tile" needs a multiple of 4). None for a reference
+        of `kernels` the cache allows: "tile" needs a head dim that is a multiple of 4 and
+        sliding-window rings of whole tiles, kernels.TILED_ALIGN tokens). None for a reference
         format (decoded in torch)."""
         if not self.kernels:
             if requested is not None:
@@ -87,7 +88,9 @@ class KVFormat:
                                  f"kernel to choose, got {requested!r}")
             return None
         if requested is None:
-            usable = [k for k in self.kernels if k != "tile" or head_dim is None or head_dim % 4 == 0]
+            align = kernels.constants()["tiled_align"]
+            usable = [k for k in self.kernels if k != "tile" or ((head_dim is None or head_dim % 4 == 0)
+                                                                 and not any(r % align for r in rings))]
             return usable[0]
         if requested not in self.kernels:
             raise ValueError(f"kv_kernel must be one of {', '.join(self.kernels)} for kv_cache {self.name!r}, "
@@ -193,13 +196,15 @@ def kernel_configs(formats=KERNEL_FORMATS, kernels: str | list[str] | None = Non
 
 
 def new_kv_cache(n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str,
-                 kernel: str | None = None):
+                 kernel: str | None = None, windows=None):
     """The cache for format `fmt` read by `kernel` (None: the format's default): KVCache for
-    the kernel formats, ReferenceKVCache for the rest."""
+    the kernel formats, ReferenceKVCache for the rest. windows: each layer's sliding window
+    (0 or None: none); a kernel format keeps a windowed layer's K and V in a ring of that many
+    slots."""
     if kv_format(fmt).has_kernel:
-        return KVCache(n_layers, batch, kv_heads, max_len, head_dim, fmt, kernel)
+        return KVCache(n_layers, batch, kv_heads, max_len, head_dim, fmt, kernel, windows)
     kv_format(fmt).kernel(kernel)  # a reference format takes no kernel: say so
-    return ReferenceKVCache(n_layers, batch, kv_heads, max_len, head_dim, fmt)
+    return ReferenceKVCache(n_layers, batch, kv_heads, max_len, head_dim, fmt, windows)
 
 
 def kv_format(name: str) -> KVFormat:
@@ -225,7 +230,13 @@ def per_query_head(k: torch.Tensor, v: torch.Tensor, n_heads: int, head_map: tup
 class KVCache:
     """Preallocated K/V for every layer in one format, laid out for the kernel that reads it
     (`kernel`: KV_KERNELS); `lengths` [B] counts each sequence's tokens (the next position
-    to write)."""
+    to write).
+
+    A layer with a sliding window shorter than max_len (Gemma 3's local layers, Mistral's)
+    keeps a ring of `window` slots: token p at slot p % window, so its K and V cost the window,
+    not the context (Gemma 3's five local layers of six: about a sixth of a Llama-style cache
+    at long context). Decode attention reads every filled slot: the last `window` tokens, in
+    slot order, which the softmax does not care about (RoPE was applied before caching)."""
 
     # Which KV head each query head reads where the groups are uneven (a tensor-parallel rank
     # whose shard splits a group of query heads, workbench.distributed.shard): (group,
@@ -233,35 +244,57 @@ class KVCache:
     head_map: tuple[int, int] | None = None
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str,
-                 kernel: str | None = None):
+                 kernel: str | None = None, windows=None):
         self.format = kv_format(fmt)
-        self.kernel = self.format.kernel(kernel, head_dim)
         self.max_len = max_len
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        stored = max_len
-        if self.tiled:
-            if head_dim % 4:
-                raise ValueError(f"kv_kernel 'tile' (the tiled layout) needs a head_dim that is a multiple of 4, "
-                                 f"got {head_dim}; use kv_kernel 'dot' or 'widen'")
-            stored = kernels.tiled_length(max_len)
-        shape = (batch, kv_heads, stored, head_dim)  # per layer
+        # each layer's ring (its window, where shorter than the cache), 0 for a full-length layer
+        self.rings = [w if w and w < max_len else 0 for w in (windows or [0] * n_layers)]
+        self.kernel = self.format.kernel(kernel, head_dim, self.rings)
+        if self.tiled and head_dim % 4:
+            raise ValueError(f"kv_kernel 'tile' (the tiled layout) needs a head_dim that is a multiple of 4, "
+                             f"got {head_dim}; use kv_kernel 'dot' or 'widen'")
+        align = kernels.constants()["tiled_align"]
+        if self.tiled and any(r % align for r in self.rings):
+            raise ValueError(f"kv_kernel 'tile' keeps a windowed layer's ring in whole blocks of {align} tokens; a "
+                             f"window of {next(r for r in self.rings if r % align)} is not: use kv_kernel 'dot' or 'widen'")
         zeros = memory.zeros  # on huge pages where the OS allows: decode streams these from DRAM
-        self.k = [zeros(shape, self.format.storage) for _ in range(n_layers)]
-        self.v = [zeros(shape, self.format.storage) for _ in range(n_layers)]
+
+        def plane(ring: int) -> tuple[int, ...]:  # [B, Hkv, slots, D]
+            return (batch, kv_heads, ring or (kernels.tiled_length(max_len) if self.tiled else max_len), head_dim)
+
+        self.k = [zeros(plane(r), self.format.storage) for r in self.rings]
+        self.v = [zeros(plane(r), self.format.storage) for r in self.rings]
         none = [None] * n_layers
-        self.k_scale = [zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
-        self.v_scale = [zeros(shape[:3]) for _ in range(n_layers)] if self.format.scaled else none
+        self.k_scale = [zeros(plane(r)[:3]) for r in self.rings] if self.format.scaled else none
+        self.v_scale = [zeros(plane(r)[:3]) for r in self.rings] if self.format.scaled else none
         self.lengths = torch.zeros(batch, dtype=torch.int64)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                rows: slice = slice(None)) -> None:
         """k, v [b, Hkv, T, D] written at positions[i] .. positions[i] + T of the sequences
-        `rows` (all by default; prefill writes one prompt at a time)."""
+        `rows` (all by default; prefill writes one prompt at a time). A ring layer keeps the
+        last `window` of them, each at its slot (runs of several tokens: one sequence a call)."""
+        ring = self.rings[layer]
+        if ring and k.shape[2] > 1:
+            if positions.numel() != 1:
+                raise ValueError("appending several tokens to a windowed layer's ring takes one sequence at a time")
+            start, T = int(positions.reshape(-1)[0]), k.shape[2]
+            first = max(0, T - ring)  # older tokens would be overwritten within this call
+            for t0 in range(first, T):  # contiguous runs of slots: the ring's end splits at most one
+                if t0 > first and (start + t0) % ring != 0:
+                    continue
+                t1 = min(T, t0 + ring - (start + t0) % ring)
+                self._write(layer, k[:, :, t0:t1], v[:, :, t0:t1], torch.tensor([(start + t0) % ring]), rows)
+            return
+        self._write(layer, k, v, positions % ring if ring else positions, rows)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: slice) -> None:
         append = self.format.append
         k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]
         k_layout, v_layout = self.layouts
-        append(self.k[layer][rows], None if k_scale is None else k_scale[rows], k, positions, k_layout)
-        append(self.v[layer][rows], None if v_scale is None else v_scale[rows], v, positions, v_layout)
+        append(self.k[layer][rows], None if k_scale is None else k_scale[rows], k, slots, k_layout)
+        append(self.v[layer][rows], None if v_scale is None else v_scale[rows], v, slots, v_layout)
 
     def rows(self, n: int) -> KVCache:
         """A cache over this one's first n sequences, sharing their storage (views, no copy),
@@ -294,31 +327,46 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """Decode attention of q [B, H, D] over this layer's cache with its kernel (options:
-        the kernel's, such as num_splits)."""
+        the kernel's, such as num_splits and scale); a ring layer's every filled slot."""
         if self.head_map is not None:
             options = {**options, "group": self.head_map[0], "q_offset": self.head_map[1]}
-        return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], lengths,
-                                  int8_kernel=self.kernel, **options)
+        ring = self.rings[layer]
+        return self.format.decode(q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
+                                  lengths.clamp(max=ring) if ring else lengths, int8_kernel=self.kernel, **options)
 
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 K, V [Hkv, length, D] of sequence b (for the reference attention paths)."""
+        """fp32 K, V [Hkv, n, D] of sequence b's tokens before `length` that the layer still
+        holds: all of them, or a ring layer's last `window`, in position order."""
+        ring = self.rings[layer]
+        held = min(length, ring) if ring else length
+
         def one(values, scales, layout):
             plane = values[b]
             if layout != "rows":  # whole blocks of the tiled layout, back in token rows
-                plane = kernels.untile_kv(plane[:, :kernels.tiled_length(length)], layout)
-            return self.format.dequantize(plane[:, :length], None if scales is None else scales[b, :, :length])
+                plane = kernels.untile_kv(plane[:, :kernels.tiled_length(held)], layout)
+            out = self.format.dequantize(plane[:, :held], None if scales is None else scales[b, :, :held])
+            if ring and length > ring:  # the oldest held token, length - ring, is at slot length % ring
+                out = torch.roll(out, -(length % ring), dims=1)
+            return out
 
         k_layout, v_layout = self.layouts
         return (one(self.k[layer], self.k_scale[layer], k_layout), one(self.v[layer], self.v_scale[layer], v_layout))
 
-    def bytes_read(self, lengths: torch.Tensor) -> int:
-        """KV bytes (scales included) one layer's decode attention reads at these lengths."""
-        return int(2 * int(lengths.sum()) * self.kv_heads * self.format.bytes_per_vector(self.head_dim, self.kv_heads))
+    def visible(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K, V of what the query at position length - 1 attends to (the reference paths)."""
+        return self.dequantized(layer, b, length)
+
+    def bytes_read(self, lengths: torch.Tensor, layer: int = 0) -> int:
+        """KV bytes (scales included) layer `layer`'s decode attention reads at these lengths."""
+        ring = self.rings[layer] if layer < len(self.rings) else 0
+        tokens = int((lengths.clamp(max=ring) if ring else lengths).sum())
+        return int(2 * tokens * self.kv_heads * self.format.bytes_per_vector(self.head_dim, self.kv_heads))
 
     @property
     def nbytes(self) -> int:
-        layers, batch = len(self.k), self.lengths.numel()
-        return self.format.cache_bytes(layers, self.kv_heads, self.head_dim, batch, self.max_len)
+        batch = self.lengths.numel()
+        return sum(self.format.cache_bytes(1, self.kv_heads, self.head_dim, batch, ring or self.max_len)
+                   for ring in self.rings)
 
 
 class ReferenceKVCache(KVCache):
@@ -329,8 +377,13 @@ class ReferenceKVCache(KVCache):
     kernel = None  # decoded in torch
     tiled = False
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str):
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, fmt: str,
+                 windows=None):
         self.format = kv_format(fmt)
+        # every token kept (no rings here: a study of the formats' quality), a windowed layer
+        # attending to its last `window`
+        self.windows = [w if w and w < max_len else 0 for w in (windows or [0] * n_layers)]
+        self.rings = [0] * n_layers
         spec = self.format.quant
         self.max_len, self.kv_heads, self.head_dim = max_len, kv_heads, head_dim
         self.k_side = [_Side(spec.k, spec, batch, kv_heads, max_len, head_dim) for _ in range(n_layers)]
@@ -349,15 +402,20 @@ class ReferenceKVCache(KVCache):
             self.k_side[layer].write(b, k[i].float(), start)
             self.v_side[layer].write(b, v[i].float(), start)
 
-    def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=torch.float32)
         for b in range(q.shape[0]):
-            k, v = per_query_head(*self.dequantized(layer, b, int(lengths[b])), q.shape[1], self.head_map)
-            out[b] = reference_attention(q[b].float(), k, v)
+            k, v = per_query_head(*self.visible(layer, b, int(lengths[b])), q.shape[1], self.head_map)
+            out[b] = reference_attention(q[b].float(), k, v, scale)
         return out
 
     def dequantized(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_side[layer].read(b, length), self.v_side[layer].read(b, length)
+
+    def visible(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.dequantized(layer, b, length)
+        window = self.windows[layer]
+        return (k[:, -window:], v[:, -window:]) if window else (k, v)
 
     @property
     def nbytes(self) -> int:

@@ -207,10 +207,12 @@ class _Side:
         return dequantize(q, scale, g)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [H, D], k / v [Hkv, n, D] fp32 -> [H, D]: softmax(q k^T / sqrt(D)) v with GQA."""
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [H, D], k / v [Hkv, n, D] fp32 -> [H, D]: softmax(scale q k^T) v with GQA (scale
+    default 1 / sqrt(D))."""
     H, D = q.shape
     group = H // k.shape[0]
     kk, vv = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    p = torch.softmax(torch.einsum("hd,hnd->hn", q, kk) / math.sqrt(D), dim=-1)
+    scale = scale if scale is not None else 1 / math.sqrt(D)
+    p = torch.softmax(torch.einsum("hd,hnd->hn", q, kk) * scale, dim=-1)
     return torch.einsum("hn,hnd->hd", p, vv)

@@ -202,12 +202,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.rms_norm(x.contiguous(), weight, eps)
 
 
-def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim] for the rotate-half layout, with HF-style rope scaling."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = cfg.rope_scaling or {}
+def rope_tables(cfg: ModelConfig, max_len: int, theta: float | None = None,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, rotary dims] for the rotate-half layout (the head's first rotary dims:
+    all of them but for partial rotary), base `theta` (default the config's) and rope scaling
+    (default the config's; a local table passes {}): Hugging Face's "linear", "llama3" and
+    "longrope" (Phi-3: the long factors where the model's context is longer than the trained
+    one, as llama.cpp chooses), and "freq_factors" (a GGUF file's rope_freqs / rope_factors
+    tensor: one divisor per frequency). "attention_factor" multiplies cos and sin."""
+    d = cfg.rope_dims
+    theta = theta if theta is not None else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling if scaling is None else scaling
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
+    attention_factor = scaling.get("attention_factor") or 1.0
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -218,21 +227,42 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "longrope":
+        old_len = scaling["original_max_position_embeddings"]
+        long = cfg.max_seq_len > old_len
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
+        inv_freq = inv_freq / factors
+        if not scaling.get("attention_factor"):  # Hugging Face's default from the context's growth
+            factor = scaling.get("factor") or scaling.get("max_position_embeddings", old_len) / old_len
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(old_len)) if factor > 1 else 1.0
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling {scaling!r} (supported: linear, llama3)")
+        raise ValueError(f"unsupported rope scaling {scaling!r} (supported: linear, llama3, longrope, freq_factors)")
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
 
 
 class Layer:
     """One decoder layer's weights. Q, K and V are stored as one [q; k; v] matrix and the
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
-    and two, which matters in decode where every product is a separate pass over memory."""
+    and two, which matters in decode where every product is a separate pass over memory.
+    What the family adds (workbench.model.arch) is None where it has none: q / k / v biases
+    (one [q; k; v] vector), per-head q and k norms, norms after attention and the MLP."""
+
+    # The vectors a family may add, as the loaders name them in a layer's dict.
+    EXTRAS = ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
     def __init__(self, w: dict[str, torch.Tensor], head_dim: int, fmt: WeightFormat | None):
         self.attn_norm, self.mlp_norm = materialize(w["attn_norm"]), materialize(w["mlp_norm"])
+        for name in self.EXTRAS:
+            setattr(self, name, materialize(w[name]).float().contiguous() if name in w else None)
+        biases = [w.pop(b) for b in ("bq", "bk", "bv") if b in w]
+        self.qkv_bias = torch.cat([materialize(b).float() for b in biases]).contiguous() if biases else None
         self.head_dim = head_dim
+        self.window = 0  # set by the model: this layer's sliding window (0: none)
+        self.rope = 0    # and which RoPE table it reads (1: the local layers')
         # each matrix read (a loader's lazy weight) and converted in turn, freed once stacked
         self.wqkv = Linear([w.pop("wq"), w.pop("wk"), w.pop("wv")], fmt)
         self.wo = Linear(w.pop("wo"), fmt)
@@ -243,7 +273,8 @@ class Layer:
         self.ffn_dim = self.w_gate_up.piece_rows[0]
         # Fixed once the weights are: counted here, not on every recorded step.
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        norms = self.attn_norm.numel() + self.mlp_norm.numel()
+        vectors = [self.attn_norm, self.mlp_norm, self.qkv_bias, *(getattr(self, n) for n in self.EXTRAS)]
+        norms = sum(v.numel() for v in vectors if v is not None)
         self.weight_bytes = sum(lin.nbytes for lin in linears) + NORM_BYTES_PER_ELEM * norms
         self.linear_params = sum(lin.params for lin in linears)
 
@@ -251,24 +282,33 @@ class Layer:
     def linears(self) -> dict[str, Linear]:
         return {"qkv": self.wqkv, "o": self.wo, "gate_up": self.w_gate_up, "down": self.w_down}
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> q [T, q_dim], k, v [T, kv_dim], RoPE applied to q and k (cos / sin
-        [T, head_dim], each token's row): one fused product, then one in-place rotation of the
-        q and k heads, which sit side by side at the start of each output row."""
+        [T, rotary dims], each token's row): one fused product (plus the biases), the per-head
+        q / k norms where the family has them, then one in-place rotation of the q and k heads,
+        which sit side by side at the start of each output row."""
         qkv = self.wqkv(x)
-        kernels.rope_(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads, head_dim=self.head_dim)
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        D, T = self.head_dim, qkv.shape[0]
+        for norm, lo, heads in ((self.q_norm, 0, self.n_heads), (self.k_norm, self.q_dim, self.n_kv_heads)):
+            if norm is not None:  # each head's D values normalised on their own
+                part = qkv[:, lo:lo + heads * D]
+                part.copy_(rms_norm(part.reshape(T * heads, D), norm, eps).view(T, heads * D))
+        kernels.rope_(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads, head_dim=D)
         return qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
 
-    def swiglu(self, x: torch.Tensor, one_pass: bool = False) -> torch.Tensor:
-        """SiLU(gate(x)) * up(x), the input of down_proj; with one_pass (prefill) the activation is
-        one kernel pass over the [gate | up] rows (kernels.silu_mul), else the torch expression
-        (the reference)."""
+    def mlp_input(self, x: torch.Tensor, activation: str = "silu", one_pass: bool = False) -> torch.Tensor:
+        """act(gate(x)) * up(x), the input of down_proj (act: SiLU, or GELU's tanh form); with
+        one_pass (prefill) one kernel pass over the [gate | up] rows (kernels.act_mul), else
+        the torch expression (the reference)."""
         gate_up = self.w_gate_up(x)
         if one_pass:
-            return kernels.silu_mul(gate_up)
+            return kernels.act_mul(gate_up, activation)
         gate, up = gate_up.split([self.ffn_dim, self.ffn_dim], dim=-1)
-        return F.silu(gate) * up
+        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        return act * up
 
 
 class LlamaModel:
@@ -307,7 +347,14 @@ class LlamaModel:
         self.extras = head
         self._pack_weights()
         self.n_heads, self.n_kv_heads = self.layers[0].n_heads, self.layers[0].n_kv_heads
+        # RoPE tables: the global one, and the windowed layers' own where their base differs
+        # (Gemma 3's local layers: 10,000 against 1,000,000)
         self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_seq_len)
+        local = cfg.windows is not None and cfg.rope_local_theta is not None
+        self.rope_local = rope_tables(cfg, cfg.max_seq_len, cfg.rope_local_theta, {}) if local else None
+        for i, layer in enumerate(self.layers):
+            layer.window = cfg.window(i)
+            layer.rope = 1 if layer.window and local else 0
         self._stacks = weakref.WeakKeyDictionary()  # cache -> its fused decode step (kernels.decode_stack)
         # Tensor parallel: the all-reduce the fused step runs after o_proj and down_proj (a
         # kernels StepCollective); None in one process.
@@ -408,16 +455,17 @@ class LlamaModel:
 
     def new_cache(self, batch: int, max_len: int, kv_cache: str, kv_kernel: str | None = None) -> KVCache:
         """An empty KV cache for this model's (local) KV heads, laid out for `kv_kernel` (None:
-        the format's default)."""
+        the format's default); a windowed layer's a ring of its window."""
         cache = new_kv_cache(self.cfg.n_layers, batch, self.n_kv_heads, max_len, self.cfg.head_dim, kv_cache,
-                             kv_kernel)
+                             kv_kernel, [layer.window for layer in self.layers])
         cache.head_map = self.head_map
         return cache
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.parallel is not None:
-            return self.parallel.embed(tokens)
-        return embed_rows(self.embedding, tokens)
+        x = self.parallel.embed(tokens) if self.parallel is not None else embed_rows(self.embedding, tokens)
+        if self.cfg.spec.embed_scale:  # Gemma: the rows times sqrt(hidden), in fp32
+            x *= torch.tensor(self.cfg.dim ** 0.5, dtype=torch.float32)
+        return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:
@@ -437,20 +485,25 @@ class LlamaModel:
         return Clock(record, len(self.layers))
 
     def _layers(self, x: torch.Tensor, attend, clock: Clock, one_pass: bool = False) -> torch.Tensor:
-        """The decoder stack: x += o_proj(attend(i, layer, norm(x))); x += down(swiglu(norm(x))),
-        timing each part (x updated in place; one_pass: Layer.swiglu's)."""
-        eps = self.cfg.norm_eps
+        """The decoder stack: x += post(o_proj(attend(i, layer, norm(x)))); x += post(down(act(
+        gate) * up of norm(x))), the post norms where the family has them, timing each part (x
+        updated in place; one_pass: Layer.mlp_input's)."""
+        eps, act = self.cfg.norm_eps, self.cfg.spec.activation
         for i, layer in enumerate(self.layers):
             t0 = clock.t()
             h = rms_norm(x, layer.attn_norm, eps)
             t1 = clock.t()
             o = self._project(layer.wo, attend(i, layer, h), i, "attention")
             t2 = clock.t()
+            if layer.post_attn_norm is not None:
+                o = rms_norm(o, layer.post_attn_norm, eps)
             x += o
             h = rms_norm(x, layer.mlp_norm, eps)
             t3 = clock.t()
-            m = self._project(layer.w_down, layer.swiglu(h, one_pass), i, "mlp")
+            m = self._project(layer.w_down, layer.mlp_input(h, act, one_pass), i, "mlp")
             t4 = clock.t()
+            if layer.post_mlp_norm is not None:
+                m = rms_norm(m, layer.post_mlp_norm, eps)
             x += m
             if clock.enabled:
                 clock.add("attention", i, t2 - t1)
@@ -459,7 +512,7 @@ class LlamaModel:
         return x
 
     def _record(self, clock: Clock, phase: str, tokens: int, t_start: float, layers_s: float,
-                kv_bytes: int, attention_pairs: int, head_rows: int, wake_s: float = 0.0,
+                kv_bytes: int | list[int], attention_pairs: int, head_rows: int, wake_s: float = 0.0,
                 path: str = "", comm_bytes: int = 0) -> StepRecord | None:
         """The step's record (None when not recording), its communication accounted on a
         tensor-parallel rank; comm_bytes: what the fused step's own all-reduces sent."""
@@ -469,19 +522,27 @@ class LlamaModel:
             attention_flops = 4 * self.n_heads * self.cfg.head_dim * attention_pairs  # Q K^T and P V
             rec = StepRecord(phase, tokens, clock.parts_s, total - layers_s,
                              weight_bytes=[layer.weight_bytes for layer in self.layers],
-                             kv_bytes=[kv_bytes] * len(self.layers), head_bytes=self.head_bytes(tokens),
+                             kv_bytes=kv_bytes if isinstance(kv_bytes, list) else [kv_bytes] * len(self.layers),
+                             head_bytes=self.head_bytes(tokens),
                              total_s=total,
                              flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
                              head_flops=2 * head_rows * self.lm_head.params, wake_s=wake_s, path=path,
                              comm_bytes=comm_bytes)
         return self.parallel.end(rec) if self.parallel is not None else rec
 
-    def _packed(self, seq_lens: list[int], starts: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def _tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The RoPE cos / sin rows of `positions` in each table (Layer.rope: 0 global, 1 local)."""
+        tables = [(self.rope_cos[positions], self.rope_sin[positions])]
+        if self.rope_local is not None:
+            tables.append((self.rope_local[0][positions], self.rope_local[1][positions]))
+        return tables
+
+    def _packed(self, seq_lens: list[int], starts: list[int]) -> tuple[list[int], list]:
         """Packed pieces (piece b: seq_lens[b] tokens from position starts[b]) -> each piece's
-        offset in the packing (and the end), and the RoPE cos / sin rows of every token."""
+        offset in the packing (and the end), and the RoPE rows of every token in each table."""
         offsets = list(itertools.accumulate(seq_lens, initial=0))
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])
-        return offsets, self.rope_cos[positions], self.rope_sin[positions]
+        return offsets, self._tables(positions)
 
     @staticmethod
     def _last_rows(offsets: list[int]) -> torch.Tensor:
@@ -498,11 +559,12 @@ class LlamaModel:
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         backend = attention_backend(switches.attention)
         act = self.attention_dtype
-        offsets, cos, sin = self._packed(seq_lens, [0] * len(seq_lens))
+        offsets, tables = self._packed(seq_lens, [0] * len(seq_lens))
         start = torch.zeros(1, dtype=torch.int64)
+        scale, eps = self.cfg.softmax_scale, self.cfg.norm_eps
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = layer.qkv(h, *tables[layer.rope], eps)
             q, k, v = q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
             out = torch.empty(q.shape[0], H, D)
             for b in range(len(seq_lens)):  # attention per sequence: ragged prompts need no padding
@@ -510,7 +572,7 @@ class LlamaModel:
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
                 cache.append(i, kb, vb, start, rows=slice(b, b + 1))
                 kb, vb = per_query_head(kb, vb, H, self.head_map, dim=1)  # our prefill kernels: equal groups
-                out[s] = backend.prefill(qb.to(act), kb.to(act), vb.to(act))[0].transpose(0, 1)
+                out[s] = backend.prefill(qb.to(act), kb.to(act), vb.to(act), scale, layer.window)[0].transpose(0, 1)
             return out.view(-1, H * D)
 
         x = self._embed(tokens)  # [T, dim]
@@ -520,7 +582,7 @@ class LlamaModel:
         logits = self._head(x if all_logits else x[self._last_rows(offsets)])
         cache.lengths = torch.tensor(seq_lens, dtype=torch.int64)
         return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
-                                    sum(n * (n + 1) // 2 for n in seq_lens), logits.shape[0])
+                                    self._pairs(seq_lens, [0] * len(seq_lens)), logits.shape[0])
 
     def extend(self, tokens: torch.Tensor, seq_lens: list[int], rows: list[int], starts: list[int],
                cache: KVCache, record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
@@ -547,21 +609,29 @@ class LlamaModel:
         t_start = clock.t()
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         act = self.attention_dtype
-        offsets, cos, sin = self._packed(seq_lens, starts)
+        offsets, tables = self._packed(seq_lens, starts)
         at = [torch.tensor([s], dtype=torch.int64) for s in starts]
+        scale, eps = self.cfg.softmax_scale, self.cfg.norm_eps
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = layer.qkv(h, *tables[layer.rope], eps)
             q, k, v = q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
             out = torch.empty(q.shape[0], H, D)
+            ring = cache.rings[i]
             for b, row in enumerate(rows):
                 s = slice(offsets[b], offsets[b + 1])
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
-                cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
-                keys, values = cache.dequantized(i, row, starts[b] + seq_lens[b])  # [Hkv, start + n, D]
+                if ring:  # the ring's older tokens first (the new ones may overwrite them), then the piece's own
+                    old_k, old_v = cache.dequantized(i, row, starts[b])
+                    cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
+                    keys, values = torch.cat([old_k, kb[0].float()], dim=1), torch.cat([old_v, vb[0].float()], dim=1)
+                else:
+                    cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
+                    keys, values = cache.dequantized(i, row, starts[b] + seq_lens[b])  # [Hkv, start + n, D]
                 keys, values = per_query_head(keys, values, H, self.head_map)
                 keys, values = (t.unsqueeze(0).to(act).contiguous() for t in (keys, values))
-                out[s] = kernels.slim_attention(qb.to(act), keys, values)[0].transpose(0, 1)
+                out[s] = kernels.slim_attention(qb.to(act), keys, values, scale=scale,
+                                                window=layer.window)[0].transpose(0, 1)
             return out.view(-1, H * D)
 
         x = self._embed(tokens)
@@ -569,9 +639,19 @@ class LlamaModel:
         x = self._layers(x, attend, clock, one_pass=True)
         layers_s = clock.t() - t_layers
         logits = self._head(x[self._last_rows(offsets)])
-        pairs = sum(n * s + n * (n + 1) // 2 for n, s in zip(seq_lens, starts))
-        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0, pairs,
-                                    len(seq_lens))
+        return logits, self._record(clock, "prefill", int(tokens.numel()), t_start, layers_s, 0,
+                                    self._pairs(seq_lens, starts), len(seq_lens))
+
+    def _pairs(self, seq_lens: list[int], starts: list[int]) -> int:
+        """(query, key) pairs the attention of pieces of seq_lens[b] tokens after starts[b] ones
+        computes, over the layers' mean (a windowed layer's queries see at most `window` keys)."""
+        def pairs(n: int, s: int, window: int) -> int:
+            if not window:
+                return n * s + n * (n + 1) // 2
+            return sum(min(window, s + j + 1) for j in range(n))
+
+        per_layer = [sum(pairs(n, s, layer.window) for n, s in zip(seq_lens, starts)) for layer in self.layers]
+        return round(sum(per_layer) / len(per_layer))
 
     @property
     def attention_dtype(self) -> torch.dtype:
@@ -600,7 +680,9 @@ class LlamaModel:
             group, q_offset = self.head_map or (0, 0)
             stack = kernels.decode_stack(self.layers, cache.per_layer, heads=self.n_heads, eps=self.cfg.norm_eps,
                                          int8_kernel=cache.kernel, group=group, q_offset=q_offset,
-                                         kv_handoff=self.kv_handoff)
+                                         kv_handoff=self.kv_handoff, scale=self.cfg.softmax_scale,
+                                         rotary=self.cfg.rope_dims, activation=self.cfg.spec.activation,
+                                         windows=cache.rings)
             self._stacks[cache] = stack
         return stack
 
@@ -617,12 +699,13 @@ class LlamaModel:
             raise ValueError(f"the KV cache is full ({cache.max_len} tokens); generate fewer tokens or "
                              f"allocate a longer cache")
         lengths = positions + 1
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, D]
+        tables = self._tables(positions)  # [B, rotary] rows of each RoPE table
+        scale, eps = self.cfg.softmax_scale, self.cfg.norm_eps
 
         def attend(i: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = layer.qkv(h, *tables[layer.rope], eps)
             cache.append(i, k.reshape(-1, Hkv, 1, D), v.reshape(-1, Hkv, 1, D), positions)  # [B, Hkv, 1, D]
-            attn = backend.decode(q.reshape(-1, H, D).contiguous(), cache, i, lengths)
+            attn = backend.decode(q.reshape(-1, H, D).contiguous(), cache, i, lengths, scale)
             return attn.reshape(-1, H * D)
 
         x = self._embed(tokens)  # [B, dim]
@@ -632,7 +715,8 @@ class LlamaModel:
             parts = kernels.constants()["timer_parts"]  # the C++ timers' columns, by name
             timers = torch.zeros(len(self.layers), len(parts), dtype=torch.float64) if record else None
             # x updated in place; with a collective, the all-reduces run inside the same call
-            wake_s = self._fused_stack(cache).step(x, cos, sin, positions, timers, self.collective)
+            local = tables[1] if len(tables) > 1 else (None, None)
+            wake_s = self._fused_stack(cache).step(x, *tables[0], positions, timers, self.collective, *local)
             if record:
                 for i, row in enumerate(timers.tolist()):
                     for part, seconds in zip(parts, row):
@@ -646,5 +730,12 @@ class LlamaModel:
         # the fused step's all-reduces: two of [B, dim] fp32 a layer (the Python path's are logged)
         step_comm = 2 * len(self.layers) * x.numel() * x.element_size() if fused and self.collective is not None else 0
         return logits, self._record(clock, "decode", int(tokens.numel()), t_start, layers_s,
-                                    cache.bytes_read(lengths) if record else 0, int(lengths.sum()), logits.shape[0],
+                                    [cache.bytes_read(lengths, i) for i in range(len(self.layers))] if record else 0,
+                                    self._decode_pairs(lengths), logits.shape[0],
                                     wake_s, "fused" if fused else "reference", step_comm)
+
+    def _decode_pairs(self, lengths: torch.Tensor) -> int:
+        """(query, key) pairs of a decode step over the layers' mean: each sequence's new token
+        against its lengths[b] keys, or a windowed layer's last `window`."""
+        per_layer = [int((lengths.clamp(max=layer.window) if layer.window else lengths).sum()) for layer in self.layers]
+        return round(sum(per_layer) / len(per_layer))

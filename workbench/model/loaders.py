@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from workbench.cache import cache_dir
+from workbench.model.arch import (ARCHITECTURES, FUSED, by_gguf, by_hf_type, fused_rows, is_norm, layer_tensors,
+                                  layer_windows)
 from workbench.model.config import PRESETS, ModelConfig, preset
 from workbench.model.gguf_file import GGUFError, _read_only_tensor, dequantize, read_gguf
 from workbench.model.kv_formats import kv_format
@@ -124,12 +126,6 @@ def _materialize(w):
 
 # -- GGUF ---------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
-    "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
-}
-
-
 def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp stores Q and K rows interleaved for its RoPE; put them back in the
     rotate-half order that this model (and Hugging Face) use."""
@@ -137,30 +133,93 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_config(fields: dict, name: str) -> ModelConfig:
+def _supported_families(kind: str) -> str:
+    if kind == "gguf":
+        return ", ".join(sorted(a.gguf for a in ARCHITECTURES.values() if a.gguf))
+    return ", ".join(sorted(t for a in ARCHITECTURES.values() for t in a.hf_types))
+
+
+def _gguf_config(fields: dict, tensors: dict, name: str) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata (and its RoPE factor tensors) describe."""
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{name}: unsupported architecture {arch!r}; the workbench runs Llama-family "
-                             f"models (general.architecture = 'llama')")
-    a = "llama."
+    spec = by_gguf(arch)
+    if spec is None:
+        moe = f" with {fields[f'{arch}.expert_count']} experts" if f"{arch}.expert_count" in fields else ""
+        raise ModelLoadError(f"{name}: unsupported architecture {arch!r}{moe}; the workbench runs "
+                             f"general.architecture {_supported_families('gguf')}")
+    if int(fields.get(f"{arch}.expert_count", 0) or 0) > 0:
+        raise ModelLoadError(f"{name}: a mixture-of-experts {arch!r} model ({fields[f'{arch}.expert_count']} experts) "
+                             f"is not supported yet; the workbench runs dense models")
+    a = arch + "."
     try:
         dim = int(fields[a + "embedding_length"])
         n_heads = int(fields[a + "attention.head_count"])
+        n_layers = int(fields[a + "block_count"])
+        head_dim = int(fields.get(a + "attention.key_length", dim // n_heads))
+        if int(fields.get(a + "attention.value_length", head_dim)) != head_dim:
+            raise ModelLoadError(f"{name}: attention.value_length {fields[a + 'attention.value_length']} differs "
+                                 f"from key_length {head_dim}; the workbench needs one head size")
+        rotary = int(fields.get(a + "rope.dimension_count", head_dim))
+        window = int(fields.get(a + "attention.sliding_window", 0) or 0)
+        scaling = _gguf_rope_scaling(fields, tensors, a, name)
+        # llama.cpp's Gemma 3 scale: 1 / sqrt(head_dim), but hidden / heads for the 27B
+        scale = fields.get(a + "attention.scale")
+        if scale is None and arch == "gemma3" and n_layers == 62:
+            scale = (dim // n_heads) ** -0.5
+        windows = layer_windows(spec, n_layers, window, pattern=fields.get(a + "attention.sliding_window_pattern"))
         return ModelConfig(
-            name=name, dim=dim, n_layers=int(fields[a + "block_count"]), n_heads=n_heads,
+            name=name, dim=dim, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=int(fields.get(a + "attention.head_count_kv", n_heads)),
             ffn_dim=int(fields[a + "feed_forward_length"]),
             vocab_size=int(fields.get(a + "vocab_size", len(fields.get("tokenizer.ggml.tokens", [])))),
             norm_eps=float(fields.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(fields.get(a + "rope.freq_base", 10000.0)),
+            rope_theta=float(fields.get(a + "rope.freq_base", 10000.0)), rope_scaling=scaling,
             max_seq_len=int(fields.get(a + "context_length", 4096)),
-            tied_embeddings=False,  # decided from the tensors below
+            tied_embeddings=False,  # decided from the tensors
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-            head_dim=int(fields.get(a + "attention.key_length", dim // n_heads)),
+            head_dim=head_dim, arch=spec.name, attn_scale=None if scale is None else float(scale),
+            rotary_dim=rotary if rotary != head_dim else None, windows=windows,
+            rope_local_theta=(float(fields.get(a + "rope.freq_base_swa", spec.local_rope_theta))
+                              if spec.local_rope_theta else None),
         )
     except KeyError as e:
         raise ModelLoadError(f"{name}: the GGUF metadata lacks {e.args[0]}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
+
+
+def _gguf_rope_scaling(fields: dict, tensors: dict, a: str, name: str) -> dict | None:
+    """The RoPE scaling a GGUF file asks for, as rope_tables takes it: linear (rope.scaling.type),
+    the per-frequency divisors of a rope_freqs tensor (Llama 3.1 and later), or Phi-3's long /
+    short factor tensors. Anything else (YaRN, ...) is refused by name."""
+    kind = fields.get(a + "rope.scaling.type", "none")
+    out = None
+    if kind == "linear":
+        out = {"rope_type": "linear", "factor": float(fields[a + "rope.scaling.factor"])}
+    elif kind not in ("none",):
+        raise ModelLoadError(f"{name}: rope.scaling.type {kind!r} is not implemented (the workbench runs none, "
+                             f"linear, Llama 3's rope_freqs and Phi-3's long / short factors)")
+    if "rope_freqs.weight" in tensors:
+        out = {"rope_type": "freq_factors", "factors": dequantize(tensors["rope_freqs.weight"]).tolist()}
+    if "rope_factors_long.weight" in tensors:
+        old = int(fields.get(a + "rope.scaling.original_context_length", fields.get(a + "context_length", 4096)))
+        use_long = int(fields.get(a + "context_length", old)) > old  # re-decided for a shorter context below
+        out = {"rope_type": "freq_factors", "attention_factor": float(fields.get(a + "rope.scaling.attn_factor", 1.0)),
+               "factors": dequantize(tensors["rope_factors_long.weight" if use_long else
+                                             "rope_factors_short.weight"]).tolist(),
+               "short_factors": dequantize(tensors["rope_factors_short.weight"]).tolist(),
+               "original_max_position_embeddings": old}
+    return out
+
+
+def _fit_rope_to_context(cfg: ModelConfig) -> ModelConfig:
+    """Phi-3's factors for the context the model is loaded with: the short ones where it is no
+    longer than the trained context (llama.cpp's choice for the same file)."""
+    sc = cfg.rope_scaling or {}
+    if "short_factors" in sc and cfg.max_seq_len <= sc["original_max_position_embeddings"]:
+        return replace(cfg, rope_scaling={**sc, "factors": sc["short_factors"]})
+    return cfg
 
 
 def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | None = None,
@@ -169,34 +228,39 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
     or "file"; kernels/blocks.h reads them as they are, one copy into the model's arena, the
     file's pages released as each is copied), or every matrix converted to `dtype`, one matrix
     at a time. A tensor type the kernels cannot read is an error naming it, unless a dtype to
-    convert to was asked for."""
+    convert to was asked for. The family (general.architecture) says which tensors a layer
+    has and what they are called (workbench.model.arch)."""
     name = name or path.stem
     try:
         file = read_gguf(path)
     except GGUFError as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
     fields, tensors = file.fields, file.tensors
-    cfg = _gguf_config(fields, name)
+    cfg = _gguf_config(fields, tensors, name)
     cfg = _trained_layers(replace(cfg, tied_embeddings="output.weight" not in tensors), layers, path.name)
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
+    cfg = _fit_rope_to_context(cfg)
     as_file = dtype in (None, AS_FILE)
-    tokenizer = Tokenizer.from_gguf_fields(fields)
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(fields)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    spec = cfg.spec
 
-    hd = cfg.head_dim
-    shapes = {"attn_norm": (cfg.dim,), "ffn_norm": (cfg.dim,), "attn_q": (cfg.n_heads * hd, cfg.dim),
-              "attn_k": (cfg.n_kv_heads * hd, cfg.dim), "attn_v": (cfg.n_kv_heads * hd, cfg.dim),
-              "attn_output": (cfg.dim, cfg.n_heads * hd), "ffn_gate": (cfg.ffn_dim, cfg.dim),
-              "ffn_up": (cfg.ffn_dim, cfg.dim), "ffn_down": (cfg.dim, cfg.ffn_dim)}
+    shapes = layer_tensors(spec, cfg)
+    if spec.fused_qkv and f"blk.0.{spec.gguf_name('wqkv')}" not in tensors:  # llama.cpp reads either
+        shapes = {**{k: v for k, v in shapes.items() if k != "wqkv"}, **_split_shapes("wqkv", cfg)}
     wanted = {"token_embd.weight": (cfg.vocab_size, cfg.dim), "output_norm.weight": (cfg.dim,)}
     if not cfg.tied_embeddings:
         wanted["output.weight"] = (cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
-        wanted.update({f"blk.{i}.{g}.weight": shape for g, shape in shapes.items()})
+        wanted.update({f"blk.{i}.{spec.gguf_name(ours)}": shape for ours, shape in shapes.items()})
     for gguf_name, shape in wanted.items():  # every tensor checked before anything is read
         t = tensors.get(gguf_name)
         if t is None:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} is missing")
+            raise ModelLoadError(f"{path}: tensor {gguf_name} is missing (a {spec.name} layer needs "
+                                 f"{', '.join(spec.gguf_name(n) for n in shapes)})")
         if tuple(reversed(t.shape)) != shape:
             raise ModelLoadError(f"{path}: tensor {gguf_name} has shape {tuple(reversed(t.shape))}, expected {shape}")
         kind = t.tensor_type.name
@@ -205,6 +269,10 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
                 f"{path}: tensor {gguf_name} is {kind}, a type the workbench cannot read as it is yet (it reads "
                 f"{', '.join(sorted(FILE_FORMATS))} and F32 / F16 / BF16); load it converted, e.g. dtype='bf16', or "
                 f"requantize the file to Q4_K_M")
+    unread = sorted(n for n in tensors if n.startswith("blk.0.") and n not in wanted)
+    if unread:
+        raise ModelLoadError(f"{path}: layer 0 has tensors a {spec.name} layer does not ({', '.join(unread)}); "
+                             f"the workbench would compute a different model without them")
 
     # What the weights will take, and what the load holds at once beyond them (one matrix
     # dequantized to fp32 and converted, plus one layer's stacked q / k / v copy)
@@ -250,12 +318,43 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
     weights = {"embedding": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
     if not cfg.tied_embeddings:
         weights["lm_head"] = lambda: get("output.weight")
-    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    # llama.cpp's converter interleaves q / k rows for its RoPE in the llama family only
+    heads = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if spec.gguf_rope_rows else {}
     for i in range(cfg.n_layers):
-        for gname, ours in _GGUF_LAYER_NAMES.items():
+        for ours in shapes:
             # lazy: each matrix read (and converted) when its layer is built, not all at once
-            weights[f"layers.{i}.{ours}"] = functools.partial(get, f"blk.{i}.{gname}.weight", heads.get(gname))
+            load = functools.partial(get, f"blk.{i}.{spec.gguf_name(ours)}", heads.get(ours))
+            _add_layer_tensor(weights, i, ours, load, cfg)
     return LlamaModel(cfg, weights, AS_FILE if as_file else dtype, parallel), tokenizer
+
+
+def _split_shapes(fused: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The separate tensors a fused one stands for, with their shapes."""
+    cols = cfg.dim
+    return {piece: (rows, cols) for piece, rows in zip(FUSED[fused], fused_rows(fused, cfg))}
+
+
+def _add_layer_tensor(weights: dict, i: int, ours: str, load, cfg: ModelConfig) -> None:
+    """Put layer i's tensor `ours` (a callable that reads it) in the loader's dict, a fused one
+    as its pieces (row slices of one read: the pieces share it, read once when the first is)."""
+    if ours not in FUSED:
+        weights[f"layers.{i}.{ours}"] = load
+        return
+    whole = functools.cache(load)
+    bounds = list(itertools.accumulate(fused_rows(ours, cfg), initial=0))
+    for piece, lo, hi in zip(FUSED[ours], bounds, bounds[1:]):
+        weights[f"layers.{i}.{piece}"] = functools.partial(_rows_of, whole, lo, hi)
+
+
+def _rows_of(whole, lo: int, hi: int):
+    w = whole()
+    if isinstance(w, BlockTensor):
+        part = w.take_rows(slice(lo, hi))
+        part.release = None  # the whole's pages are released when its last piece has been copied
+        if hi == w.shape[0]:
+            part.release = w.release
+        return part
+    return w[lo:hi]
 
 
 # GGUF's float tensor types: read as fp32 (dtype "file"), or converted to the dtype asked for.
@@ -282,77 +381,184 @@ def _rope_row_order(rows: int, n_heads: int) -> torch.Tensor:
 
 # -- Hugging Face directory ---------------------------------------------------------------
 
+# Config fields that change what a family computes, with the values the workbench implements
+# (a config that sets one otherwise is refused by name, not run as a different model).
+_HF_MUST_BE = {
+    "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,), "mlp_bias": (False, None),
+    "use_bidirectional_attention": (False, None), "pretraining_tp": (1, None), "use_qk_norm": (None,),
+}
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_HF_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def _hf_config(hf: dict, name: str, max_seq_len: int | None) -> ModelConfig:
+    """The ModelConfig a Hugging Face config.json describes; ModelLoadError for a family the
+    workbench does not run or a field it does not implement."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), dict):
+        hf = {**hf["text_config"], "model_type": "gemma3_text"}  # the multimodal checkpoint's text model
+    mtype = hf.get("model_type")
+    spec = by_hf_type(mtype)
+    if spec is None:
+        moe = " (a mixture-of-experts model: not supported yet)" if any(
+            k in hf for k in ("num_local_experts", "num_experts", "n_routed_experts")) else ""
+        raise ModelLoadError(f"{name}: unsupported architecture {archs} (model_type {mtype!r}){moe}; the workbench "
+                             f"runs model_type {_supported_families('hf')}")
+    for key, accepted in _HF_MUST_BE.items():
+        if key in hf and hf[key] not in accepted:
+            raise ModelLoadError(f"{name}: config {key} = {hf[key]!r} is not implemented for {spec.name} "
+                                 f"(the workbench runs {' / '.join(map(repr, accepted))})")
+    if hf.get("attention_bias") and not spec.qkv_bias:  # Llama's and Qwen3's flag biases o_proj too
+        raise ModelLoadError(f"{name}: config attention_bias = True is not implemented for {spec.name} "
+                             f"(biases on q / k / v / o; the workbench runs it without)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if _HF_ACTIVATIONS.get(act) != spec.activation:
+        raise ModelLoadError(f"{name}: config hidden_act {act!r} is not implemented for {spec.name} (the workbench "
+                             f"runs {[k for k, v in _HF_ACTIVATIONS.items() if v == spec.activation]})")
+    n_heads, n_layers, dim = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or dim // n_heads
+    theta, scaling, local_theta, partial = _hf_rope(hf, spec, name)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    layer_types = hf.get("layer_types")
+    if window and spec.windows == "none":  # Qwen2 / Qwen3: windows only where the config turns them on
+        layer_types = layer_types or ["sliding_attention" if i >= hf.get("max_window_layers", n_layers)
+                                      else "full_attention" for i in range(n_layers)]
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    else:
+        windows = layer_windows(spec, n_layers, window, layer_types, hf.get("sliding_window_pattern"))
+    qpas = hf.get("query_pre_attn_scalar")
+    rotary = int(head_dim * partial) if partial is not None else None
+    cfg = ModelConfig(
+        name=name, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads", n_heads),
+        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"], norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=theta, rope_scaling=scaling, max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), head_dim=head_dim,
+        arch=spec.name, attn_scale=qpas ** -0.5 if qpas else None,
+        rotary_dim=rotary if rotary != head_dim else None, windows=windows, rope_local_theta=local_theta)
+    if isinstance(cfg.eos_token_id, list):
+        cfg = replace(cfg, eos_token_id=cfg.eos_token_id[0])
+    return cfg
+
+
+def _hf_rope(hf: dict, spec, name: str) -> tuple[float, dict | None, float | None, float | None]:
+    """(theta, scaling, the local layers' theta, partial rotary factor) from a config: the
+    transformers 5 form ("rope_parameters", per layer type for Gemma 3) or the earlier
+    ("rope_theta", "rope_scaling", "rope_local_base_freq", "partial_rotary_factor")."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # per layer type
+        glob, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        glob, local = dict(params), {}
+    if hf.get("rope_scaling"):
+        glob.update(hf["rope_scaling"])
+    theta = float(glob.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = glob.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    local_theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
+    if local_theta is None and spec.local_rope_theta is not None:
+        local_theta = spec.local_rope_theta
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{name}: rope type {local['rope_type']!r} on the sliding-window layers is not "
+                             f"implemented (the workbench runs default there)")
+    kind = glob.get("rope_type", glob.get("type", "default"))
+    if kind not in _HF_ROPE_TYPES:
+        raise ModelLoadError(f"{name}: rope type {kind!r} is not implemented (the workbench runs "
+                             f"{', '.join(_HF_ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None, local_theta, partial
+    scaling = {k: v for k, v in glob.items() if k != "type"} | {"rope_type": kind}
+    if kind == "longrope":  # Hugging Face sizes the attention factor from these two
+        old = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        if old is None:
+            raise ModelLoadError(f"{name}: a longrope config needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = old
+        scaling.setdefault("factor", hf.get("max_position_embeddings", old) / old)
+    return theta, scaling, local_theta, partial
+
+
 def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: int = 1,
                       max_seq_len: int | None = None, parallel=None):
+    """A Hugging Face folder (config.json, *.safetensors, tokenizer.json) of any family in
+    workbench.model.arch, each matrix read from the files as its layer is built."""
     from safetensors import safe_open
 
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{folder}/config.json is missing or not JSON ({e})") from None
-    archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if hf.get("model_type") not in ("llama", "mistral") and "LlamaForCausalLM" not in archs:
-        raise ModelLoadError(f"{folder}: unsupported architecture {archs}; the workbench runs Llama-family models")
-    n_heads = hf["num_attention_heads"]
-    # transformers 5 writes RoPE as "rope_parameters" (theta and scaling together); earlier
-    # versions as "rope_theta" and "rope_scaling"
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = hf.get("rope_theta", rope.pop("rope_theta", 1e4))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    cfg = ModelConfig(
-        name=folder.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads", n_heads), ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta,
-        rope_scaling=scaling, max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads)
-    if isinstance(cfg.eos_token_id, list):
-        cfg = replace(cfg, eos_token_id=cfg.eos_token_id[0])
+    try:
+        cfg = _hf_config(hf, folder.name, max_seq_len)
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{folder}/config.json lacks or mangles {e}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
     cfg = _trained_layers(cfg, layers, folder)
-    check_memory(cfg, dtype, max_batch, cfg.max_seq_len)
+    spec = cfg.spec
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")
     if not (folder / "tokenizer.json").is_file():
         raise ModelLoadError(f"{folder}: no tokenizer.json")
-    raw: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}  # tensor name -> its file
+    shapes_in_file: dict[str, tuple[int, ...]] = {}
     try:
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    raw[key] = st.get_tensor(key)
+                    where[key] = f
+                    shapes_in_file[key] = tuple(st.get_slice(key).get_shape())
     except Exception as e:
         raise ModelLoadError(f"{folder}: cannot read the safetensors files ({type(e).__name__}: {e})") from None
+    # the text model's tensors: model.* (a causal LM) or under a multimodal checkpoint's prefix
+    prefix = next((p for p in ("model.", "model.language_model.", "language_model.model.")
+                   if p + "embed_tokens.weight" in where), "model.")
+    head_key = "lm_head.weight" if prefix != "language_model.model." else "language_model.lm_head.weight"
+
+    shapes = layer_tensors(spec, cfg)
+    wanted = {prefix + "embed_tokens.weight": (cfg.vocab_size, cfg.dim), prefix + "norm.weight": (cfg.dim,)}
+    if not cfg.tied_embeddings:
+        wanted[head_key] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        wanted.update({f"{prefix}layers.{i}.{spec.hf_name(ours)}": shape for ours, shape in shapes.items()})
+    for key, shape in wanted.items():  # every tensor checked before anything is read
+        if key not in where:
+            raise ModelLoadError(f"{folder}: tensor {key} is missing (a {spec.name} layer needs "
+                                 f"{', '.join(spec.hf_name(n) for n in shapes)})")
+        if shapes_in_file[key] != shape:
+            raise ModelLoadError(f"{folder}: tensor {key} has shape {shapes_in_file[key]}, expected {shape}")
+    first = f"{prefix}layers.0."
+    unread = sorted(k[len(first):] for k in where if k.startswith(first) and k not in wanted
+                    and not k.endswith("rotary_emb.inv_freq"))
+    if unread:
+        raise ModelLoadError(f"{folder}: layer 0 has tensors a {spec.name} layer does not ({', '.join(unread)}); "
+                             f"the workbench would compute a different model without them")
+    # one matrix at a time: read in its file's dtype, then converted
+    largest = max(math.prod(s) for s in wanted.values())
+    check_memory(cfg, dtype, max_batch, cfg.max_seq_len, transient_bytes=3 * 4 * largest)
 
     linear_dtype = weight_format(dtype).source_dtype()
+    offset = spec.norm_offset  # Gemma's RMSNorm weights are applied as (1 + w): added once here
 
-    def get(key: str, shape: tuple[int, ...], linear: bool = True) -> torch.Tensor:
-        if key not in raw:
-            raise ModelLoadError(f"{folder}: tensor {key} is missing")
-        w = raw[key]
-        if tuple(w.shape) != shape:
-            raise ModelLoadError(f"{folder}: tensor {key} has shape {tuple(w.shape)}, expected {shape}")
-        return w.to(linear_dtype if linear else torch.float32).contiguous()
+    def get(key: str, kind: str = "linear") -> torch.Tensor:
+        try:
+            with safe_open(str(where[key]), framework="pt") as st:
+                w = st.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"{folder}: cannot read tensor {key} ({type(e).__name__}: {e})") from None
+        if kind == "linear":
+            return w.to(linear_dtype).contiguous()
+        w = w.to(torch.float32).contiguous()
+        return w + offset if kind == "norm" and offset else w
 
-    hd = cfg.head_dim
-    weights = {"embedding": get("model.embed_tokens.weight", (cfg.vocab_size, cfg.dim)),
-               "final_norm": get("model.norm.weight", (cfg.dim,), False)}
+    weights = {"embedding": functools.partial(get, prefix + "embed_tokens.weight"),
+               "final_norm": get(prefix + "norm.weight", "norm")}
     if not cfg.tied_embeddings:
-        weights["lm_head"] = get("lm_head.weight", (cfg.vocab_size, cfg.dim))
+        weights["lm_head"] = functools.partial(get, head_key)
     for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        weights.update({
-            f"layers.{i}.attn_norm": get(p + "input_layernorm.weight", (cfg.dim,), False),
-            f"layers.{i}.mlp_norm": get(p + "post_attention_layernorm.weight", (cfg.dim,), False),
-            f"layers.{i}.wq": get(p + "self_attn.q_proj.weight", (cfg.n_heads * hd, cfg.dim)),
-            f"layers.{i}.wk": get(p + "self_attn.k_proj.weight", (cfg.n_kv_heads * hd, cfg.dim)),
-            f"layers.{i}.wv": get(p + "self_attn.v_proj.weight", (cfg.n_kv_heads * hd, cfg.dim)),
-            f"layers.{i}.wo": get(p + "self_attn.o_proj.weight", (cfg.dim, cfg.n_heads * hd)),
-            f"layers.{i}.w_gate": get(p + "mlp.gate_proj.weight", (cfg.ffn_dim, cfg.dim)),
-            f"layers.{i}.w_up": get(p + "mlp.up_proj.weight", (cfg.ffn_dim, cfg.dim)),
-            f"layers.{i}.w_down": get(p + "mlp.down_proj.weight", (cfg.dim, cfg.ffn_dim)),
-        })
+        for ours, shape in shapes.items():
+            kind = "norm" if is_norm(ours) else "linear" if len(shape) == 2 else "vector"
+            load = functools.partial(get, f"{prefix}layers.{i}.{spec.hf_name(ours)}", kind)
+            _add_layer_tensor(weights, i, ours, load, cfg)
     tokenizer = Tokenizer.from_directory(folder, cfg.bos_token_id, cfg.eos_token_id)
     return LlamaModel(cfg, weights, dtype, parallel), tokenizer
 

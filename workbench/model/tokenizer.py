@@ -7,7 +7,12 @@ apply_chat_template(messages) when the model ships a template.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
+
+from workbench.cache import cache_dir
 
 
 class Tokenizer:
@@ -43,28 +48,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> Tokenizer:
-        """Byte-level BPE ("gpt2" in GGUF terms) from the metadata of a GGUF file."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as Backend
-
+        """The tokenizer in a GGUF file's metadata: byte-level BPE ("gpt2": Llama 3, Qwen,
+        SmolLM) or SentencePiece BPE ("llama": Llama 2, Gemma, Phi-3)."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2 byte-level BPE)")
+        build = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}.get(kind)
+        if build is None:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2 byte-level BPE, "
+                             f"llama SentencePiece BPE)")
         tokens = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                     fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if fields.get("tokenizer.ggml.pre") == "smollm":
-            # SmolLM's vocabulary was learned with every digit split off on its own.
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
         types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
-        backend.add_special_tokens(specials)
+        backend = build(fields, tokens, types)
         return cls(backend, fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id"),
                    fields.get("tokenizer.chat_template"), bool(fields.get("tokenizer.ggml.add_bos_token", False)))
 
@@ -80,6 +73,99 @@ class Tokenizer:
         if (folder / "tokenizer_config.json").is_file():
             config = json.loads((folder / "tokenizer_config.json").read_text())
         return cls(backend, bos_id, eos_id, config.get("chat_template"), bool(config.get("add_bos_token", False)))
+
+
+# GGUF token types (llama.cpp's llama_token_type)
+_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+
+
+def _byte_level_bpe(fields: dict, tokens: list[str], types: list[int]):
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                 fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if fields.get("tokenizer.ggml.pre") == "smollm":
+        # SmolLM's vocabulary was learned with every digit split off on its own.
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    return backend
+
+
+def _sentencepiece_bpe(fields: dict, tokens: list[str], types: list[int]):
+    """SentencePiece's BPE as llama.cpp runs it: spaces become U+2581, then the adjacent pair
+    whose joined piece scores highest is merged until none is in the vocabulary; characters
+    outside it become their UTF-8 bytes' <0xNN> tokens. The same as BPE whose merges are
+    every split (left, right) of every normal piece, ranked by the joined piece's score.
+    Control tokens (<bos>, <start_of_turn>) and user-defined ones (Gemma's runs of newlines)
+    match whole in the text. Building the merges of a large vocabulary takes seconds, so the
+    result is kept in the workbench cache under a hash of what it is built from."""
+    from tokenizers import Tokenizer as Backend
+
+    scores = fields.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    key = hashlib.sha256(json.dumps([tokens, types, scores, prefix, unk, _SPM_VERSION]).encode()).hexdigest()[:24]
+    path = cache_dir() / "tokenizers" / f"spm-{key}.json"
+    if path.is_file():
+        try:
+            return Backend.from_file(str(path))
+        except Exception:  # a damaged cache entry is rebuilt
+            pass
+    backend = _build_sentencepiece_bpe(tokens, types, scores, prefix, unk)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        backend.save(str(tmp))
+        os.replace(tmp, path)  # whole or not at all: another process may be loading the same model
+    except OSError:
+        pass  # a read-only cache only costs the rebuild next time
+    return backend
+
+
+_SPM_VERSION = 1  # bump when _build_sentencepiece_bpe changes what it builds
+
+
+def _build_sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float], prefix: bool,
+                             unk: int | None):
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t for t, ty in zip(tokens, types) if ty == _NORMAL}
+    ranked = []
+    for token, ty, score in zip(tokens, types, scores):
+        if ty != _NORMAL or len(token) < 2:
+            continue
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))
+                  if token[:i] in mergeable and token[i:] in mergeable]
+        if len(splits) > 1:
+            splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        ranked += [(-score, left, right) for left, right in splits]
+    ranked.sort(key=lambda m: m[0])  # stable: equal scores keep the vocabulary's order
+    backend = Backend(models.BPE(vocab=vocab, merges=[(left, right) for _, left, right in ranked],
+                                 unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
+                                 byte_fallback=True))
+    space = "\u2581"
+    steps = [normalizers.Replace(" ", space)]
+    if prefix:
+        steps.insert(0, normalizers.Prepend(space))
+    backend.normalizer = normalizers.Sequence(steps)
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    return backend
 
 
 class ByteTokenizer:
