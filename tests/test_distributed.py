@@ -100,8 +100,10 @@ def test_plan_splits_heads_ffn_and_vocab_unevenly():
     assert plan(cfg, 0, 3).head_map is None and plan(cfg, 2, 3).q_heads == (6, 9)  # 3 ranks: whole groups
     assert p0.vocab[1] == p1.vocab[0] and p1.vocab[1] == cfg.vocab_size
     assert [split(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
-    with pytest.raises(ValueError, match="at most 3 tensor-parallel ranks"):
-        plan(cfg, 0, 4)
+    # more ranks than KV heads: by query heads, each KV head on at most two ranks
+    assert [plan(cfg, r, 4).kv_heads for r in range(4)] == [(0, 1), (1, 2), (1, 3), (2, 3)]
+    with pytest.raises(ValueError, match="KV head to more than two ranks .* at most 5 tensor-parallel ranks"):
+        plan(cfg, 0, 6)
 
 
 @given(kv_heads=st.integers(1, 12), group=st.integers(1, 8), head_dim=st.sampled_from([32, 64, 128]),

@@ -30,7 +30,8 @@ do not divide (the bundled model's 3 KV heads over 2 ranks: by KV heads 2 + 1, r
 twice rank 1's attention weights; by query heads 5 + 4 of the 9, with KV heads 0-1 and 1-2,
 14 : 12 in units of head_dim x dim), and an even FFN split whatever the attention split
 (leaning it against an uneven attention split would equalize a rank's bytes per layer and
-unbalance the MLP part as well). More ranks than KV heads is refused.
+unbalance the MLP part as well). More ranks than KV heads split by query heads (Gemma 3 270M's
+one KV head on both of two ranks); a KV head held by more than two ranks is refused.
 
 A KV head that two ranks hold is computed once where the collective can hand it over
 one-sided (shm; ShardPlan.kv_handoff, kernels/decode_step.cpp): the later rank computes its k
@@ -129,6 +130,8 @@ def attention_split(cfg: ModelConfig, world: int, rank: int) -> tuple[tuple[int,
 
     if cfg.n_kv_heads % world == 0:
         return by_kv(rank)
+    if world > cfg.n_kv_heads:  # some rank would have no KV head of its own: the query heads decide
+        return by_q(rank)
 
     def busiest(how):  # wq and wo: 2 x hd x dim per query head; wk and wv: the same per KV head
         return max(2 * (q[1] - q[0]) + 2 * (kv[1] - kv[0]) for q, kv, _ in map(how, range(world)))
@@ -139,12 +142,26 @@ def attention_split(cfg: ModelConfig, world: int, rank: int) -> tuple[tuple[int,
 def plan(cfg: ModelConfig, rank: int, world: int, align: int = FFN_ALIGN) -> ShardPlan:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"ranks must be a positive integer, got {world!r}")
-    if world > cfg.n_kv_heads:
-        raise ValueError(f"{cfg.name} has {cfg.n_kv_heads} KV heads, so at most {cfg.n_kv_heads} tensor-parallel "
-                         f"ranks (each keeps at least one KV head with its query heads); got {world}")
+    if world > cfg.n_heads or _most_holders(cfg, world) > 2:
+        most = max(w for w in range(1, cfg.n_heads + 1) if _most_holders(cfg, w) <= 2)
+        raise ValueError(f"{cfg.name} has {cfg.n_heads} query heads and {cfg.n_kv_heads} KV heads: a split over "
+                         f"{world} ranks would give some rank no query head or some KV head to more than two ranks "
+                         f"(the handoff of a shared head is between neighbours); at most {most} tensor-parallel ranks")
     q, kv, q_offset = attention_split(cfg, world, rank)
     return ShardPlan(rank, world, kv, q, ffn_split(cfg, world, rank, align), split(cfg.vocab_size, world, rank),
                      split(cfg.dim, world, rank), q_offset, cfg.n_heads // cfg.n_kv_heads)
+
+
+def _most_holders(cfg: ModelConfig, world: int) -> int:
+    """The most ranks that hold any one KV head under the split over `world` ranks."""
+    if world > cfg.n_heads:
+        return world
+    held = [0] * cfg.n_kv_heads
+    for r in range(world):
+        _, (lo, hi), _ = attention_split(cfg, world, r)
+        for h in range(lo, hi):
+            held[h] += 1
+    return max(held)
 
 
 def shares_kv_head(cfg: ModelConfig, world: int) -> bool:
@@ -167,11 +184,17 @@ def take(p: ShardPlan, head_dim: int, layer: int | None, w: dict[str, torch.Tens
             hidden = head.dequantize()[:, slice(*p.hidden)].contiguous()
         return {"embedding": w["embedding"], "final_norm": w["final_norm"],
                 "lm_head": _rows(head, slice(*p.vocab)), "lm_head_hidden_split": hidden}
-    return {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
-            "wq": _rows(w["wq"], slice(*q)), "wk": _rows(w["wk"], kv), "wv": _rows(w["wv"], kv),
-            "wo": _cols(w["wo"], *q, f"layer {layer}'s wo"),
-            "w_gate": _rows(w["w_gate"], slice(*ffn)), "w_up": _rows(w["w_up"], slice(*ffn)),
-            "w_down": _cols(w["w_down"], *ffn, f"layer {layer}'s w_down")}
+    out = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
+           "wq": _rows(w["wq"], slice(*q)), "wk": _rows(w["wk"], kv), "wv": _rows(w["wv"], kv),
+           "wo": _cols(w["wo"], *q, f"layer {layer}'s wo"),
+           "w_gate": _rows(w["w_gate"], slice(*ffn)), "w_up": _rows(w["w_up"], slice(*ffn)),
+           "w_down": _cols(w["w_down"], *ffn, f"layer {layer}'s w_down")}
+    # what a family adds: q / k / v biases split with their rows; the per-head q / k norms and
+    # the norms after the all-reduced o_proj and down_proj whole on every rank
+    out.update({name: w[name][rows].contiguous() for name, rows in (("bq", slice(*q)), ("bk", kv), ("bv", kv))
+                if name in w})
+    out.update({name: w[name] for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm") if name in w})
+    return out
 
 
 def _rows(w, rows: slice):

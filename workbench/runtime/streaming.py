@@ -21,7 +21,7 @@ class TextStream:
 
     def __call__(self, step: int, ids: list[int]) -> None:
         token = ids[self.index]
-        if token == self.tokenizer.eos_id:
+        if token in self.tokenizer.stop_ids:
             return
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)

@@ -145,7 +145,7 @@ class Scheduler:
                              f"tiles: use kv_kernel 'dot' or 'widen' with prefix_cache_tokens")
         self.switches = Switches(self.switches.attention, self.switches.kv_cache, self.cache.kernel,
                                  self.switches.step)
-        self.eos = model.tokenizer.eos_id
+        self.stops = model.tokenizer.stop_ids
         self.waiting: list[Request] = []
         self.running: dict[int, Request] = {}  # slot -> request
         self._views: dict[int, object] = {}  # n -> the cache's first n rows (kept: each has its fused step)
@@ -282,7 +282,7 @@ class Scheduler:
         r.token_times.append(now)
         if r.first_token_s is None:
             r.first_token_s = now
-        reason = ("eos" if r.stop_at_eos and token == self.eos else
+        reason = ("eos" if r.stop_at_eos and token in self.stops else
                   "length" if len(r.output) >= r.max_new_tokens else None)
         if reason:
             r.state, r.finish_reason, r.finish_s = "done", reason, now

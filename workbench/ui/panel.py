@@ -42,7 +42,7 @@ import ipywidgets as W
 from workbench.model.attention import ATTENTION_BACKENDS
 from workbench.model.config import PRESETS
 from workbench.model.kv_formats import KV_FORMATS, kv_label, parse_kv
-from workbench.model.loaders import BUNDLED_MODEL
+from workbench.model.loaders import BUNDLED_MODEL, BUNDLED_MODELS
 from workbench.ui.plots import LivePlots
 
 RANDOM = " --random"
@@ -78,7 +78,7 @@ class Panel:
         self.model = None
         self.result = None
         self.runs: list[dict] = []  # every measured run, for export
-        names = [BUNDLED_MODEL] + [f"{p}{RANDOM}" for p in PRESETS if p != BUNDLED_MODEL]
+        names = [*BUNDLED_MODELS] + [f"{p}{RANDOM}" for p in PRESETS if p != BUNDLED_MODEL]
         self.model_picker = W.Dropdown(options=names, value=BUNDLED_MODEL, description="model")
         self.layers = W.BoundedIntText(value=2, min=1, max=80, description="layers", layout=W.Layout(width="160px"),
                                        tooltip="random presets: keep this many layers")
