@@ -87,7 +87,8 @@ def main() -> None:
     payload: dict = {"servers": {}}
 
     if "prefix" in only:
-        servers = {"reuse off": ServerProcess(["--model", args.model, "--slots", "4"]).start(),
+        servers = {"reuse off": ServerProcess(["--model", args.model, "--slots", "4",
+                                               "--prefix-cache-tokens", "0"]).start(),
                    "reuse on": ServerProcess(["--model", args.model, "--slots", "4",
                                               "--prefix-cache-tokens", "4096"]).start()}
         try:

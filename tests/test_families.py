@@ -84,6 +84,22 @@ def test_greedy_tokens_match_transformers_through_the_fused_step(family):
     assert ours.llama.fused_decode_blocker(ours.switches, ours.llama.new_cache(1, 256, "fp32")) is None
 
 
+@pytest.mark.parametrize("chunk", [5, 16, 32])
+def test_a_prompt_prefilled_in_chunks_gives_the_whole_prompts_logits(family, chunk):
+    """LlamaModel.extend (the server's chunked prefill) piece by piece: each piece's last
+    logits equal the whole prompt's at that position, chunks shorter and longer than the
+    windows (a ring's older tokens are read before the piece overwrites them)."""
+    name, _, ours, ids, _ = family
+    prompt = ids[:71]
+    whole = ours.logits(prompt)
+    cache = ours.llama.new_cache(1, 128, "fp32")
+    with torch.inference_mode():
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start:start + chunk]
+            logits, _ = ours.llama.extend(torch.tensor(piece), [len(piece)], [0], [start], cache)
+            assert _rel(logits[0], whole[start + len(piece) - 1]) < 1e-5, (name, start)
+
+
 def test_batched_decode_matches_one_sequence_at_a_time(family):
     """Two sequences of different lengths decoded together give each one's own tokens (the
     rings of the windowed layers hold each sequence's own last tokens)."""

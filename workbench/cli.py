@@ -6,7 +6,7 @@
     workbench compare a.json b.json [-o diff.html]            # two reports side by side, noise-aware verdicts
     workbench peers                     # ours vs transformers and llama.cpp, interleaved, same tokens
     workbench profile [--native] -- generate "Hello"          # py-spy over a workbench command
-    workbench serve --port 8000 --slots 8 --prefix-cache-tokens 8192   # OpenAI-compatible server
+    workbench serve --port 8000 --slots 8          # OpenAI-compatible server, prefix reuse on
     workbench serve-bench --url http://127.0.0.1:8000 --rate 1,2,4 --slo-ttft 1s --slo-tpot 100ms
     workbench quantize in.gguf out.gguf --type Q4_K_M            # our quantizer, llama.cpp's mixes
     workbench bench attention|generation|peaks [args...]
@@ -308,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"prompt tokens prefilled per scheduler step, all prompts together (default {DEFAULT_CHUNK})")
     sv.add_argument("--kv-cache", default=None, help="KV cache format (default the model's switch)")
     sv.add_argument("--kv-kernel", default=None, help="how the cache is read (default the format's)")
-    sv.add_argument("--prefix-cache-tokens", type=int, default=0, help="prompt-prefix reuse budget in tokens (0: off)")
+    sv.add_argument("--prefix-cache-tokens", type=int, default=None,
+                    help="prompt-prefix reuse budget in tokens (default: half the memory left after the model and "
+                         "its slots; 0: off)")
     sv.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 429")
     sv.set_defaults(func=cmd_serve)
 

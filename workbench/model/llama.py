@@ -621,8 +621,8 @@ class LlamaModel:
             for b, row in enumerate(rows):
                 s = slice(offsets[b], offsets[b + 1])
                 qb, kb, vb = (t[s].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, n, D]
-                if ring:  # the ring's older tokens first (the new ones may overwrite them), then the piece's own
-                    old_k, old_v = cache.dequantized(i, row, starts[b])
+                if ring:  # the ring's older tokens first (copies: the new ones may overwrite them), then the piece's own
+                    old_k, old_v = (t.clone() for t in cache.dequantized(i, row, starts[b]))
                     cache.append(i, kb, vb, at[b], rows=slice(row, row + 1))
                     keys, values = torch.cat([old_k, kb[0].float()], dim=1), torch.cat([old_v, vb[0].float()], dim=1)
                 else:

@@ -40,14 +40,17 @@ def read_metrics(url: str) -> dict[str, float]:
     return metric_counters(r.text)
 
 
-def server_args(model, *, slots: int = 8, chunk: int = DEFAULT_CHUNK, prefix_cache_tokens: int = 0, max_queue: int = 256,
+def server_args(model, *, slots: int = 8, chunk: int = DEFAULT_CHUNK, prefix_cache_tokens: int | None = None,
+                max_queue: int = 256,
                 max_len: int | None = None) -> list[str]:
     """`workbench serve` options that load `model` again as load_model() loaded it (its
     load_args), with its weights' dtype and KV cache switch, and the scheduler's settings."""
     load = model.load_args
     options = ["--model", str(load.get("name_or_path") or "smollm2-135m"), "--dtype", load.get("dtype") or model.weight_dtype,
                "--kv-cache", model.kv_cache, "--slots", str(slots), "--chunk", str(chunk),
-               "--prefix-cache-tokens", str(prefix_cache_tokens), "--max-queue", str(max_queue)]
+               "--max-queue", str(max_queue)]
+    if prefix_cache_tokens is not None:  # else the server's default: reuse on, its budget from memory
+        options += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
     if model.kv_kernel:
         options += ["--kv-kernel", model.kv_kernel]
     if load.get("random"):

@@ -97,7 +97,9 @@ class Request:
 
 @dataclass
 class PrefixBlock:
-    keys: list[torch.Tensor]  # per layer: K of the block's tokens, as the cache stores them
+    # per layer: K of the block's tokens as the cache stores them (None: a ring layer whose
+    # ring no longer held the block when its prompt ended)
+    keys: list[torch.Tensor | None]
     values: list[torch.Tensor]
     key_scales: list[torch.Tensor | None]
     value_scales: list[torch.Tensor | None]
@@ -119,11 +121,14 @@ class Scheduler:
     workbench Model). slots: sequences decoded together at most; max_len: tokens per
     sequence (prompt and output); chunk: prompt tokens prefilled per step; kv_cache /
     kv_kernel: the cache's format (any of KV_FORMATS whose kernel keeps token rows);
-    prefix_cache_tokens: the prefix cache's budget in tokens (0: no reuse); block: tokens per
-    kept block; max_queue: waiting requests at most (submit raises QueueFull beyond)."""
+    prefix_cache_tokens: the prefix cache's budget in tokens (0: no reuse; None, the default:
+    half the memory available once the model and its slots' cache are in place, in tokens of
+    K / V, as vLLM and llama.cpp's server reuse prefixes by default; off where the cache's
+    layout cannot give token rows, and `prefix_note` says so); block: tokens per kept block;
+    max_queue: waiting requests at most (submit raises QueueFull beyond)."""
 
     def __init__(self, model, *, slots: int = 8, max_len: int | None = None, chunk: int = DEFAULT_CHUNK,
-                 kv_cache: str | None = None, kv_kernel: str | None = None, prefix_cache_tokens: int = 0,
+                 kv_cache: str | None = None, kv_kernel: str | None = None, prefix_cache_tokens: int | None = None,
                  block: int = 16, max_queue: int = 256):
         self.model, self.llama = model, model.llama
         self.slots = _positive("slots", slots)
@@ -134,9 +139,22 @@ class Scheduler:
         self.chunk = _positive("chunk", chunk)
         self.block = _positive("block", block)
         self.max_queue = _positive("max_queue", max_queue)
-        self.prefix_budget = _positive("prefix_cache_tokens", prefix_cache_tokens, 0)
+        auto = prefix_cache_tokens is None
+        self.prefix_budget = 0 if auto else _positive("prefix_cache_tokens", prefix_cache_tokens, 0)
         self.switches = model.switches.overridden(kv_cache=kv_cache, kv_kernel=kv_kernel)
         self.cache = self.llama.new_cache(self.slots, self.max_len, self.switches.kv_cache, self.switches.kv_kernel)
+        self.prefix_note = "" if auto else (f"prefix reuse: {self.prefix_budget} tokens" if self.prefix_budget
+                                            else "prefix reuse off")
+        if auto:
+            self.prefix_budget, self.prefix_note = self._auto_prefix_budget()
+        # With prefix reuse and sliding windows, a request's prefill pieces are at most the
+        # shortest ring less a block: every block is then whole in the rings at the end of some
+        # piece, when it is kept (a longer piece overwrites a ring's first blocks within itself).
+        rings = [r for r in self.cache.rings if r]
+        self.piece_limit = min(rings) - self.block if self.prefix_budget and rings else self.chunk
+        if self.piece_limit < 1:
+            raise ValueError(f"block ({self.block}) must be shorter than the shortest sliding window ({min(rings)}) "
+                             f"for prefix reuse")
         if self.prefix_budget and self.cache.kernel is None:
             raise ValueError(f"prefix reuse copies blocks of token rows; kv_cache {self.switches.kv_cache!r} is a "
                              f"reference format quantized across tokens: use a kernel format with prefix_cache_tokens")
@@ -156,6 +174,23 @@ class Scheduler:
         # Called with a request the moment it gets a token (a server streams it from there):
         # a prompt's first token goes out when its prefill ends, not after the step's decode.
         self.on_token: Callable[[Request], None] | None = None
+
+    def _auto_prefix_budget(self) -> tuple[int, str]:
+        """(budget, what it is): half the memory available now, in tokens of every layer's K and
+        V; 0 where the cache's layout cannot hand back token rows."""
+        from workbench.model.kv_formats import kv_format
+        from workbench.model.loaders import available_memory_bytes
+
+        if self.cache.kernel is None or self.cache.tiled:
+            why = (f"kv_cache {self.switches.kv_cache!r} is quantized across tokens" if self.cache.kernel is None
+                   else f"kv_kernel {self.cache.kernel!r} keeps K / V in tiles (use 'dot' or 'widen' to reuse)")
+            return 0, f"prefix reuse off: {why}"
+        cfg = self.model.config
+        per_token = kv_format(self.switches.kv_cache).cache_bytes(cfg.n_layers, self.cache.kv_heads, cfg.head_dim, 1, 1)
+        free = available_memory_bytes()
+        budget = max(0, int(free // 2 // per_token) // self.block * self.block)
+        return budget, (f"prefix reuse: up to {budget} tokens ({budget * per_token / 2**30:.1f} GiB, half of the "
+                        f"{free / 2**30:.1f} GiB available)")
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True,
@@ -215,7 +250,7 @@ class Scheduler:
             for r in sorted((r for r in self.running.values() if r.state == "prefill"), key=lambda r: r.arrival_s):
                 if budget == 0:
                     break
-                pieces.append((r, r.prompt[r.filled:r.filled + budget]))
+                pieces.append((r, r.prompt[r.filled:r.filled + min(budget, self.piece_limit)]))
                 budget -= len(pieces[-1][1])
             if pieces:
                 self._prefill(pieces, finished)
@@ -247,9 +282,9 @@ class Scheduler:
         self.stats["prefilled_tokens"] += len(tokens)
         for b, (r, piece) in enumerate(pieces):
             r.filled += len(piece)
+            self._keep_prefix(r)  # the blocks this piece completed, while the rings still hold them
             if r.filled == len(r.prompt):
                 self.cache.lengths[r.slot] = r.filled
-                self._keep_prefix(r)
                 r.state = "decode"
                 self._emit(r, r.pick(logits[b]), finished)
 
@@ -299,6 +334,25 @@ class Scheduler:
             keys.append(h.copy().digest())
         return keys
 
+    def _slots(self, layer: int, lo: int, hi: int):
+        """Where positions lo..hi-1 sit in layer's cache row: a slice, or a ring's slots."""
+        ring = self.cache.rings[layer]
+        return torch.arange(lo, hi) % ring if ring else slice(lo, hi)
+
+    def _reusable(self, blocks: list[PrefixBlock]) -> int:
+        """How many of the matched blocks can be reused: every layer must get back what it
+        would hold after prefilling them (a ring layer only its last `window` tokens, whose
+        blocks it kept only if they were still in its ring when their prompt ended)."""
+        m = len(blocks)
+        while m:
+            ok = all(blocks[j].keys[i] is not None
+                     for i, ring in enumerate(self.cache.rings) if ring
+                     for j in range(max(0, m * self.block - ring) // self.block, m))
+            if ok:
+                return m
+            m -= 1
+        return 0
+
     def _reuse_prefix(self, r: Request) -> int:
         """Copy the longest kept prefix of r's prompt into its row; the tokens reused (at least
         one prompt token is always left to prefill, for the first output's logits)."""
@@ -306,38 +360,56 @@ class Scheduler:
             return 0
         r.block_keys = self._block_keys(r.prompt, len(r.prompt) // self.block)  # kept again after its prefill
         usable = (len(r.prompt) - 1) // self.block
-        matched = 0
+        blocks = []
         for key in r.block_keys[:usable]:
             if key not in self._prefix:
                 break
             self._prefix.move_to_end(key)
-            block = self._prefix[key]
-            lo, hi = matched * self.block, (matched + 1) * self.block
-            c = self.cache
-            for i in range(len(c.k)):
-                c.k[i][r.slot, :, lo:hi] = block.keys[i]
-                c.v[i][r.slot, :, lo:hi] = block.values[i]
+            blocks.append(self._prefix[key])
+        matched = self._reusable(blocks)
+        c = self.cache
+        for i, ring in enumerate(c.rings):
+            first = max(0, matched * self.block - ring) // self.block if ring else 0
+            for j in range(first, matched):  # in position order: a ring's newest token wins its slot
+                block, slots = blocks[j], self._slots(i, j * self.block, (j + 1) * self.block)
+                c.k[i][r.slot, :, slots] = block.keys[i]
+                c.v[i][r.slot, :, slots] = block.values[i]
                 if c.k_scale[i] is not None:
-                    c.k_scale[i][r.slot, :, lo:hi] = block.key_scales[i]
-                    c.v_scale[i][r.slot, :, lo:hi] = block.value_scales[i]
-            self.stats["reused_bytes"] += block.nbytes
-            matched += 1
+                    c.k_scale[i][r.slot, :, slots] = block.key_scales[i]
+                    c.v_scale[i][r.slot, :, slots] = block.value_scales[i]
+                self.stats["reused_bytes"] += sum(t[i].nbytes for t in (block.keys, block.values, block.key_scales,
+                                                                         block.value_scales) if t[i] is not None)
         self.stats["reused_tokens"] += matched * self.block
         return matched * self.block
 
     def _keep_prefix(self, r: Request) -> None:
+        """Keep the K / V of r's prompt blocks filled so far (a ring layer's where its ring still
+        holds them: its last `window` tokens). Called after each prefill piece, which
+        piece_limit keeps short enough that every block is whole in the rings after some piece."""
         if not self.prefix_budget:
             return
-        c = self.cache
-        for b, key in enumerate(r.block_keys):
-            if key in self._prefix:
-                self._prefix.move_to_end(key)
-                continue
+        c, n = self.cache, r.filled
+
+        def take(planes, i, lo, hi):
+            ring = c.rings[i]
+            if planes[i] is None or (ring and lo < n - ring):
+                return None
+            return planes[i][r.slot, :, self._slots(i, lo, hi)].clone()
+
+        for b, key in enumerate(r.block_keys[:n // self.block]):
             lo, hi = b * self.block, (b + 1) * self.block
-            self._prefix[key] = PrefixBlock(
-                [k[r.slot, :, lo:hi].clone() for k in c.k], [v[r.slot, :, lo:hi].clone() for v in c.v],
-                [None if s is None else s[r.slot, :, lo:hi].clone() for s in c.k_scale],
-                [None if s is None else s[r.slot, :, lo:hi].clone() for s in c.v_scale])
+            kept = self._prefix.get(key)
+            if kept is not None:
+                self._prefix.move_to_end(key)
+                for i in range(len(c.k)):  # a ring layer's part this prompt still holds, if missing
+                    if kept.keys[i] is None and take(c.k, i, lo, hi) is not None:
+                        kept.keys[i], kept.values[i] = take(c.k, i, lo, hi), take(c.v, i, lo, hi)
+                        kept.key_scales[i], kept.value_scales[i] = take(c.k_scale, i, lo, hi), take(c.v_scale, i, lo, hi)
+                continue
+            layers = range(len(c.k))
+            self._prefix[key] = PrefixBlock([take(c.k, i, lo, hi) for i in layers], [take(c.v, i, lo, hi) for i in layers],
+                                            [take(c.k_scale, i, lo, hi) for i in layers],
+                                            [take(c.v_scale, i, lo, hi) for i in layers])
             while len(self._prefix) * self.block > self.prefix_budget:
                 self._prefix.popitem(last=False)  # least recently used
 

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over the scheduler (`workbench serve`).
 
-    workbench serve --model smollm2-135m --port 8000 --slots 8 --prefix-cache-tokens 8192
+    workbench serve --model smollm2-135m --port 8000 --slots 8    # prefix reuse on (--prefix-cache-tokens 0: off)
     curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
 
 Endpoints: POST /v1/completions and /v1/chat/completions (with "stream": true, server-sent
@@ -400,7 +400,7 @@ def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, 
     thread = threading.Thread(target=http.run, name="workbench-http", daemon=True)
     thread.start()
     print(f"workbench serve: {model_name} on http://{host}:{port} (slots {engine.scheduler.slots}, max_len "
-          f"{engine.scheduler.max_len}, prefix cache {engine.scheduler.prefix_budget} tokens)", flush=True)
+          f"{engine.scheduler.max_len}; {engine.scheduler.prefix_note})", flush=True)
     try:
         engine.run(alive=thread.is_alive)
     finally:
