@@ -16,6 +16,7 @@ median (min-max) over --rounds rounds after one warm-up round.
 
     python bench/gguf_formats.py [--preset llama2-7b] [--layers 8] [--kinds Q4_K_M,Q4_0]
                                  [--rounds 3] [--new-tokens 48] [--prompt-len 512] [--batch 16]
+    python bench/gguf_formats.py --model gemma3-270m      # a real file: a bundled model or a path
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> int:
     parser.add_argument("--preset", default="llama2-7b")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kinds", default="Q4_K_M,Q4_0", help="llama.cpp file types, comma-separated")
+    parser.add_argument("--model", default=None, help="a real GGUF file instead of the shaped ones: a bundled "
+                                                      "model's name (gemma3-270m) or a path")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -63,8 +66,17 @@ def main() -> int:
     short = list(range(100, 116))
     long_prompt = [100 + (i * 37) % 20000 for i in range(args.prompt_len)]
     rows, table = [], []
-    for kind in args.kinds.split(","):
-        path = shaped_gguf(args.preset, args.layers, kind)
+    if args.model:
+        from workbench.model.loaders import BUNDLED_MODELS, bundled_gguf_path
+
+        path = bundled_gguf_path(args.model) if args.model in BUNDLED_MODELS else Path(args.model)
+        files = [(args.model, path)]
+        title = f"{args.model} ({path.name}), {args.threads} threads"
+    else:
+        files = [(kind, None) for kind in args.kinds.split(",")]
+        title = f"{args.preset} shapes, {args.layers} layers, {args.threads} threads"
+    for kind, path in files:
+        path = path or shaped_gguf(args.preset, args.layers, kind)
         size = path.stat().st_size
         engines = {
             "workbench": Engine("workbench", {"engine": "workbench", "model": str(path), "dtype": "file",
@@ -115,8 +127,7 @@ def main() -> int:
                           "TTFT llama.cpp/ours": ratio_text(row["prefill_ratio"]) if "prefill_ratio" in row else "",
                           f"batch {args.batch} tok/s": _spread(row["batch_tok_s"]) if row["batch_tok_s"] else "-",
                           "batch ours/llama.cpp": ratio_text(row["batch_ratio"]) if row.get("batch_ratio") else ""})
-    print_table(table, list(table[0]), title=f"{args.preset} shapes, {args.layers} layers, {args.threads} threads: "
-                                             f"the same files in both engines (triad {triad:.1f} GB/s)")
+    print_table(table, list(table[0]), title=f"{title}: the same files in both engines (triad {triad:.1f} GB/s)")
     write_results("gguf_formats", {"rows": rows, "triad_gbps": triad}, args.out)
     return 0
 
