@@ -15,6 +15,7 @@ import html
 import json
 from pathlib import Path
 
+from workbench.analysis.axes import decade_axis
 from workbench.analysis.tp_savings import savings_table, switch_savings
 from workbench.model.kv_formats import kv_label
 from workbench.report.collect import build
@@ -59,8 +60,8 @@ def _roofline_spec(report: dict) -> dict | None:
              "text": [p[0] for p in points], "mode": "markers", "marker": {"size": 9},
              "hovertemplate": "%{text}<br>%{x:.3g} FLOPs per byte, %{y:.3g} GFLOP/s<extra></extra>"}]
     return {"data": data, "layout": {"title": {"text": "Roofline: every decode measurement against the measured peaks"},
-                                     "height": 420, "xaxis": {"type": "log", "title": {"text": "FLOPs per byte read"}},
-                                     "yaxis": {"type": "log", "title": {"text": "GFLOP/s"}}}}
+                                     "height": 420, "xaxis": decade_axis("FLOPs per byte read", xs),
+                                     "yaxis": decade_axis("GFLOP/s", [*roof, *(p[2] for p in points)])}}
 
 
 def _spread_bars(name: str, x: list[str], rows: list[dict], key: str, axis: str, color: str, legend: bool) -> dict:
@@ -303,10 +304,13 @@ def html_page(report: dict) -> str:
 """
 
 
-def write(path="results/report.html", title: str = "Workbench report", entries: list[dict] | None = None) -> dict:
-    """Write the report (default: this session's measurements) as HTML at `path` and JSON beside
-    it; returns {"html": Path, "json": Path, "entries": n}."""
-    path = Path(path)
+def write(path=None, title: str = "Workbench report", entries: list[dict] | None = None) -> dict:
+    """Write the report (default: this session's measurements) as HTML at `path` (default
+    report.html in workbench.cache.results_dir()) and JSON beside it; returns {"html": Path,
+    "json": Path, "entries": n}, the paths absolute."""
+    from workbench.cache import results_dir
+
+    path = (results_dir() / "report.html" if path is None else Path(path).expanduser()).resolve()
     if path.suffix != ".html":
         raise ValueError(f"the report path must end in .html (the JSON is written beside it), got {str(path)!r}")
     report = build(entries, title)
