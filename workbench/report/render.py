@@ -18,7 +18,8 @@ from pathlib import Path
 from workbench.analysis.axes import decade_axis
 from workbench.analysis.tp_savings import savings_table, switch_savings
 from workbench.model.kv_formats import kv_label
-from workbench.report.collect import build
+from workbench.hw.load import load_said
+from workbench.report.collect import build, report_load
 # The report package's own helpers: labels and numbers, and the findings in words.
 from workbench.report.findings import (DECODE, DIMENSIONS, PREFILL, Dimension, _config, _findings, _is_grid, _matched,
                                        _repeats_said, _setting, _tp_name, _varied)
@@ -293,6 +294,8 @@ def html_page(report: dict) -> str:
 <p class='meta'>{len(report['entries'])} measurement(s) on {html.escape(str(cpu))} with
 {report['machine'].get('threads_used', '?')} thread(s); created {html.escape(report['created'])}; peak resident memory
 {report['peak_rss_bytes'] / 2**20:.0f} MiB; schema version {report['schema_version']}</p>
+<p class='meta'>Measured in {html.escape(str(report['software'].get('frontend', 'an unrecorded frontend')))};
+the busiest the machine was at a measurement: {html.escape(load_said(report_load(report)))}</p>
 {_findings(report)}
 {roof_div}
 <h2>Measurements</h2>{sections}
