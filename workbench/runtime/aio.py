@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Coroutine
+
+WAKE_S = 0.2  # how soon the waiting thread sees an interrupt
 
 
 def run_coroutine(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -39,7 +42,13 @@ def run_coroutine(coro: Coroutine[Any, Any, Any]) -> Any:
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-coroutine") as pool:
         future = pool.submit(asyncio.run, main())
         try:
-            return future.result()
+            while True:
+                try:
+                    # A timed wait, again and again: a signal another thread received (SIGINT goes
+                    # to any thread of the process) runs its handler here only once this wakes.
+                    return future.result(timeout=WAKE_S)
+                except FutureTimeout:
+                    continue
         except KeyboardInterrupt:
             started.wait()
             try:
