@@ -124,6 +124,7 @@ def require_browser() -> None:
 # environment: `pytest tests -m "not slow"` is the quick loop while working (README's test
 # command and CI run everything).
 SLOW_MODULES = {"test_distributed", "test_distributed_lifecycle", "test_distributed_netns", "test_notebooks", "test_browser", "test_install",
+                "test_magics_in_a_kernel",
                 "test_peers", "test_profile"}
 
 

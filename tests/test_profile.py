@@ -34,7 +34,7 @@ print("FRAMES", json.dumps(frames))
 %report -o report.html
 """, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "hottest frames by self time" in r.stdout and "speedscope JSON: prof.json" in r.stdout
+    assert "hottest frames by self time" in r.stdout and f"speedscope JSON: {tmp_path / 'prof.json'}" in r.stdout
     frames = json.loads(r.stdout.split("FRAMES ", 1)[1].splitlines()[0])
     data = json.loads((tmp_path / "prof.json").read_text())
     names = {f["name"] for f in data["shared"]["frames"]}
