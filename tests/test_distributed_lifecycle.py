@@ -66,12 +66,19 @@ def test_a_killed_engine_is_a_clear_error_and_nothing_is_left(single):
     Cluster(2, backend="gloo").start().stop()  # and a new cluster can start
 
 
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root` in the process tree."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(root).children(recursive=True)]
+
+
 def test_a_clean_stop_leaves_no_process_even_with_a_hung_nanny():
-    """Cluster.stop() waits for every process of the cluster, the engines' nannies too
-    (ipyparallel starts one beside each engine, in its own session). One was found still
-    running after a CI run, hung in zmq's Context.term after its engine had exited; here a
-    nanny stopped with SIGSTOP is the hung one, and stop() must leave it gone."""
-    from workbench.distributed.cluster import _descendants
+    """Cluster.stop() returns with every process of the cluster gone, the engines' nannies too
+    (ipyparallel starts one beside each engine, in its own session; the watchdog ends what
+    the polite stop left). One was found still running after a CI run, hung in zmq's
+    Context.term after its engine had exited; here a nanny stopped with SIGSTOP is the hung
+    one, and stop() must leave it gone."""
     from workbench.distributed.watchdog import cmdline as _cmdline
 
     cluster = Cluster(2, backend="shm").start()
@@ -297,8 +304,11 @@ def test_mpi_launcher_with_the_ccl_extras_mpiexec(single):
 
 CLIENT = """
 import json, os, sys, time
-from workbench.distributed.cluster import Cluster, _descendants
+from workbench.distributed.cluster import Cluster
 from workbench.distributed.watchdog import cmdline as _cmdline
+import psutil
+def _descendants(root):
+    return [p.pid for p in psutil.Process(root).children(recursive=True)]
 cluster = Cluster(2, backend="shm").start()
 cluster.load_model("smollm2-135m")
 procs = [p for p in _descendants(os.getpid()) if "watchdog" not in _cmdline(p)]
@@ -315,7 +325,7 @@ def test_a_killed_client_leaves_no_process_segment_or_connection_file(tmp_path):
     kernel): its cluster stops on its own, leaving no process, shared-memory segment or
     ipyparallel connection file; a new cluster then starts and stops cleanly. How soon is not
     asserted (a loaded machine is slower): the wait below only keeps a hang from blocking the
-    suite. The watchdog (workbench.distributed.watchdog) polls the client's pid every POLL_S."""
+    suite. The watchdog (workbench.distributed.watchdog) sees the client's pipe close."""
     import json
     import subprocess
     import sys

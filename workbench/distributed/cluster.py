@@ -77,24 +77,6 @@ def _on_this_host(engine: dict) -> bool:
     return engine.get("host") == socket.gethostname()
 
 
-def _descendants(root: int) -> list[int]:
-    """Every live process below `root` in the process tree (from /proc)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().split(")")[-1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, ppid in parent.items() if ppid in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def mpi_defaults(iface: str | None) -> dict:
     """The MPI launcher on one host with the mpiexec of the ccl extra's impi-rt wheel (Intel
     MPI's hydra): processes forked locally, talking over `iface`. For several hosts, pass

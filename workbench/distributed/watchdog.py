@@ -66,16 +66,6 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def start_time(pid: int) -> int | None:
-    """When the process started (clock ticks after boot, /proc/PID/stat field 22), None if it
-    is gone: with its pid, what tells a process from a later one given the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().split(")")[-1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class ExitWatch:
     """Sleeps that end early when one of `pids` exits: wait(seconds) returns True then. On
     pidfds (Linux 5.3 and later), so a waiting client reads nothing in /proc and wakes the
