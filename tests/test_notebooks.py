@@ -39,8 +39,10 @@ def _git(repo: Path, *args) -> str:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    """A repository as a newcomer's clone has it: the notebooks committed through the filter
-    that scripts/bootstrap registers (its very command), .gitattributes and .gitignore."""
+    """A repository as a newcomer's clone has it after scripts/bootstrap: the notebooks
+    committed through the git filter, and a Jupyter configuration, both set up by the script
+    bootstrap runs (scripts/setup-notebook-git, here for an environment prefix of the test's
+    own: clone/env)."""
     repo = tmp_path_factory.mktemp("clone")
     _git(repo, "init", "-q")
     _git(repo, "config", "user.email", "t@example.invalid")
@@ -49,28 +51,22 @@ def clone(tmp_path_factory) -> Path:
         shutil.copy(ROOT / name, repo)
     shutil.copytree(ROOT / "scripts", repo / "scripts")
     shutil.copytree(NOTEBOOKS, repo / "notebooks")
-    bootstrap = (ROOT / "scripts" / "bootstrap").read_text()
-    command = bootstrap.split('git config filter.strip-notebook-outputs.clean "', 1)[1].split('"', 1)[0]
-    _git(repo, "config", "filter.strip-notebook-outputs.clean", command)
+    (repo / ".git" / "info" / "exclude").write_text("env/\n")  # the environment is not the project's
+    subprocess.run(["bash", str(repo / "scripts" / "setup-notebook-git"), str(repo / "env")], check=True)
     _git(repo, "add", ".")
     _git(repo, "commit", "-qm", "the notebooks as stored")
     return repo
 
 
 def save_as_jupyterlab(repo: Path, nb, path: str) -> None:
-    """Save a notebook through jupyter_server's contents manager with the server's own
-    configuration (this environment's, which scripts/bootstrap writes): what JupyterLab's Save
-    and autosave do, post-save hook included."""
-    import warnings
-
-    from jupyter_server.serverapp import ServerApp
+    """Save a notebook through jupyter_server's contents manager with the configuration the
+    clone's environment has (what its JupyterLab server loads from <prefix>/etc/jupyter):
+    what JupyterLab's Save and autosave do, post-save hook included."""
     from jupyter_server.services.contents.filemanager import FileContentsManager
+    from traitlets.config.loader import PyFileConfigLoader
 
-    app = ServerApp()
-    app.load_config_file()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # traitlets: "Overriding existing post_save_hook" (the same one)
-        manager = FileContentsManager(config=app.config, root_dir=str(repo))
+    config = PyFileConfigLoader("jupyter_server_config.py", path=str(repo / "env" / "etc" / "jupyter")).load_config()
+    manager = FileContentsManager(config=config, root_dir=str(repo))
     assert manager.post_save_hook is not None, "no post-save hook configured: run scripts/bootstrap"
     manager.save({"type": "notebook", "format": "json", "content": nb}, path)
 
