@@ -413,3 +413,31 @@ def test_the_fused_step_books_the_thread_wake_up_apart(model):
         assert s.wake_s > 0 and s.head_s >= s.wake_s and layers <= s.total_s - s.head_s + 1e-9
     ref = model.generate("Hello there", max_new_tokens=3, stop_at_eos=False, step="reference")
     assert all(s.wake_s > 0 and s.head_s >= s.wake_s for s in ref.timings.decode_steps)  # the same there
+
+
+def test_the_text_stream_flushes_per_token_only_where_nothing_else_sends(model):
+    """%generate's stream: a terminal or a pipe gets each token now (a flush per token); a
+    Jupyter kernel's stream (ipykernel's OutStream, which sends on its own clock every
+    flush_interval) is not flushed per token: there a flush blocked the generating thread
+    until the kernel's IO thread had sent it, and gave the browser a message per token to
+    draw (0.74x of ipython's tokens/s in JupyterLab, bench/notebooks.py --generate-speed)."""
+    import io
+
+    from workbench.runtime.streaming import TextStream
+
+    class Counting(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            self.flushes += 1
+
+    class KernelStream(Counting):
+        flush_interval = 0.2  # what ipykernel's OutStream has
+
+    ids = model.tokenizer.encode(" Paris is the capital of France")
+    for stream, per_token in ((Counting(), True), (KernelStream(), False)):
+        on_token = TextStream(model.tokenizer, out=stream)
+        for step, token in enumerate(ids):
+            on_token(step, [token])
+        assert stream.getvalue() == model.tokenizer.decode(ids)
+        assert stream.flushes == (len(ids) if per_token else 0)

@@ -73,6 +73,10 @@ class _Recorder:
         if duration:
             cmd += ["--duration", str(max(1, int(round(duration))))]
         self.out, self.pid = out, pid
+        # An earlier profile's file at the same path (the default one is shared) must not pass
+        # for this one's when py-spy writes none: stop() takes a missing file as its failure.
+        if out.is_file():
+            out.unlink()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._started = threading.Event()
@@ -240,6 +244,8 @@ def profile_command(cmd: list[str], native: bool = False, rate: int = 250,
     """py-spy running a command from its start (`workbench profile`)."""
     out = _out_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_file():
+        out.unlink()  # as _Recorder: only this run's file may be read below
     args = [*py_spy_command(), "record", "--rate", str(rate), "--format", "speedscope", "--output", str(out),
             *(["--native"] if native else []), "--", *cmd]
     proc = subprocess.run(args)

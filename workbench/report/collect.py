@@ -245,12 +245,12 @@ def machine() -> dict:
 
 
 def frontend() -> str:
-    """What ran the measurements: a Jupyter kernel (a notebook), an IPython terminal, or plain
-    Python (a script, the CLI)."""
+    """What ran the measurements: a Jupyter kernel (a notebook), an IPython terminal, another
+    IPython shell, or plain Python (a script, the CLI)."""
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
     kind = type(shell).__name__ if shell is not None else None
-    return {"ZMQInteractiveShell": "Jupyter kernel (ipykernel)", "TerminalInteractiveShell": "IPython terminal",
-            None: "Python"}.get(kind, f"IPython ({kind})")
+    return {"ZMQInteractiveShell": "a Jupyter kernel (ipykernel)", "TerminalInteractiveShell": "an IPython terminal",
+            None: "plain Python"}.get(kind, f"an IPython shell ({kind})")
 
 
 def software() -> dict:

@@ -157,7 +157,7 @@ def load_warnings(a: dict, b: dict) -> list[str]:
                             f"below measure that too")
     fa, fb = ((r.get("software") or {}).get("frontend") for r in (a, b))
     if fa and fb and fa != fb:
-        warnings.append(f"A ran in a {fa}, B in a {fb}")
+        warnings.append(f"A ran in {fa}, B in {fb}")
     return warnings
 
 
