@@ -10,7 +10,8 @@ which autosaves its outputs, never shows up as a change to commit.
 The filter alone leaves `git status` listing a run notebook: git keeps each file's size in
 its index and, when the size on disk differs, calls the file modified without running the
 filter (`git diff` does run it, finds nothing, and leaves the index as it was). post_save
-is JupyterLab's answer: scripts/bootstrap installs it as the server's post-save hook
+is JupyterLab's answer: scripts/setup-notebook-git (which scripts/bootstrap runs) installs
+it as the environment's JupyterLab server's post-save hook
 (.venv/etc/jupyter/jupyter_server_config.py), and after every save of a tracked notebook
 whose filtered content git finds unchanged it `git add`s it, which stores the same content
 and the new size. A notebook whose code changed is left alone. Without JupyterLab (another

@@ -253,8 +253,9 @@ def figure_data(figure) -> dict:
     """A figure (plotly JSON, or a go.Figure) as a MIME bundle: plotly's own type, drawn by
     JupyterLab's plotly renderer, and its title as text where nothing draws it (a terminal)."""
     spec = json.loads(figure.to_json()) if isinstance(figure, go.Figure) else figure
-    title = (spec.get("layout", {}).get("title") or {}).get("text") or "figure"
-    return {PLOTLY_MIME: spec, "text/plain": f"<{title}>"}
+    title = spec.get("layout", {}).get("title")
+    title = title.get("text") if isinstance(title, dict) else title  # plotly takes either form
+    return {PLOTLY_MIME: spec, "text/plain": f"<{title or 'figure'}>"}
 
 
 def figure_output(figure) -> dict:
