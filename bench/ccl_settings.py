@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import print_table, write_results  # noqa: E402
+from workbench.distributed.watchdog import rank_shm_files  # noqa: E402
 
 # Each is added to the workbench's environment; "workbench" is that environment alone.
 SETTINGS = {
@@ -94,6 +95,10 @@ def one_round(extra: dict, floats: list[int], calls: int) -> list[float] | str:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            # A rank that oneCCL aborts (a refused setting ends in SIGABRT) or that is killed leaves
+            # libfabric's shared-memory region, /dev/shm/<pid>:0:0 (64 MiB of RAM each): its own.
+            for path in rank_shm_files(p.pid for p in procs):
+                path.unlink(missing_ok=True)
     if procs[0].returncode != 0 or procs[1].returncode != 0:
         errors = [line for _, err in outs for line in err.splitlines() if "ERROR" in line or "Error" in line]
         return (errors or ["exit codes " + str([p.returncode for p in procs])])[0][-160:]

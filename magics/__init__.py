@@ -26,7 +26,8 @@ from workbench.model.kv_formats import KERNEL_FORMATS, KV_FORMATS, KV_KERNELS, k
 from workbench.distributed.cluster import LAUNCHERS
 from workbench.distributed.backends import BACKENDS
 from workbench.distributed.tp import LM_HEAD, TOKEN_BROADCAST
-from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, chat_prompt, generate_kwargs, magic_options, parse_duration
+from workbench.options import (GENERATE_OPTIONS, LOAD_OPTIONS, SERVE_BENCH_OPTIONS, chat_prompt, generate_kwargs,
+                               magic_options)
 
 
 def _csv(option: str, kind, choices=None):
@@ -237,18 +238,24 @@ class WorkbenchMagics(Magics):
               (f"; other kernels: {', '.join(others)} (%kvcache {fmt.name} --kernel ...)" if others else ""))
 
     @magic_arguments()
-    @argument("n", type=int, help="number of threads for the kernels and torch")
+    @argument("n", type=int, nargs="?", default=None,
+              help="number of threads for the kernels and torch (none: print the current number)")
     @line_magic
     def threads(self, line):
-        """Set the number of threads (torch.set_num_threads).
+        """Set the number of threads (torch.set_num_threads); without an argument, print the
+        current number.
 
         Examples::
 
           In [1]: %threads 2
+          In [2]: %threads
         """
-        from workbench.runtime.threads import set_threads
+        from workbench.runtime.threads import get_threads, set_threads
 
         args = parse_argstring(self.threads, line)
+        if args.n is None:
+            print(f"threads = {get_threads()}")
+            return
         try:
             print(f"threads = {set_threads(args.n)}")
         except ValueError as e:
@@ -356,7 +363,7 @@ class WorkbenchMagics(Magics):
         from IPython.display import display
 
         from workbench import report
-        from workbench.ui.plots import ablation_figure
+        from workbench.ui.plots import ablation_figure, show_figure
 
         report.record(rows, model, command=self._command("ablate", line))
 
@@ -365,7 +372,7 @@ class WorkbenchMagics(Magics):
         print("top1_agreement: share of positions whose most likely next token is the reference's "
               "(naive attention with an fp32 KV cache, same prompts); decode rates: all sequences together")
         display(table.round(DIGITS) if hasattr(table, "round") else table)  # -o keeps full precision
-        display(ablation_figure(rows))
+        show_figure(ablation_figure(rows))
         for warning in spread_warnings(rows):
             print(f"warning: {warning}")
 
@@ -465,9 +472,18 @@ class WorkbenchMagics(Magics):
             elif args.action == "stop":
                 if cluster is not None:
                     cluster.stop()
-                current.model = self._single
-                self.shell.user_ns["wb_model"] = current.model
-                print("cluster stopped" if cluster is not None else "no cluster was running")
+                # The single-process model comes back where the cluster's was in use: after this
+                # stop, or after a rank's failure had stopped the cluster already. With no
+                # cluster and a model of one process loaded, there is nothing to stop and the
+                # model stays (a no-op must not unload it).
+                was_distributed = getattr(current.model, "cluster", None) is not None
+                if was_distributed or (cluster is not None and current.model is None):
+                    current.model, self._single = self._single, None
+                    self.shell.user_ns["wb_model"] = current.model
+                loaded = "no model loaded" if current.model is None else f"loaded: {current.model.description}"
+                print("cluster stopped; " + loaded if cluster is not None else
+                      "the cluster had stopped already; " + loaded if was_distributed else
+                      "no cluster was running; the model stays (" + loaded + ")")
             elif args.action == "status":
                 print(_cluster_status(cluster))
             if switches:
@@ -481,16 +497,19 @@ class WorkbenchMagics(Magics):
 
     @magic_arguments()
     @argument("--title", default="Workbench report", help="the report's title")
-    @argument("-o", dest="output", default="results/report.html", help="the HTML file (the JSON goes beside it)")
+    @argument("-o", dest="output", default=None,
+              help="the HTML file, the JSON beside it (default: report.html in the results folder, "
+                   "workbench.cache.results_dir(): the checkout's results/, never the notebook's folder)")
     @line_magic
     def report(self, line):
         """Write a shareable report of everything measured in this session (every %generate
         and %ablate so far): one self-contained HTML page that opens offline and its JSON.
+        It says where, as absolute paths.
 
         Examples::
 
           In [1]: %report
-          In [2]: %report --title "SmolLM2, int8 vs fp16" -o results/kv.html
+          In [2]: %report --title "SmolLM2, int8 vs fp16" -o ~/reports/kv.html
         """
         from workbench import report
 
@@ -530,7 +549,7 @@ class WorkbenchMagics(Magics):
 
         from workbench import report
         from workbench.analysis.quality import ALL_CACHES, best_per_byte, default_text_name, kv_quality, quality_figure
-        from workbench.ui.plots import mime_bundle
+        from workbench.ui.plots import show_figure
 
         args = parse_argstring(self.kv_quality, line)
         model = self._require_model()
@@ -554,7 +573,7 @@ class WorkbenchMagics(Magics):
         print("best per byte (no format has fewer bytes and lower KL), at context "
               f"{max(args.context)}: " + ", ".join(f"{r['cache']} ({r['bytes_per_element']:.3f} B, KL "
                                                    f"{r['kl_nats']:.2e})" for r in front))
-        display(mime_bundle(quality_figure(rows)), raw=True)
+        show_figure(quality_figure(rows))
         report.record(rows, model, command=self._command("kv_quality", line), kind="kv_quality")
         if args.output:
             self.shell.user_ns[args.output] = df
@@ -563,7 +582,9 @@ class WorkbenchMagics(Magics):
     @argument("--native", action="store_true", help="native frames too: our C++ kernels by name")
     @argument("--rate", type=int, default=250, help="samples per second (default 250)")
     @argument("--duration", type=float, default=None, help="stop sampling after this many seconds")
-    @argument("-o", dest="output", default="results/profile.speedscope.json", help="speedscope JSON file")
+    @argument("-o", dest="output", default=None,
+              help="speedscope JSON file (default: profile.speedscope.json in the results folder, "
+                   "workbench.cache.results_dir())")
     @argument("statement", nargs="*", help="the statement to profile (or the cell body with %%%%profile)")
     @line_cell_magic
     def profile(self, line, cell=None):
@@ -579,7 +600,7 @@ class WorkbenchMagics(Magics):
         """
         from workbench import report
         from workbench.analysis.profile import ProfilerUnavailable, flame_spec, profile, report_entry, top_frames_text
-        from workbench.ui.plots import mime_bundle
+        from workbench.ui.plots import show_figure
 
         args = parse_argstring(self.profile, line)
         code = cell if cell is not None else " ".join(args.statement)
@@ -599,9 +620,7 @@ class WorkbenchMagics(Magics):
         for rank, summary in result["engines"].items():
             print(f"\nrank {rank}: {summary['speedscope']}")
             print(top_frames_text(summary))
-        from IPython.display import display
-
-        display(mime_bundle(flame_spec(result["stacks"], title=f"py-spy: {code.strip()[:80]}")), raw=True)
+        show_figure(flame_spec(result["stacks"], title=f"py-spy: {code.strip()[:80]}"))
         print(f"speedscope JSON: {result['speedscope']} (open it at speedscope.app)")
 
     @magic_arguments()
@@ -631,7 +650,7 @@ class WorkbenchMagics(Magics):
     @magic_arguments()
     @argument("action", choices=["start", "stop", "status"], help="start a server on the loaded model, stop it, "
               "or say what runs")
-    @argument("--port", type=int, default=None, help="default: a free port")
+    @argument("--port", type=int, default=None, help="default: 8000 where it is free, else a free port (said)")
     @argument("--slots", type=int, default=8, help="sequences decoded together at most")
     @argument("--max-len", type=int, default=None, help="tokens per sequence (default min(context, 2048))")
     @argument("--chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step")
@@ -648,7 +667,7 @@ class WorkbenchMagics(Magics):
           In [2]: %serve_bench --rate 1,2,4 --slo-ttft 1s -o sb
           In [3]: %serve stop
         """
-        from workbench.serving.process import ServerProcess, server_args
+        from workbench.serving.process import ServerProcess, default_port, server_args
 
         args = parse_argstring(self.serve, line)
         running = getattr(self, "_server", None)
@@ -670,36 +689,25 @@ class WorkbenchMagics(Magics):
             raise UsageError("%serve runs one process; stop the cluster first (%distributed stop)")
         options = server_args(model, slots=args.slots, chunk=args.chunk, prefix_cache_tokens=args.prefix_cache_tokens,
                               max_queue=args.max_queue, max_len=args.max_len)
-        server = ServerProcess(options, port=args.port)
+        port, moved = (args.port, None) if args.port is not None else default_port()
+        server = ServerProcess(options, port=port)
         try:
             server.start()
         except RuntimeError as e:
             raise UsageError(str(e)) from None
         self._server, self._serve_line = server, line
         self.shell.user_ns["wb_server_url"] = server.url
-        print(f"serving at {server.url} (wb_server_url): {server.shell_command}")
+        print(f"serving at {server.url} (wb_server_url){f' ({moved})' if moved else ''}: {server.shell_command}")
 
     @magic_arguments()
-    @argument("--url", default=None, help="the server (default: the one %serve started)")
-    @argument("--rate", default="max", help="requests/s, comma-separated for a sweep; max: all at once under "
-              "--concurrency")
-    @argument("--concurrency", type=int, default=8)
-    @argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    @argument("--num-requests", type=int, default=32)
-    @argument("--prompt-tokens", type=int, default=64)
-    @argument("--max-tokens", type=int, default=32)
-    @argument("--shared-prefix-tokens", type=int, default=0)
-    @argument("--shared-fraction", type=float, default=0.0)
-    @argument("--range-ratio", type=float, default=0.0, help="prompt and output lengths within this fraction of "
-              "--prompt-tokens and --max-tokens")
-    @argument("--prompts-file", default=None, help="prompts from a file (one a line, or JSON lines ending .jsonl)")
-    @argument("--slo-ttft", default=None, help="e.g. 1s")
-    @argument("--slo-tpot", default=None, help="e.g. 100ms")
+    @argument("--url", default=None, help="the server (default: the one %%serve started)")
+    @magic_options(SERVE_BENCH_OPTIONS)
     @argument("-o", "--out", default=None, help="store the rows as a DataFrame in this variable")
     @line_magic
     def serve_bench(self, line):
         """Load an OpenAI-compatible server and print TTFT / TPOT / ITL percentiles, tokens/s
-        and goodput per load (workbench.analysis.serve_bench).
+        and goodput per load (workbench.analysis.serve_bench); a sweep of rates draws the
+        latency-throughput curve.
 
         Examples::
 
@@ -707,40 +715,33 @@ class WorkbenchMagics(Magics):
           In [2]: %serve_bench --rate 1,2,4 --slo-ttft 1s --slo-tpot 100ms -o sb
           In [3]: %serve_bench --rate 2 --range-ratio 0.5 --prompts-file prompts.jsonl
         """
-        import argparse
-
         from workbench.analysis.serve_bench import format_rows, serve_bench
 
         args = parse_argstring(self.serve_bench, line)
+        if args.out and not args.out.isidentifier():
+            raise UsageError(f"-o needs a variable name, got {args.out!r}")
         server = getattr(self, "_server", None)
         url = args.url or (server.url if server is not None and server.running else None)
         if url is None:
             raise UsageError("no server to load: %serve start, or --url http://host:port")
         try:
-            rates = [None if r == "max" else float(r) for r in args.rate.split(",")]
-            slo_ttft = parse_duration(args.slo_ttft) if args.slo_ttft else None
-            slo_tpot = parse_duration(args.slo_tpot) if args.slo_tpot else None
-            rows = serve_bench(url, rates=rates, concurrency=args.concurrency, num_requests=args.num_requests,
+            rows = serve_bench(url, rates=args.rate, concurrency=args.concurrency, num_requests=args.num_requests,
                                prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                                shared_prefix_tokens=args.shared_prefix_tokens, shared_fraction=args.shared_fraction,
-                               burstiness=args.burstiness, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+                               burstiness=args.burstiness, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                                range_ratio=args.range_ratio, prompts_file=args.prompts_file)
-        except (ValueError, argparse.ArgumentTypeError) as e:
+        except ValueError as e:
             raise UsageError(str(e)) from None
-        from IPython.display import display
-
         from workbench import report
-        from workbench.ui.plots import knee_spec, mime_bundle
+        from workbench.ui.plots import knee_spec, show_figure
 
         # loaded the server %serve started: its start and stop reproduce it too
         command = self._command("serve_bench", line, serve_line=None if args.url else self._serve_line)
         report.record(rows, kind="serve_bench", command=command)
         print(format_rows(rows))
         if len(rows) > 1:  # a sweep: the latency-throughput curve
-            display(mime_bundle(knee_spec(rows)), raw=True)
+            show_figure(knee_spec(rows))
         if args.out:
-            if not args.out.isidentifier():
-                raise UsageError(f"-o needs a variable name, got {args.out!r}")
             self.shell.user_ns[args.out] = _dataframe(rows)
 
 

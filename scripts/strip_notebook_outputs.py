@@ -6,9 +6,21 @@ which autosaves its outputs, never shows up as a change to commit.
 
     python3 scripts/strip_notebook_outputs.py < in.ipynb > out.ipynb
     python3 scripts/strip_notebook_outputs.py notebooks/*.ipynb     # in place
+
+The filter alone leaves `git status` listing a run notebook: git keeps each file's size in
+its index and, when the size on disk differs, calls the file modified without running the
+filter (`git diff` does run it, finds nothing, and leaves the index as it was). post_save
+is JupyterLab's answer: scripts/setup-notebook-git (which scripts/bootstrap runs) installs
+it as the environment's JupyterLab server's post-save hook
+(.venv/etc/jupyter/jupyter_server_config.py), and after every save of a tracked notebook
+whose filtered content git finds unchanged it `git add`s it, which stores the same content
+and the new size. A notebook whose code changed is left alone. Without JupyterLab (another
+editor), `git add notebooks/` does the same by hand.
 """
 
 import json
+import os
+import subprocess
 import sys
 
 
@@ -34,6 +46,22 @@ def strip(nb: dict) -> dict:
 
 def dumps(nb: dict) -> str:
     return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"  # as nbformat writes
+
+
+def post_save(model=None, os_path: str = "", contents_manager=None, **_) -> None:
+    """jupyter_server's post-save hook (see the module docstring): after a notebook is saved,
+    record its new size in git's index if git sees no change in it, filtered."""
+    if not os_path.endswith(".ipynb"):
+        return
+    folder, name = os.path.split(os.path.abspath(os_path))
+
+    def git(*args) -> int:
+        return subprocess.run(["git", "-C", folder, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+
+    if git("ls-files", "--error-unmatch", "--", name) != 0:  # not in a repository, or not tracked: not ours to add
+        return
+    if git("diff", "--quiet", "--", name) == 0:  # only what the filter strips has changed
+        git("add", "--", name)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,7 @@ def require_browser() -> None:
 # environment: `pytest tests -m "not slow"` is the quick loop while working (README's test
 # command and CI run everything).
 SLOW_MODULES = {"test_distributed", "test_distributed_lifecycle", "test_distributed_netns", "test_notebooks", "test_browser", "test_install",
+                "test_magics_in_a_kernel",
                 "test_peers", "test_profile"}
 
 
@@ -188,6 +189,32 @@ def _marked_processes() -> dict[int, str]:
     return {pid: cmdline(pid) for pid in marked if alive(pid)}
 
 
+# What was in /dev/shm before the suite ran: whatever is there at its end and was not, and
+# is not a live process's of someone else, the suite left behind (each shm segment holds its
+# size in RAM, and CI runs the suite again and again on the same machine).
+SHM = Path("/dev/shm")
+_shm_before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+
+
+def _shm_owner(name: str) -> int | None:
+    """The pid a /dev/shm name carries: ours (workbench-<pid>-...), libfabric's (<pid>:n:m)."""
+    import re
+
+    m = re.match(r"workbench-(\d+)-|(\d+):", name)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def _shm_left() -> list[str]:
+    from workbench.distributed.watchdog import alive
+
+    def someone_elses(name: str) -> bool:  # a live process's that this session did not start
+        owner = _shm_owner(name)
+        return owner is not None and owner != os.getpid() and alive(owner) and owner not in _marked_processes()
+
+    return sorted(p.name for p in SHM.iterdir() if p.name not in _shm_before and not someone_elses(p.name)) \
+        if SHM.is_dir() else []
+
+
 def pytest_sessionfinish(session, exitstatus):
     background.stop()
     if not sys.platform.startswith("linux"):
@@ -209,4 +236,12 @@ def pytest_sessionfinish(session, exitstatus):
         listing = "\n".join(f"  {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
         sys.stderr.write(f"\nthe run fails: processes started by the tests were still running "
                          f"{LEFTOVER_GRACE_S:.0f} s after the last test (killed now):\n{listing}\n")
+        session.exitstatus = 1
+    left = _shm_left()
+    if left:
+        sizes = "\n".join(f"  {SHM / name}: {(SHM / name).stat().st_size / 2**20:.0f} MiB" for name in left
+                          if (SHM / name).exists())
+        sys.stderr.write(f"\nthe run fails: the tests left files in /dev/shm (removed now):\n{sizes}\n")
+        for name in left:
+            (SHM / name).unlink(missing_ok=True)
         session.exitstatus = 1

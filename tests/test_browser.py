@@ -7,7 +7,11 @@ Playwright runs all cells and then uses the control panel as a person would:
 - the figure's per-layer decode latency is exactly the run's, counted again from its raw step records;
 - Export JSON writes the runs;
 - after a page reload the figures still draw, and a new Run updates them;
-- Run All and save leave nothing for git to commit (the notebook filter, checkpoints ignored);
+- the panel's text box shows each run's text (it was empty after every other run);
+- %kv_quality, %profile and a %serve_bench sweep draw their figures, and so does the panel's
+  Serve-bench button;
+- Run All and save leave `git status` clean (the notebook filter and the server's post-save
+  hook, checkpoints ignored);
 - the saved file holds the panel's static figures (the HTML fallback of its widget view);
 - the panel's runs are in `%report`, and in a narrow (split) view its figures' titles do not collide.
 
@@ -54,6 +58,13 @@ def lab(tmp_path_factory):
     nb = nbformat.read(ROOT / "notebooks" / "01-quickstart.ipynb", as_version=4)
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     params.source = 'MODEL = "smollm2-135m"\nNEW_TOKENS = 6\nABLATE_PROMPT_LEN = "24"\nABLATE_NEW_TOKENS = 3'
+    # The magics that draw figures, as a user types them (each drew nothing in JupyterLab once).
+    for source in ("%kv_quality --formats fp32,int8 --context 96 --steps 8",
+                   "%profile --rate 100 wb_model.generate('The capital of France is', max_new_tokens=4)",
+                   "%serve start --slots 2 --max-len 256",
+                   "%serve_bench --rate 20,40 --num-requests 3 --prompt-tokens 8 --max-tokens 3",
+                   "%serve stop"):
+        nb.cells.append(nbformat.v4.new_code_cell(source))
     # A panel run before it is displayed (its figures must arrive whole, the peak flat).
     nb.cells.append(nbformat.v4.new_code_cell(
         "q = wb.panel()\nq.new_tokens.value, q.warmup.value = 4, False\nq.run()\nq"))
@@ -130,6 +141,25 @@ def _kernel(page, code: str) -> str:
         future.onIOPub = (msg) => { if (msg.header.msg_type === 'stream') out += msg.content.text; };
         await future.done;
         return out; }""", code)
+
+
+# The cell whose code contains a text: its output's plotly figures and its text.
+_CELL_JS = """(marker) => Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell'))
+    .find(c => (c.querySelector('.jp-InputArea-editor') || {}).innerText?.includes(marker))"""
+
+
+def _cell_figures(page, marker: str) -> int:
+    return page.evaluate(f"(m) => ({_CELL_JS})(m).querySelectorAll('.jp-OutputArea .js-plotly-plot').length", marker)
+
+
+def _cell_output_text(page, marker: str) -> str:
+    return page.evaluate(f"(m) => ({_CELL_JS})(m).querySelector('.jp-OutputArea').innerText", marker)
+
+
+def _text_box(page) -> str:
+    """What the first panel's text box (its bordered Output widget) shows."""
+    return page.evaluate(f"""() => Array.from(({_CELL_JS})('p = wb.panel()')
+        .querySelectorAll('.widget-output')).map(e => e.innerText).join('\\n')""")
 
 
 def _run_panel(page) -> None:
@@ -269,6 +299,17 @@ def test_quickstart_in_jupyterlab(lab):
         page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'")
         assert _kernel(page, "print(p.result.switches.kv_cache, p.prompt.value)").split() == ["fp16", *prompt.split()]
         assert "fp16 KV" in page.inner_text(".jp-Notebook")  # the summary names what ran
+        # The panel's second run (the first was p.run() in a cell): its own text is in the box,
+        # and stays once the browser and the kernel have exchanged what they had to.
+        shown = _kernel(page, "print(p.result.text[0].strip().splitlines()[0])").strip()
+        page.wait_for_function(f"(t) => ({_CELL_JS})('p = wb.panel()').innerText.includes(t)", arg=shown)
+        _kernel(page, "print('round trip')")
+        assert shown in _text_box(page) and "sequence 0 continues" in _text_box(page)
+
+        # The magics' figures, drawn by JupyterLab's plotly renderer.
+        for marker in ("%kv_quality", "%profile", "%serve_bench"):
+            assert _cell_figures(page, marker) == 1, (marker, _cell_output_text(page, marker)[-1500:])
+        assert "best per byte" in _cell_output_text(page, "%kv_quality")
         page.screenshot(path=str(SHOTS / "quickstart-after-fp16-run.png"), full_page=False)
 
         # The figure's per-layer decode ms are exactly the run's, counted independently from
@@ -293,14 +334,12 @@ def test_quickstart_in_jupyterlab(lab):
 
         # Saved after Run All and a panel run: git sees no change (outputs, execution counts,
         # widget state and the metadata JupyterLab adds are filtered; checkpoints are ignored),
-        # and the file on disk holds the panel's static figures of its last run.
-        # (git status lists a file whose size changed until `git add` refreshes the index, even
-        # when the filtered content is the same; staging everything must stage nothing.)
+        # `git status` lists nothing (the server's post-save hook recorded the new size in the
+        # index), and the file on disk holds the panel's static figures of its last run.
         save(page)
         assert (work / ".ipynb_checkpoints").is_dir()  # JupyterLab made one; .gitignore must cover it
         diff = subprocess.run(["git", "-C", str(work), "diff"], capture_output=True, text=True, check=True).stdout
         assert diff == "", diff[:3000]
-        subprocess.run(["git", "-C", str(work), "add", "-A"], check=True)
         status = subprocess.run(["git", "-C", str(work), "status", "--porcelain"], capture_output=True, text=True,
                                 check=True).stdout
         assert status == "", status
@@ -320,8 +359,24 @@ def test_quickstart_in_jupyterlab(lab):
         # Export the runs.
         page.locator(".jp-OutputArea button", has_text="Export JSON").first.click()
         page.wait_for_function("() => document.body.innerText.includes('wrote ') && document.body.innerText.includes('.json')")
-        exported = sorted((work / "results").glob("panel-*.json"))
+        from workbench.cache import results_dir
+
+        exported = sorted(results_dir().glob("panel-*.json"), key=lambda p: p.stat().st_mtime)
         assert exported and json.loads(exported[-1].read_text())["runs"][-1]["kv_cache"] == "fp16"
+        assert not (work / "notebooks").exists() and not list(work.glob("panel-*"))  # not the kernel's folder
+
+        # The panel's Serve-bench button: a server on the panel's model, loaded at two rates,
+        # its table and latency-throughput figure in the panel (it failed in the kernel's loop).
+        _kernel(page, "p.serve_rates.value, p.serve_requests.value, p.serve_concurrency.value = '20,40', 3, 2\n"
+                      "p.prompt_len.value, p.new_tokens.value = 8, 3")
+        panel_figures = _cell_figures(page, "p = wb.panel()")
+        serve_button = page.locator(".jp-OutputArea button", has_text="Serve-bench").first
+        serve_button.scroll_into_view_if_needed()
+        serve_button.click()
+        page.wait_for_function(f"""(n) => ({_CELL_JS})('p = wb.panel()')
+            .querySelectorAll('.jp-OutputArea .js-plotly-plot').length > n""", arg=panel_figures)
+        assert "TTFT" in _cell_output_text(page, "p = wb.panel()")
+        assert "error" not in _kernel(page, "print(p.serve_output.outputs[0]['data']['text/plain'][:300])").lower()
 
         # Reload: the figures come back drawn, and a new run updates them.
         save(page)
@@ -330,6 +385,8 @@ def test_quickstart_in_jupyterlab(lab):
                           "after reload", errors, reopen=open_notebook)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload.png"), full_page=False)
         _run_panel(page)
+        shown = _kernel(page, "print(p.result.text[0].strip().splitlines()[0])").strip()
+        page.wait_for_function(f"(t) => ({_CELL_JS})('p = wb.panel()').innerText.includes(t)", arg=shown)
         page.screenshot(path=str(SHOTS / "quickstart-after-reload-run.png"), full_page=False)
 
         # A narrow view (half a laptop screen, as in a split), opened that way: the latency figure

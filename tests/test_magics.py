@@ -164,3 +164,65 @@ def test_kv_quality_magic_table_figure_report_and_every_format_generates(shell, 
     assert isinstance(err, UsageError) and "kv_kernel must be one of widen for kv_cache 'fp16'" in str(err)
     assert shell.user_ns["wb_model"].kv_cache == "int8"  # a refused switch leaves the model's as they were
     run(shell, "%kvcache fp32")
+
+
+def test_threads_without_an_argument_prints_the_current_number(shell, capsys):
+    """README: the switches with no argument print the current value; %threads did not."""
+    from workbench.runtime.threads import get_threads
+
+    capsys.readouterr()
+    assert run(shell, "%threads")[1] is None
+    assert capsys.readouterr().out.strip() == f"threads = {get_threads()}"
+
+
+def test_distributed_stop_without_a_cluster_keeps_the_model(shell, capsys):
+    """A no-op must not unload the model: %distributed stop with no cluster once put back a
+    single-process model that had never been saved (None)."""
+    from workbench.runtime import session
+
+    run(shell, "%load_model smollm2-135m")
+    model = shell.user_ns["wb_model"]
+    capsys.readouterr()
+    assert run(shell, "%distributed stop")[1] is None
+    assert "no cluster was running; the model stays" in capsys.readouterr().out
+    assert session.current.model is model and shell.user_ns["wb_model"] is model
+    assert run(shell, "%workbench")[1] is None
+    assert "none loaded" not in capsys.readouterr().out
+
+
+def _helps(magic) -> list[str]:
+    """Every help string a magic's arguments give, as argparse prints it (%% is one %)."""
+    parser = magic.__func__.parser  # what @magic_arguments built the docstring from
+    return [a.help % {"default": a.default, "prog": parser.prog, "dest": a.dest}
+            for a in parser._actions if a.help and a.help != "==SUPPRESS=="]
+
+
+@pytest.mark.parametrize("name", ["load_model", "attention", "kvcache", "threads", "generate", "ablate", "kv_quality",
+                                  "distributed", "serve", "serve_bench", "profile", "report", "workbench"])
+def test_every_magics_help_reads_as_written(shell, name):
+    """`%magic?` shows the docstring IPython builds from the arguments: each argument's help
+    whole (a bare % in one made argparse print its own internals into %serve_bench's --url
+    line), and the defaults said where a help says "default"."""
+    magic = shell.find_line_magic(name)
+    doc = "".join(magic.__doc__.split())  # argparse wraps lines (and breaks hyphenated words)
+    assert "option_strings" not in doc and "{'" not in doc, magic.__doc__
+    for help_text in _helps(magic):
+        assert "".join(help_text.split()) in doc, (name, help_text)
+    assert "Examples::" in magic.__doc__
+
+
+def test_serve_bench_help_says_every_default():
+    """serve-bench's options are defined once (workbench.options) for the CLI and the magic,
+    each default the function's own and said in the help."""
+    import inspect
+
+    from workbench.analysis.serve_bench import serve_bench
+    from workbench.options import SERVE_BENCH_OPTIONS
+
+    defaults = inspect.signature(serve_bench).parameters
+    for flags, kwargs in SERVE_BENCH_OPTIONS:
+        name = flags[0].lstrip("-").replace("-", "_")
+        if name in defaults and name != "prompts_file":
+            assert kwargs["default"] == defaults[name].default, name
+        if kwargs.get("default") is not None:
+            assert "default" in kwargs["help"], name

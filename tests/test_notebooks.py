@@ -1,6 +1,6 @@
 """Every notebook, executed top to bottom by a real Jupyter kernel (nbclient), with its
 parameters cell shrunk so CI stays quick; any cell error fails. Notebooks are stored
-without outputs."""
+without outputs, and a newcomer's Run All and save leaves `git status` clean."""
 
 from __future__ import annotations
 
@@ -33,44 +33,79 @@ def test_every_notebook_has_parameters_and_no_outputs():
                    for c in nb.cells if c.cell_type == "code"), f"{path.name} has outputs: strip them"
 
 
-def test_a_run_notebook_does_not_dirty_the_repository(tmp_path):
-    """JupyterLab autosaves outputs into the file; the clean filter that .gitattributes names
-    and scripts/bootstrap registers strips them, so git sees no change in the content and
-    nothing to commit. (`git status` may list the file until the index's size stamp is
-    refreshed, as with any clean filter: `git add` or `git update-index --refresh`.)"""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout
+def _git(repo: Path, *args) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
 
-    git("init", "-q")
-    git("config", "user.email", "t@example.invalid")
-    git("config", "user.name", "t")
-    shutil.copy(ROOT / ".gitattributes", tmp_path)
-    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
-    shutil.copy(NOTEBOOKS / "01-quickstart.ipynb", tmp_path)
-    bootstrap = (ROOT / "scripts" / "bootstrap").read_text()
-    command = bootstrap.split('git config filter.strip-notebook-outputs.clean "', 1)[1].split('"', 1)[0]
-    git("config", "filter.strip-notebook-outputs.clean", command)  # what bootstrap does
-    git("add", ".")
-    git("commit", "-qm", "notebook")
-    nb = nbformat.read(tmp_path / "01-quickstart.ipynb", as_version=4)
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A repository as a newcomer's clone has it after scripts/bootstrap: the notebooks
+    committed through the git filter, and a Jupyter configuration, both set up by the script
+    bootstrap runs (scripts/setup-notebook-git, here for an environment prefix of the test's
+    own: clone/env)."""
+    repo = tmp_path_factory.mktemp("clone")
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.invalid")
+    _git(repo, "config", "user.name", "t")
+    for name in (".gitattributes", ".gitignore"):
+        shutil.copy(ROOT / name, repo)
+    shutil.copytree(ROOT / "scripts", repo / "scripts")
+    shutil.copytree(NOTEBOOKS, repo / "notebooks")
+    (repo / ".git" / "info" / "exclude").write_text("env/\n")  # the environment is not the project's
+    subprocess.run(["bash", str(repo / "scripts" / "setup-notebook-git"), str(repo / "env")], check=True)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "the notebooks as stored")
+    return repo
+
+
+def save_as_jupyterlab(repo: Path, nb, path: str) -> None:
+    """Save a notebook through jupyter_server's contents manager with the configuration the
+    clone's environment has (what its JupyterLab server loads from <prefix>/etc/jupyter):
+    what JupyterLab's Save and autosave do, post-save hook included."""
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+    from traitlets.config.loader import PyFileConfigLoader
+
+    config = PyFileConfigLoader("jupyter_server_config.py", path=str(repo / "env" / "etc" / "jupyter")).load_config()
+    manager = FileContentsManager(config=config, root_dir=str(repo))
+    assert manager.post_save_hook is not None, "no post-save hook configured: run scripts/bootstrap"
+    manager.save({"type": "notebook", "format": "json", "content": nb}, path)
+
+
+def test_a_run_notebook_leaves_git_status_clean_and_a_real_change_listed(clone):
+    """JupyterLab saves outputs into the file; the clean filter strips them, so git sees no
+    change in the content, and the server's post-save hook records the file's new size, so
+    `git status` does not list it either (git trusts a changed size without filtering). An
+    edit of a cell's code stays a change to commit."""
+    nb = nbformat.read(clone / "notebooks" / "01-quickstart.ipynb", as_version=4)
     code = next(c for c in nb.cells if c.cell_type == "code")
     code.outputs = [nbformat.v4.new_output("stream", text="Paris\n")]
     code.execution_count = 3
-    nbformat.write(nb, tmp_path / "01-quickstart.ipynb")
-    assert "Paris" in (tmp_path / "01-quickstart.ipynb").read_text()
-    assert git("diff") == ""
-    git("add", "-A")
-    assert git("status", "--porcelain") == ""  # nothing to commit: the outputs never reach the index
+    save_as_jupyterlab(clone, nb, "notebooks/01-quickstart.ipynb")
+    assert "Paris" in (clone / "notebooks" / "01-quickstart.ipynb").read_text()
+    assert _git(clone, "diff") == "" and _git(clone, "status", "--porcelain") == ""
+    code.source += "\n# edited"
+    save_as_jupyterlab(clone, nb, "notebooks/01-quickstart.ipynb")
+    assert _git(clone, "status", "--porcelain") == " M notebooks/01-quickstart.ipynb\n"  # not staged for the user
+    _git(clone, "checkout", "--", "notebooks/01-quickstart.ipynb")
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_notebook_runs_in_a_real_kernel(name, tmp_path):
-    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+def test_notebook_runs_in_a_real_kernel(name, clone):
+    """Run All in a real kernel, in the notebook's own folder of a clone, then saved as
+    JupyterLab saves it: no cell fails, the notebook validates, and `git status` is clean."""
+    path = clone / "notebooks" / f"{name}.ipynb"
+    nb = nbformat.read(path, as_version=4)
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    stored = params.source
     params.source = SMALL[name]
     # timeout=None: no per-cell time limit; the test checks what the cells produce, not how fast.
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=None, resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=None,
+                                     resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError on any failing cell
+    nbformat.validate(nb)
+    params.source = stored  # the run's smaller sizes are this test's, not an edit to keep
+    save_as_jupyterlab(clone, nb, f"notebooks/{name}.ipynb")
+    assert _git(clone, "status", "--porcelain") == "", f"{name}: Run All then save left git status unclean"
     text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
                      for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "Traceback" not in text

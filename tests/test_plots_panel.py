@@ -57,7 +57,56 @@ def test_live_plots_follow_a_generation(model, widget):
     # The next run draws the finished one as a faint trace.
     again = model.generate("Once upon a time", max_new_tokens=4, stop_at_eos=False)
     plots.finish(again.timings, "second")
-    assert [t.name for t in plots.bandwidth.data] == ["earlier: slim / fp32", "this run"]
+    assert [t.name for t in plots.bandwidth.data] == ["earlier: run 1: slim / fp32", "this run"]
+
+
+def test_earlier_runs_are_told_apart_with_one_legend_entry_each(model):
+    """Runs of the same settings once drew as one grey dotted line per run, all alike, the
+    legend repeating the same words: each earlier run now has its number, its own shade and
+    dash (the same in every figure), and one legend entry."""
+    plots = LivePlots(widget=False, peak_gbps=50.0)
+    for _ in range(4):
+        out = model.generate("Hello", max_new_tokens=3, stop_at_eos=False)
+        plots.finish(out.timings, "slim / fp32")
+    for fig in plots.figures:
+        earlier = [t for t in fig.data if t.name.startswith("earlier")]
+        legend = [t.name for t in earlier if t.showlegend is not False]
+        assert legend == ["earlier: run 3: slim / fp32", "earlier: run 2: slim / fp32", "earlier: run 1: slim / fp32"]
+        styles = {t.legendgroup: (t.line.color, t.line.dash) for t in earlier}
+        assert len(set(styles.values())) == 3
+    lines = [{t.name: (t.line.color, t.line.dash) for t in fig.data if t.name.startswith("earlier")}
+             for fig in plots.figures]
+    assert lines[0] == lines[1] == lines[2]  # a run looks the same in each figure
+
+
+def test_figure_outputs_are_valid_notebook_outputs(model):
+    """What the live plots put in their Output widgets, and what show_figure displays, is an
+    output nbformat's schema accepts: the figure's MIME bundle as data, metadata apart. (The
+    magics once displayed a whole output dict as if it were the data: JupyterLab drew nothing
+    and refused to save the notebook as valid.)"""
+    import nbformat
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from workbench.ui.plots import figure_data, knee_spec, show_figure
+
+    plots = LivePlots(widget=True, peak_gbps=50.0)
+    plots.finish(model.generate("Hello", max_new_tokens=3, stop_at_eos=False).timings, "slim / fp32")
+    outputs = [o for w in plots.outputs for o in w.outputs]
+    assert len(outputs) == 3
+    shell = InteractiveShell.instance()
+    shown = []
+    publisher = shell.display_pub.publish
+    shell.display_pub.publish = lambda data, metadata=None, **kw: shown.append(
+        nbformat.v4.new_output("display_data", data=data, metadata=metadata or {}))
+    try:
+        show_figure(plots.latency)  # a go.Figure
+        show_figure({"data": [], "layout": {"title": {"text": "a spec"}}})
+    finally:
+        shell.display_pub.publish = publisher
+    assert [set(o["data"]) for o in shown] == [{PLOTLY, "text/plain"}] * 2
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=outputs + shown)])
+    nbformat.validate(nb)
+    assert figure_data({"data": [], "layout": {}})["text/plain"] == "<figure>"  # untitled: still text
 
 
 def test_refresh_rate_is_bounded(model):
@@ -85,8 +134,9 @@ def test_panel_load_switch_run_export(model, tmp_path):
     assert len(decode_attention.y) == model.config.n_layers
     predicted = [t for t in p.plots.latency.data if t.name == "roofline prediction"]
     assert len(predicted) == 2 and all(len(t.y) == model.config.n_layers and min(t.y) > 0 for t in predicted)
-    shown = p.output.outputs[-1]["data"]["text/plain"]
-    assert "HTML" in shown  # the sequences' text as HTML, not a repr
+    (shown,) = p.output.outputs  # the sequences' text, once: as HTML, and as text
+    assert "sequence 1</b> continues" in shown["data"]["text/html"]
+    assert shown["data"]["text/plain"].startswith("sequence 0 continues: ")
     js = json.loads(p.export(tmp_path / "run.json").read_text())
     assert len(js["runs"]) == 2 and len(js["per_layer_ms"]["decode"]) == model.config.n_layers
     rows = list(csv.DictReader(p.export(tmp_path / "run.csv").open()))
@@ -95,6 +145,21 @@ def test_panel_load_switch_run_export(model, tmp_path):
         p.export(tmp_path / "run.txt")
     model.attention, model.kv_cache = "slim", "fp32"  # the magics' way: the toggles follow
     assert (p.attention.value, p.kv_cache.value) == ("slim", "fp32")
+
+
+def test_the_text_box_holds_each_runs_text(model):
+    """The text box is emptied and filled in the kernel's state (Output.outputs), so every run
+    shows its own text. Output.clear_output() sent a clear message instead, which the browser
+    applied and wrote back as an empty state after the next run's text had arrived: the box was
+    empty after every other run (and here, without a browser, it kept every run's text)."""
+    p = wb.panel(model)
+    p.new_tokens.value, p.repeats.value, p.warmup.value = 3, 1, False
+    for prompt in ("The capital of France is", "Once upon a time", "The capital of Italy is"):
+        p.prompt.value = prompt
+        p.run()
+        (shown,) = p.output.outputs
+        (text,) = p.result.text  # one sequence (the panel generates a batch)
+        assert shown["data"]["text/plain"] == f"sequence 0 continues: {text}"
 
 
 def test_panel_follows_the_session_model(model):

@@ -34,7 +34,7 @@ print("FRAMES", json.dumps(frames))
 %report -o report.html
 """, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "hottest frames by self time" in r.stdout and "speedscope JSON: prof.json" in r.stdout
+    assert "hottest frames by self time" in r.stdout and f"speedscope JSON: {tmp_path / 'prof.json'}" in r.stdout
     frames = json.loads(r.stdout.split("FRAMES ", 1)[1].splitlines()[0])
     data = json.loads((tmp_path / "prof.json").read_text())
     names = {f["name"] for f in data["shared"]["frames"]}
@@ -44,16 +44,22 @@ print("FRAMES", json.dumps(frames))
     assert frames  # the hottest frames table was computed from the same file
     report = json.loads((tmp_path / "report.json").read_text())
     prof = [e for e in report["entries"] if e["kind"] == "profile"]
-    assert len(prof) == 1 and prof[0]["speedscope"] == "prof.json" and prof[0]["top_frames"]
+    assert len(prof) == 1 and prof[0]["speedscope"] == str(tmp_path / "prof.json") and prof[0]["top_frames"]
     assert "Entry 0: profile" in (tmp_path / "report.html").read_text()
 
 
 def test_profile_without_ptrace_permission_says_what_to_change(tmp_path):
-    """The kernel made non-dumpable and py-spy run without CAP_SYS_PTRACE: it cannot attach."""
+    """The kernel made non-dumpable and py-spy run without CAP_SYS_PTRACE: it cannot attach.
+    An earlier profile's file where this one would go (the results folder's default name) is
+    not taken for this one's."""
     if not Path("/usr/bin/setpriv").is_file():
         pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_PTRACE")
     py_spy = Path(sys.executable).with_name("py-spy")
-    env = {"WORKBENCH_PY_SPY": f"/usr/bin/setpriv --bounding-set=-sys_ptrace --inh-caps=-sys_ptrace {py_spy}"}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "profile.speedscope.json").write_text(json.dumps({"shared": {"frames": []}, "profiles": []}))
+    env = {"WORKBENCH_PY_SPY": f"/usr/bin/setpriv --bounding-set=-sys_ptrace --inh-caps=-sys_ptrace {py_spy}",
+           "WORKBENCH_RESULTS_DIR": str(results)}
     r = ipython("""
 import ctypes
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: only CAP_SYS_PTRACE may attach

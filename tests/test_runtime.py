@@ -448,3 +448,31 @@ def test_step_bytes_of_block_formats_written_out_by_hand(preset, dtype):
         assert st.bytes_read == 2 * (layer + cached * 2 * c.n_kv_heads * c.head_dim * 4) + 2 * row + head
     extra = 0 if c.tied_embeddings else nbytes(c.vocab_size, c.dim)
     assert m.llama.weight_bytes == 2 * layer + head + extra
+
+
+def test_the_text_stream_flushes_per_token_only_where_nothing_else_sends(model):
+    """%generate's stream: a terminal or a pipe gets each token now (a flush per token); a
+    Jupyter kernel's stream (ipykernel's OutStream, which sends on its own clock every
+    flush_interval) is not flushed per token: there a flush blocked the generating thread
+    until the kernel's IO thread had sent it, and gave the browser a message per token to
+    draw (0.74x of ipython's tokens/s in JupyterLab, bench/notebooks.py --generate-speed)."""
+    import io
+
+    from workbench.runtime.streaming import TextStream
+
+    class Counting(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            self.flushes += 1
+
+    class KernelStream(Counting):
+        flush_interval = 0.2  # what ipykernel's OutStream has
+
+    ids = model.tokenizer.encode(" Paris is the capital of France")
+    for stream, per_token in ((Counting(), True), (KernelStream(), False)):
+        on_token = TextStream(model.tokenizer, out=stream)
+        for step, token in enumerate(ids):
+            on_token(step, [token])
+        assert stream.getvalue() == model.tokenizer.decode(ids)
+        assert stream.flushes == (len(ids) if per_token else 0)

@@ -222,3 +222,33 @@ def test_serve_and_serve_bench_magics_in_a_real_shell(magic, tmp_path):
     assert err is None and "stopped" in out
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_serve_bench_runs_where_an_event_loop_is_running(server):
+    """A Jupyter kernel runs every cell inside its event loop, where asyncio.run refuses
+    ("cannot be called from a running event loop"): %serve_bench and the panel's Serve-bench
+    button failed in JupyterLab and worked in a terminal. Called from inside a running loop,
+    as a kernel calls it, the load still runs and every request is served."""
+    import asyncio
+
+    async def a_cell():
+        return wb.serve_bench(server, concurrency=2, num_requests=2, prompt_tokens=8, max_tokens=3)
+
+    (row,) = asyncio.run(a_cell())
+    assert row["completed"] == 2 and row["statuses"] == {"200": 2}
+
+
+def test_serve_takes_port_8000_where_it_is_free_and_says_when_it_is_not():
+    import socket
+
+    from workbench.serving.process import DEFAULT_PORT, default_port, port_is_free
+
+    if port_is_free(DEFAULT_PORT):
+        assert default_port() == (DEFAULT_PORT, None)
+    with socket.socket() as taken:
+        try:
+            taken.bind(("127.0.0.1", DEFAULT_PORT))
+        except OSError:
+            pass  # another process has it: the same case
+        port, said = default_port()
+    assert port != DEFAULT_PORT and said == f"port {DEFAULT_PORT} is in use on 127.0.0.1, so the server took {port}"

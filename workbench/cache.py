@@ -12,6 +12,7 @@ kernels, the measured peaks, named models' weights.
     write_json()    store a measurement whole or not at all: the ranks of a tensor-parallel
                     run may measure and write the same file at once, and a reader must never
                     see half of one
+    results_dir()   where reports, profiles and exports go unless a path is given
 """
 
 from __future__ import annotations
@@ -24,6 +25,24 @@ from pathlib import Path
 
 def cache_dir() -> Path:
     return Path(os.environ.get("WORKBENCH_CACHE_DIR", Path.home() / ".cache" / "workbench"))
+
+
+RESULTS_DIR_ENV = "WORKBENCH_RESULTS_DIR"
+
+
+def results_dir() -> Path:
+    """Where %report, %profile, the panel's exports and the CLI write unless given a path, as an
+    absolute path: $WORKBENCH_RESULTS_DIR; else, in a checkout of this repository, its
+    results/ folder (which .gitignore covers), wherever the process runs; else results/ under
+    cache_dir(). Never the working folder: a notebook's kernel runs in the notebook's folder,
+    inside the source tree (or a user's own repository), where a new folder dirties `git
+    status`."""
+    if os.environ.get(RESULTS_DIR_ENV):
+        return Path(os.environ[RESULTS_DIR_ENV]).expanduser().resolve()
+    root = Path(__file__).resolve().parents[1]  # the checkout, when the package runs from one
+    if (root / "pyproject.toml").is_file() and (root / ".git").exists() and (root / "workbench").is_dir():
+        return root / "results"
+    return (cache_dir() / "results").resolve()
 
 
 def cpu_key() -> str:

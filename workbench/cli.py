@@ -22,8 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.cache import results_dir
+from workbench.serving.process import DEFAULT_PORT
 from workbench.serving.scheduler import DEFAULT_CHUNK
-from workbench.options import GENERATE_OPTIONS, LOAD_OPTIONS, add_options, chat_prompt, generate_kwargs, parse_duration
+from workbench.options import (GENERATE_OPTIONS, LOAD_OPTIONS, SERVE_BENCH_OPTIONS, add_options, chat_prompt,
+                               generate_kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,8 +208,7 @@ def cmd_serve_bench(args) -> int:
     from workbench import report
     from workbench.analysis.serve_bench import format_rows, serve_bench
 
-    rates = [None if r == "max" else float(r) for r in args.rate.split(",")]
-    rows = serve_bench(args.url, rates=rates, concurrency=args.concurrency, num_requests=args.num_requests,
+    rows = serve_bench(args.url, rates=args.rate, concurrency=args.concurrency, num_requests=args.num_requests,
                        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                        shared_prefix_tokens=args.shared_prefix_tokens, shared_fraction=args.shared_fraction,
                        burstiness=args.burstiness, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    results = results_dir()  # where outputs go by default (the checkout's results/, else the cache's)
 
     g = sub.add_parser("generate", help="generate text, streaming it, then a timing summary")
     _model_args(g)
@@ -263,13 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--repeats", type=int, default=3, help="measured runs per configuration, interleaved, after a "
                    "warm-up round (rows: median and min-max)")
-    d.add_argument("--out", default=str(Path("results") / "demo.json"), help="JSON file (default results/demo.json)")
+    d.add_argument("--out", default=str(results / "demo.json"), help="JSON file (default %(default)s)")
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("report", help="a report (JSON + offline HTML) from result files, or from a fresh run")
     _model_args(r)
     r.add_argument("files", nargs="*", help="report JSON or benchmark JSON files (default: measure a generation now)")
-    r.add_argument("-o", "--out", default=str(Path("results") / "report.html"), help="HTML path; JSON beside it")
+    r.add_argument("-o", "--out", default=str(results / "report.html"), help="HTML path; JSON beside it (default %(default)s)")
     r.add_argument("--title", default="Workbench report")
     r.add_argument("--prompt", default="The capital of France is")
     r.add_argument("--max-new-tokens", type=int, default=32)
@@ -288,20 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument("--new-tokens", type=int, default=64)
     pe.add_argument("--rounds", type=int, default=3)
     pe.add_argument("--threads", type=int, default=None)
-    pe.add_argument("--out", default=str(Path("results") / "peers.json"))
+    pe.add_argument("--out", default=str(results / "peers.json"), help="JSON file (default %(default)s)")
     pe.set_defaults(func=cmd_peers)
 
     pr = sub.add_parser("profile", help="py-spy over a workbench command (flame graph data as speedscope JSON)")
     pr.add_argument("--native", action="store_true", help="include native frames (our C++ kernels by name)")
     pr.add_argument("--rate", type=int, default=250, help="samples per second")
-    pr.add_argument("--out", default=str(Path("results") / "profile.speedscope.json"))
+    pr.add_argument("--out", default=str(results / "profile.speedscope.json"), help="speedscope file (default %(default)s)")
     pr.add_argument("rest", nargs=argparse.REMAINDER)
     pr.set_defaults(func=cmd_profile)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server: continuous batching, prefix reuse")
     _model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default %(default)s)")
     sv.add_argument("--slots", type=int, default=8, help="sequences decoded together at most (KV cache rows)")
     sv.add_argument("--max-len", type=int, default=None, help="tokens per sequence (default min(context, 2048))")
     sv.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
@@ -315,27 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     sv.set_defaults(func=cmd_serve)
 
     sb = sub.add_parser("serve-bench", help="load an OpenAI-compatible server: TTFT / TPOT / ITL percentiles, goodput")
-    sb.add_argument("--url", default="http://127.0.0.1:8000")
-    sb.add_argument("--rate", default="max", help="requests/s, comma-separated for a sweep; max: all at once "
-                    "under --concurrency (default)")
-    sb.add_argument("--concurrency", type=int, default=8)
-    sb.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson, <1 burstier)")
-    sb.add_argument("--num-requests", type=int, default=32)
-    sb.add_argument("--prompt-tokens", type=int, default=64)
-    sb.add_argument("--max-tokens", type=int, default=32)
-    sb.add_argument("--shared-prefix-tokens", type=int, default=0)
-    sb.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts starting with the prefix")
-    sb.add_argument("--range-ratio", type=float, default=0.0,
-                    help="prompt and output lengths drawn uniformly within this fraction of --prompt-tokens and "
-                         "--max-tokens (0: all alike)")
-    sb.add_argument("--prompts-file", default=None,
-                    help="prompts from a file: one a line, or JSON lines with prompt (and max_tokens) if it ends in "
-                         ".jsonl; taken in order")
-    sb.add_argument("--slo-ttft", type=parse_duration, default=None, help="e.g. 1s")
-    sb.add_argument("--slo-tpot", type=parse_duration, default=None, help="e.g. 100ms")
+    sb.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the server (default %(default)s)")
+    add_options(sb, SERVE_BENCH_OPTIONS)
     sb.add_argument("--model", default="default", help="the model name sent in each request")
     sb.add_argument("--label", default="", help="a name for these rows (which server, which settings)")
-    sb.add_argument("--out", default=str(Path("results") / "serve-bench.json"))
+    sb.add_argument("--out", default=str(results / "serve-bench.json"), help="JSON file (default %(default)s)")
     sb.set_defaults(func=cmd_serve_bench)
 
     from workbench.model.quantize import MIXES

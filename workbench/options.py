@@ -47,6 +47,7 @@ GENERATE_OPTIONS: list[Option] = [
 ]
 
 
+
 def add_options(parser, options: list[Option]) -> None:
     for flags, kwargs in options:
         parser.add_argument(*flags, **kwargs)
@@ -89,3 +90,63 @@ def parse_duration(text: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text!r}")
     return seconds
+
+
+def parse_rates(text: str) -> list[float | None]:
+    """--rate: requests/s, comma-separated for a sweep, `max` for all at once under the
+    concurrency (None); an argparse type, so a mistake is one line naming the option."""
+    import argparse
+
+    rates = []
+    for item in str(text).split(","):
+        item = item.strip()
+        try:
+            rate = None if item == "max" else float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--rate takes requests/s or max, comma-separated; got {text!r}") from None
+        if rate is not None and not rate > 0:
+            raise argparse.ArgumentTypeError(f"--rate values must be > 0 (or max), got {text!r}")
+        rates.append(rate)
+    return rates
+
+
+def _serve_bench_default(name: str):
+    """A serve_bench() keyword's default: the function's signature is where it is defined."""
+    import inspect
+
+    from workbench.analysis.serve_bench import serve_bench
+
+    return inspect.signature(serve_bench).parameters[name].default
+
+
+# Loading a server (`workbench serve-bench`, %serve_bench): the load and the requests. Each
+# default is serve_bench()'s own and is said in the help. (argparse reads a help string as a
+# %-format: a literal percent sign is written %%.)
+SERVE_BENCH_OPTIONS: list[Option] = [
+    (("--rate",), dict(type=parse_rates, default="max", help="requests/s, comma-separated for a sweep; max: all at "
+                                                             "once under --concurrency (default max)")),
+    (("--concurrency",), dict(type=int, default=_serve_bench_default("concurrency"),
+                              help="requests in flight at most with --rate max (default %(default)s)")),
+    (("--burstiness",), dict(type=float, default=_serve_bench_default("burstiness"),
+                             help="gamma shape of the gaps between arrivals: 1 is Poisson, below 1 burstier "
+                                  "(default %(default)s)")),
+    (("--num-requests",), dict(type=int, default=_serve_bench_default("num_requests"),
+                               help="requests at each rate (default %(default)s)")),
+    (("--prompt-tokens",), dict(type=int, default=_serve_bench_default("prompt_tokens"),
+                                help="words of synthetic prompt, about one token each (default %(default)s)")),
+    (("--max-tokens",), dict(type=int, default=_serve_bench_default("max_tokens"),
+                             help="tokens each request asks for, past end-of-sequence (default %(default)s)")),
+    (("--shared-prefix-tokens",), dict(type=int, default=_serve_bench_default("shared_prefix_tokens"),
+                                       help="words of a prefix some prompts share (default %(default)s: none)")),
+    (("--shared-fraction",), dict(type=float, default=_serve_bench_default("shared_fraction"),
+                                  help="share of prompts starting with the shared prefix (default %(default)s)")),
+    (("--range-ratio",), dict(type=float, default=_serve_bench_default("range_ratio"),
+                              help="prompt and output lengths drawn uniformly within this fraction of "
+                                   "--prompt-tokens and --max-tokens (default %(default)s: all alike)")),
+    (("--prompts-file",), dict(default=None, help="prompts from a file: one a line, or JSON lines with prompt (and "
+                                                  "max_tokens) if it ends in .jsonl; taken in order")),
+    (("--slo-ttft",), dict(type=parse_duration, default=None,
+                           help="time-to-first-token objective for goodput, e.g. 1s (default: none)")),
+    (("--slo-tpot",), dict(type=parse_duration, default=None,
+                           help="time-per-output-token objective for goodput, e.g. 100ms (default: none)")),
+]

@@ -73,6 +73,10 @@ class _Recorder:
         if duration:
             cmd += ["--duration", str(max(1, int(round(duration))))]
         self.out, self.pid = out, pid
+        # An earlier profile's file at the same path (the default one is shared) must not pass
+        # for this one's when py-spy writes none: stop() takes a missing file as its failure.
+        if out.is_file():
+            out.unlink()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._started = threading.Event()
@@ -188,15 +192,27 @@ def flame_spec(stacks: dict[tuple[str, ...], int], title: str = "Flame graph", m
             "layout": {"title": {"text": title}, "height": 560, "margin": {"l": 10, "r": 10, "t": 40, "b": 10}}}
 
 
+def default_out() -> Path:
+    """The speedscope file when none is named: profile.speedscope.json in results_dir()."""
+    from workbench.cache import results_dir
+
+    return results_dir() / "profile.speedscope.json"
+
+
+def _out_path(out: str | Path | None) -> Path:
+    return (default_out() if out is None else Path(out).expanduser()).resolve()
+
+
 def profile(fn: Callable[[], object], native: bool = False, rate: int = 250, duration: float | None = None,
-            out: str | Path = "results/profile.speedscope.json", engine_pids: dict[int, int] | None = None) -> dict:
+            out: str | Path | None = None, engine_pids: dict[int, int] | None = None) -> dict:
     """Run fn() under py-spy attached to this process (and to engine_pids {rank: pid});
-    returns {"speedscope", "samples", "top_frames", "stacks", "value", "engines": {rank: summary}}."""
+    returns {"speedscope", "samples", "top_frames", "stacks", "value", "engines": {rank: summary}}.
+    out: the speedscope file (default: default_out())."""
     if not isinstance(rate, int) or not 1 <= rate <= 10_000:
         raise ValueError(f"rate must be an integer number of samples per second in [1, 10000], got {rate!r}")
     if duration is not None and not duration > 0:
         raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
-    out = Path(out)
+    out = _out_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     recorders = [_Recorder(os.getpid(), out, native, rate, duration)]
     for rank, pid in (engine_pids or {}).items():
@@ -224,10 +240,12 @@ def profile(fn: Callable[[], object], native: bool = False, rate: int = 250, dur
 
 
 def profile_command(cmd: list[str], native: bool = False, rate: int = 250,
-                    out: str | Path = "results/profile.speedscope.json") -> dict:
+                    out: str | Path | None = None) -> dict:
     """py-spy running a command from its start (`workbench profile`)."""
-    out = Path(out)
+    out = _out_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_file():
+        out.unlink()  # as _Recorder: only this run's file may be read below
     args = [*py_spy_command(), "record", "--rate", str(rate), "--format", "speedscope", "--output", str(out),
             *(["--native"] if native else []), "--", *cmd]
     proc = subprocess.run(args)

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from workbench.analysis.axes import decade_axis
 from workbench.analysis.forcing import forced_logits, new_cache_for
 from workbench.analysis.text import license_corpus
 from workbench.model.kv_formats import KV_FORMATS, kernel_configs, kv_format, kv_label
@@ -167,9 +168,11 @@ def quality_figure(rows: list[dict]) -> dict:
                      "x": [r["bytes_per_element"] for r in at], "y": [r["kl_nats"] for r in at],
                      "text": [r.get("cache", r["kv_cache"]) for r in at], "textposition": "top center",
                      "hovertemplate": "%{text}: %{x:.3f} B/element, KL %{y:.2e} nats<extra></extra>"})
+    kl = [r["kl_nats"] for r in rows if r["kl_nats"] > 0]  # an fp32 cache's 0 has no place on a log axis
     return {"data": data, "layout": {"title": {"text": "KV-cache quality vs bytes (KL to an fp32 cache; lower is better)"},
                                      "height": 460, "xaxis": {"title": {"text": "bytes per cached element (scales included)"}},
-                                     "yaxis": {"title": {"text": "mean KL, nats"}, "type": "log"}}}
+                                     "yaxis": decade_axis("mean KL, nats", kl) if kl else
+                                     {"title": {"text": "mean KL, nats (none above 0)"}}}}
 
 
 def default_text_name() -> str:

@@ -36,6 +36,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from workbench.runtime.aio import run_coroutine
+
 # Where a server counts its prompt-prefix reuse on /metrics: (prompt tokens looked up, tokens
 # reused, bytes not recomputed or None), by the first counter's name.
 PREFIX_COUNTERS = (
@@ -292,8 +294,9 @@ def serve_bench(url: str, *, rates: list[float | None] = (None,), concurrency: i
             prompts = [item["prompt"] for item in items]
             outputs = [item["max_tokens"] or n for item, n in zip(items, outputs)]
         before = _scrape(base)
-        outcomes, wall = asyncio.run(_run(base, prompts, outputs, rate, concurrency, burstiness, model,
-                                          seed + i, timeout_s, hang_up_fraction))
+        # run_coroutine, not asyncio.run: in a notebook the kernel's event loop is running already
+        outcomes, wall = run_coroutine(_run(base, prompts, outputs, rate, concurrency, burstiness, model,
+                                            seed + i, timeout_s, hang_up_fraction))
         reuse = prefix_reuse(before, _scrape(base))
         rows.append({
             "kind": "serve_bench", "label": label, "url": url, "rate": rate,

@@ -77,24 +77,6 @@ def _on_this_host(engine: dict) -> bool:
     return engine.get("host") == socket.gethostname()
 
 
-def _descendants(root: int) -> list[int]:
-    """Every live process below `root` in the process tree (from /proc)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().split(")")[-1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, ppid in parent.items() if ppid in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def mpi_defaults(iface: str | None) -> dict:
     """The MPI launcher on one host with the mpiexec of the ccl extra's impi-rt wheel (Intel
     MPI's hydra): processes forked locally, talking over `iface`. For several hosts, pass
@@ -144,12 +126,11 @@ class Cluster:
         self.engines: list[dict] = []
         self.shm_path = None
         self.model: DistributedModel | None = None
-        self._watchdog = None  # the process that cleans up if this one dies (_start_watchdog)
+        # The process that owns what the cluster creates here (workbench.distributed.watchdog):
+        # started before anything else, so no process or file of the cluster is ever without one
+        self._watchdog: watchdog.Watchdog | None = None
         self.watchdog_log = None
-        # This host's processes of the cluster when it had started, {pid: start time}: the
-        # controller, the engines, and the nannies ipyparallel starts beside each engine in
-        # their own sessions, which stop() must also see gone (_start_watchdog)
-        self._processes: dict[int, int | None] = {}
+        self.cluster_id = None  # ipyparallel's; every process it launches carries it (watchdog.MARK)
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -189,9 +170,13 @@ class Cluster:
                 local = config.LocalEngineSetLauncher
                 local.engine_cmd = [sys.executable, "-m", "workbench.distributed.engine_main"]
                 local.engine_args = [*local.get("engine_args", []), f"--IPEngine.wait_for_url_file={URL_FILE_WAIT_S}"]
+            import uuid
+
+            self.cluster_id = f"workbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self.ipp_cluster = ipp.Cluster(n=self.n, engines=self.launcher, controller_ip=self.ip, log_level=40,
                                            config=config, controller_args=list(CONTROLLER_ARGS), delay=0,
-                                           send_engines_connection_env=not overlap)
+                                           send_engines_connection_env=not overlap, cluster_id=self.cluster_id)
+            self._start_watchdog()  # before the first process or file exists
             self.client = self.ipp_cluster.start_and_connect_sync(activate=False)
             self.client.wait_for_engines(self.n, timeout=120)
             try:  # %px / %%px on these engines, for power users in IPython
@@ -210,50 +195,35 @@ class Cluster:
             ars = [self.client[eid].apply_async(engine.setup, rank, self.n, self.backend, rendezvous, self.timeout_s)
                    for rank, eid in enumerate(ids)]
             self.engines = self._gather(ars, "joining the collective")
-            self._start_watchdog()
         except BaseException:
             self.stop()
             raise
         return self
 
     def _start_watchdog(self) -> None:
-        """A process that stops this cluster and removes its files if this one dies by any
-        signal (workbench.distributed.watchdog); stop() ends it first."""
-        import subprocess
-        from pathlib import Path
-
+        """The watchdog of this cluster (workbench.distributed.watchdog): it ends the processes
+        carrying the cluster's id and removes its files, ipyparallel's connection files and
+        logs and this client's shm segments, when stop() asks or when this process dies."""
         from workbench.cache import cache_dir
+        from workbench.distributed.comm import SHM_DIR, SHM_PREFIX
 
-        ours = [pid for pid in _descendants(os.getpid()) if "ipyparallel" in watchdog.cmdline(pid)]
-        pids = sorted({*ours, *(e["pid"] for e in self.engines if _on_this_host(e))})
-        self._processes = {pid: watchdog.start_time(pid) for pid in pids}
-        security = Path(self.ipp_cluster.profile_dir) / "security"
-        files = [*security.glob(f"*{self.ipp_cluster.cluster_id}*")]
-        if self.shm_path is not None:
-            files.append(self.shm_path)
-        log = cache_dir() / "distributed" / f"watchdog-{os.getpid()}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.watchdog_log = log
-        self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "workbench.distributed.watchdog", "--client", str(os.getpid()),
-             "--pids", ",".join(map(str, pids)), "--files", ",".join(map(str, files)), "--log", str(log)],
-            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        profile = self.ipp_cluster.profile_dir
+        patterns = [os.path.join(profile, "security", f"*{self.cluster_id}*"),
+                    os.path.join(profile, "log", f"*{self.cluster_id}*"),
+                    str(SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-*")]  # one cluster at a time per client
+        self.watchdog_log = cache_dir() / "distributed" / f"watchdog-{os.getpid()}.log"
+        self._watchdog = watchdog.Watchdog(self.cluster_id, patterns, self.watchdog_log).start()
 
     def stop(self, *, kill: bool = False) -> None:
         """Stop the engines and the controller, also after a failure; idempotent. kill=True
         (a rank died) SIGKILLs this host's engines first: the others may sit in a collective
-        waiting for the dead one, where no signal handler runs until the collective's timeout."""
+        waiting for the dead one, where no signal handler runs until the collective's timeout.
+        The polite part is here; what it leaves (a process that ignored it, the segment, the
+        connection files) the watchdog removes before this returns."""
         global _running
-        pids = [e["pid"] for e in self.engines if _on_this_host(e)]
         if kill:
-            watchdog.signal_all([p for p in pids if _alive(p)], signal.SIGKILL)
-        if self._watchdog is not None:  # a clean stop: nothing for it to do
-            self._watchdog.terminate()
-            try:
-                self._watchdog.wait(timeout=5)
-            except Exception:
-                self._watchdog.kill()
-            self._watchdog = None
+            watchdog.signal_all([e["pid"] for e in self.engines if _on_this_host(e) and _alive(e["pid"])],
+                                signal.SIGKILL)
         if self.client is not None:
             if not kill:
                 self._close_communicators()
@@ -264,31 +234,15 @@ class Cluster:
                 pass
         if self.ipp_cluster is not None:
             try:
-                controller = self.ipp_cluster.controller
-                if controller is not None and getattr(controller, "process", None) is not None:
-                    pids.append(controller.process.pid)
                 self.ipp_cluster.stop_cluster_sync()
             except Exception:
                 pass
-        # The engines and the controller, and the cluster's other processes: an engine's nanny
-        # normally exits with its engine, but one was found in zmq's Context.term for good after
-        # its engine and the controller had gone (in CI, 2026-12-06), so they are waited for too
-        pids += [p for p in self._processes if p not in pids]
-
-        def ours(p):  # alive, and not a later process given the pid of one recorded at start
-            return _alive(p) and (p not in self._processes or self._processes[p] == watchdog.start_time(p))
-
-        deadline = time.monotonic() + 10
-        while any(ours(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        stubborn = [p for p in pids if ours(p)]
-        watchdog.signal_all(stubborn, signal.SIGKILL)  # what ignored the polite stop
-        deadline = time.monotonic() + 5  # SIGKILL is not instant: return once they are gone
-        while any(ours(p) for p in stubborn) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._processes = {}
-        if self.shm_path is not None and self.shm_path.exists():
-            self.shm_path.unlink()
+        # An engine's nanny normally exits with its engine, but one was found in zmq's
+        # Context.term for good after its engine and the controller had gone (in CI,
+        # 2026-12-06): the watchdog ends whatever still carries the cluster's id.
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         self.client = self.ipp_cluster = None
         self.model = None
         if _running is self:

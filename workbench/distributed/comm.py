@@ -140,17 +140,34 @@ def _never_preempt_the_caller(thread_name: str) -> None:
 
 
 class GlooComm(Communicator):
-    """torch.distributed's gloo backend; the rendezvous is a TCP store on 127.0.0.1."""
+    """torch.distributed's gloo backend; the rendezvous is a TCP store that rank 0 hosts at
+    init_method's address (tcp://127.0.0.1:port on one host; on several, the address of the
+    interface the user named), listening there and nowhere else."""
 
     name = "gloo"
 
     def __init__(self, rank: int, world: int, timeout_s: float, init_method: str):
         super().__init__(rank, world, timeout_s)
+        import socket
+        from urllib.parse import urlsplit
+
         import torch.distributed as dist
 
         self.dist = dist
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        where = urlsplit(init_method)
+        timeout = timedelta(seconds=timeout_s)
+        # Given a host and port alone, the TCPStore's server listens on every interface (::),
+        # whatever the host: a one-machine run would be open to the network. Rank 0 binds the
+        # listening socket itself and hands it over; it stays open while the group lives.
+        self._store_socket = None
+        if rank == 0:
+            self._store_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._store_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._store_socket.bind((where.hostname, where.port))
+            self._store_socket.listen(max(world, 8))
+        store = dist.TCPStore(where.hostname, where.port, world, is_master=rank == 0, timeout=timeout,
+                              master_listen_fd=self._store_socket.fileno() if rank == 0 else None)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         self.group = dist.group.WORLD
         _never_preempt_the_caller("gloo_tcp_loop")
 
@@ -205,6 +222,9 @@ class GlooComm(Communicator):
     def close(self) -> None:
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+        if self._store_socket is not None:
+            self._store_socket.close()
+            self._store_socket = None
 
 
 SHM_DIR = Path("/dev/shm")

@@ -3,8 +3,8 @@ self-contained HTML page that opens offline (plotly's JavaScript inlined once).
 
     import workbench as wb
     wb.report.record(result)                          # or: %generate / %ablate record themselves
-    paths = wb.report.write("results/report.html", title="SmolLM2 on my laptop")
-    paths = wb.report("results/report.html", title="SmolLM2 on my laptop")   # the same
+    paths = wb.report.write(title="SmolLM2 on my laptop")     # results_dir()/report.html; or a path
+    paths = wb.report(title="SmolLM2 on my laptop")           # the same
 
 What a report holds (workbench/report/schema.json is the contract):
     machine     CPU model, sockets, cores and threads used, ISA flags, caches, NUMA nodes,
@@ -38,7 +38,7 @@ __all__ = ["SCHEMA_VERSION", "add_entry", "build", "clear", "record", "recorded"
 class _CallableModule(types.ModuleType):
     """`wb.report(path, title=...)` is `wb.report.write(path, title=...)`."""
 
-    def __call__(self, path="results/report.html", title: str = "Workbench report", entries=None) -> dict:
+    def __call__(self, path=None, title: str = "Workbench report", entries=None) -> dict:
         return write(path, title=title, entries=entries)
 
 

@@ -16,6 +16,8 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from workbench.hw.load import machine_load
+
 SCHEMA_VERSION = 1
 PACKAGES = ("torch", "numpy", "gguf", "tokenizers", "ipython", "ipywidgets", "plotly", "ipyparallel", "transformers",
             "oneccl-cpu", "cpu-llm-workbench")
@@ -104,6 +106,7 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
         "per_layer_ms": {"prefill": t.per_layer("prefill"), "decode": t.per_layer("decode")},
         "text": result.text,
         "command": command,
+        "load": machine_load(),
     }
     if getattr(result, "topk_log", None):
         entry["topk_checks"] = result.topk_log
@@ -150,16 +153,18 @@ def record(item, model=None, command: str | None = None, prompt: str | None = No
 
 
 def rows_entry(rows: list[dict], kind: str, command: str | None, model: dict | None = None,
-               when: str | None = None) -> dict:
-    """A log entry of rows (an ablation, a serve-bench run, ...)."""
+               when: str | None = None, load: dict | None = None) -> dict:
+    """A log entry of rows (an ablation, a serve-bench run, ...); load: the machine's when they
+    were measured (default: now)."""
     return {"kind": kind, "time": when or time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": model, "rows": rows,
-            "command": command}
+            "command": command, "load": load or machine_load()}
 
 
 def add_entry(entry: dict) -> dict:
     """Add an entry already in the report's shape (a profile, a peers run read back)."""
     if not isinstance(entry, dict) or "kind" not in entry or "time" not in entry:
         raise TypeError("add_entry() takes a dict with at least 'kind' and 'time'")
+    entry.setdefault("load", machine_load())
     _take_session_measurements()
     _log.append(entry)
     return entry
@@ -173,10 +178,10 @@ def _take_session_measurements() -> None:
     while current.measured:
         m = current.measured.pop(0)
         if "rows" in m:  # Session.add_rows
-            entry = rows_entry(m["rows"], m["kind"], m["command"], when=m["time"])
+            entry = rows_entry(m["rows"], m["kind"], m["command"], when=m["time"], load=m["load"])
         else:
             entry = generation_entry(m["result"], m["model"], m["command"], m["prompt"])
-            entry["time"] = m["time"]
+            entry["time"], entry["load"] = m["time"], m["load"]  # as it was when the panel measured
         _log.append(entry)
 
 
@@ -234,10 +239,20 @@ def machine() -> dict:
         pass
     return {**m, "sockets": _sockets(), "numa_nodes": _numa_nodes(), "cpus_usable": len(os.sched_getaffinity(0)),
             "threads_used": torch.get_num_threads(), "ram_bytes": ram, "available_bytes": available_memory_bytes(),
+            "load": machine_load(),  # when the report was written; each entry has its own
             "peaks": {**measured_peaks().as_dict(),
                       "how": "triad: a[i] = b[i] + s c[i] over 3 x 256 MiB, 12 bytes per element, best of 5; "
                              "FMA: independent fp32 FMA chains in registers on every thread, best of 5 "
                              "(workbench.kernels.peaks)"}}
+
+
+def frontend() -> str:
+    """What ran the measurements: a Jupyter kernel (a notebook), an IPython terminal, another
+    IPython shell, or plain Python (a script, the CLI)."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    kind = type(shell).__name__ if shell is not None else None
+    return {"ZMQInteractiveShell": "a Jupyter kernel (ipykernel)", "TerminalInteractiveShell": "an IPython terminal",
+            None: "plain Python"}.get(kind, f"an IPython shell ({kind})")
 
 
 def software() -> dict:
@@ -250,11 +265,26 @@ def software() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     info = build_info()
-    return {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
+    return {"python": platform.python_version(), "executable": sys.executable, "frontend": frontend(),
+            "platform": platform.platform(),
             "compiler": info["compiler"], "flags": info["flags"], "kernels_isa": info["isa"],
             "gemm_tile": info["gemm_tile"], "gemm_engine": info["gemm_engine"],
             "prefill_attention": info["prefill_attention"], "amx_bf16": info["amx_bf16"],
             "packages": versions, "git": _git()}
+
+
+def report_load(report: dict) -> dict | None:
+    """A report's worst load: the busiest of its entries' (each recorded with its measurement),
+    else the machine's when the report was written; None in a report made before loads were
+    recorded."""
+    loads = [e["load"] for e in report.get("entries", []) if e.get("load")] or \
+        [(report.get("machine") or {}).get("load")]
+    loads = [x for x in loads if x]
+    if not loads:
+        return None
+    return {"loadavg": [max(x["loadavg"][i] for x in loads) for i in range(3)], "cpus": loads[0]["cpus"],
+            "busy_elsewhere_cpus": max(x["busy_elsewhere_cpus"] for x in loads),
+            "busy_processes": max(loads, key=lambda x: x["busy_elsewhere_cpus"])["busy_processes"]}
 
 
 def build(entries: list[dict] | None = None, title: str = "Workbench report") -> dict:

@@ -12,6 +12,11 @@ rounds; a serve-bench load is one run, so its ratios come without a verdict). Th
     regression     B is worse (slower, or fewer tokens/s) and the ranges do not overlap
     improvement    B is better and the ranges do not overlap
     no spread      one side has a single sample: only the ratio can be given
+
+Before any verdict, a warning where the two runs were made in different conditions
+(load_warnings): the machine busier in one (other processes on half a CPU more, or load
+averages a quarter of the CPUs apart), or another frontend (a Jupyter kernel against an
+IPython terminal). A verdict between such runs measures the conditions as much as the code.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 from pathlib import Path
 
 from workbench.model.kv_formats import kv_label
+from workbench.report.collect import report_load
 
 
 def load(path) -> dict:
@@ -127,10 +133,41 @@ def compare(a: dict, b: dict) -> list[dict]:
     return rows
 
 
+# Two runs' loads differ when other processes kept this many more CPUs busy in one, or their
+# load averages (1 minute) are this share of the CPUs apart (at least one runnable thread).
+BUSY_CPUS_APART = 0.5
+LOADAVG_SHARE_APART = 0.25
+
+
+def load_warnings(a: dict, b: dict) -> list[str]:
+    """Why A and B may not be comparable: different machine loads, another frontend, or a load
+    not recorded on one side."""
+    from workbench.hw.load import load_said
+
+    warnings = []
+    la, lb = report_load(a), report_load(b)
+    if la is None or lb is None:
+        missing = " and ".join(side for side, x in (("A", la), ("B", lb)) if x is None)
+        warnings.append(f"{missing} recorded no machine load: whether the machine was busy cannot be told")
+    else:
+        cpus = max(la["cpus"] or 1, lb["cpus"] or 1)
+        if (abs(la["busy_elsewhere_cpus"] - lb["busy_elsewhere_cpus"]) >= BUSY_CPUS_APART or
+                abs(la["loadavg"][0] - lb["loadavg"][0]) >= max(1.0, LOADAVG_SHARE_APART * cpus)):
+            warnings.append(f"the machine's load differed: A {load_said(la)}; B {load_said(lb)}. The ratios "
+                            f"below measure that too")
+    fa, fb = ((r.get("software") or {}).get("frontend") for r in (a, b))
+    if fa and fb and fa != fb:
+        warnings.append(f"A ran in {fa}, B in {fb}")
+    return warnings
+
+
 def _side(report: dict) -> dict:
+    from workbench.hw.load import load_said
+
     m, s = report.get("machine", {}), report.get("software", {})
     git = s.get("git") or {}
-    return {"title": report.get("title"), "created": report.get("created"), "CPU": m.get("cpu_model"),
+    return {"title": report.get("title"), "created": report.get("created"), "frontend": s.get("frontend"),
+            "machine load": load_said(report_load(report)), "CPU": m.get("cpu_model"),
             "threads": m.get("threads_used"), "triad GB/s": (m.get("peaks") or {}).get("triad_gbps"),
             "FMA GFLOP/s": (m.get("peaks") or {}).get("fma_gflops"), "kernels ISA": s.get("kernels_isa"),
             "torch": (s.get("packages") or {}).get("torch"),
@@ -146,6 +183,7 @@ def format_compare(rows: list[dict], a: dict | None = None, b: dict | None = Non
 
     lines = []
     if a is not None and b is not None:
+        lines += [f"warning: {w}" for w in load_warnings(a, b)]
         sa, sb = _side(a), _side(b)
         lines.append(format_table([{"": k, "A": _fmt(sa[k]), "B": _fmt(sb[k])} for k in sa], ["", "A", "B"]))
         lines.append("")
@@ -225,6 +263,7 @@ def html_page(rows: list[dict], a: dict, b: dict) -> str:
                     f"<td>{html.escape(_number(sb[k]))}</td></tr>" for k in sa)
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>workbench compare</title><style>{CSS}</style>"
             f"</head><body><h1>{html.escape(str(a.get('title')))} (A) vs {html.escape(str(b.get('title')))} (B)</h1>"
+            + "".join(f"<p class='warning'><b>warning:</b> {html.escape(w)}</p>" for w in load_warnings(a, b)) +
             f"{_verdict_html(rows)}<h2>The two runs</h2><table class='kv'><thead><tr><th></th><th>A</th><th>B</th>"
             f"</tr></thead><tbody>{sides}</tbody></table>"
             f"<h2>Every measurement</h2>{_rows_html(rows)}</body></html>")

@@ -146,7 +146,8 @@ def _dimension_finding(rows: list[dict], dim: Dimension, m: Metric) -> str:
         pairs = [(g[best], g[other]) for g in groups.values() if best in g and other in g]
         if pairs:
             said[other] = _compare_pairs(pairs, m)
-    lead = f"<b>{html.escape(best)}</b> has the highest median{'s' if len(groups) > 1 else ''}"
+    # "fastest", not "highest": for prefill time the best median is the lowest
+    lead = f"<b>{html.escape(best)}</b> has the fastest median{'s' if len(groups) > 1 else ''}"
     if all(c.ahead for c in said.values()):
         lead = f"<b>{html.escape(best)}</b> is fastest"
     elif all(c.verdict != NO_SPREAD for c in said.values()):

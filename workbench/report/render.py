@@ -15,9 +15,11 @@ import html
 import json
 from pathlib import Path
 
+from workbench.analysis.axes import decade_axis
 from workbench.analysis.tp_savings import savings_table, switch_savings
 from workbench.model.kv_formats import kv_label
-from workbench.report.collect import build
+from workbench.hw.load import load_said
+from workbench.report.collect import build, report_load
 # The report package's own helpers: labels and numbers, and the findings in words.
 from workbench.report.findings import (DECODE, DIMENSIONS, PREFILL, Dimension, _config, _findings, _is_grid, _matched,
                                        _repeats_said, _setting, _tp_name, _varied)
@@ -59,8 +61,8 @@ def _roofline_spec(report: dict) -> dict | None:
              "text": [p[0] for p in points], "mode": "markers", "marker": {"size": 9},
              "hovertemplate": "%{text}<br>%{x:.3g} FLOPs per byte, %{y:.3g} GFLOP/s<extra></extra>"}]
     return {"data": data, "layout": {"title": {"text": "Roofline: every decode measurement against the measured peaks"},
-                                     "height": 420, "xaxis": {"type": "log", "title": {"text": "FLOPs per byte read"}},
-                                     "yaxis": {"type": "log", "title": {"text": "GFLOP/s"}}}}
+                                     "height": 420, "xaxis": decade_axis("FLOPs per byte read", xs),
+                                     "yaxis": decade_axis("GFLOP/s", [*roof, *(p[2] for p in points)])}}
 
 
 def _spread_bars(name: str, x: list[str], rows: list[dict], key: str, axis: str, color: str, legend: bool) -> dict:
@@ -292,6 +294,8 @@ def html_page(report: dict) -> str:
 <p class='meta'>{len(report['entries'])} measurement(s) on {html.escape(str(cpu))} with
 {report['machine'].get('threads_used', '?')} thread(s); created {html.escape(report['created'])}; peak resident memory
 {report['peak_rss_bytes'] / 2**20:.0f} MiB; schema version {report['schema_version']}</p>
+<p class='meta'>Measured in {html.escape(str(report['software'].get('frontend', 'an unrecorded frontend')))};
+the busiest the machine was at a measurement: {html.escape(load_said(report_load(report)))}</p>
 {_findings(report)}
 {roof_div}
 <h2>Measurements</h2>{sections}
@@ -303,10 +307,13 @@ def html_page(report: dict) -> str:
 """
 
 
-def write(path="results/report.html", title: str = "Workbench report", entries: list[dict] | None = None) -> dict:
-    """Write the report (default: this session's measurements) as HTML at `path` and JSON beside
-    it; returns {"html": Path, "json": Path, "entries": n}."""
-    path = Path(path)
+def write(path=None, title: str = "Workbench report", entries: list[dict] | None = None) -> dict:
+    """Write the report (default: this session's measurements) as HTML at `path` (default
+    report.html in workbench.cache.results_dir()) and JSON beside it; returns {"html": Path,
+    "json": Path, "entries": n}, the paths absolute."""
+    from workbench.cache import results_dir
+
+    path = (results_dir() / "report.html" if path is None else Path(path).expanduser()).resolve()
     if path.suffix != ".html":
         raise ValueError(f"the report path must end in .html (the JSON is written beside it), got {str(path)!r}")
     report = build(entries, title)

@@ -6,4 +6,5 @@
     streaming    TextStream: print tokens as they are generated
     threads      set_threads: the one rule for thread counts
     status       status_report: model, switches, threads, kernels, peaks in a few lines
+    aio          run_coroutine: a coroutine to its end, also inside a running event loop (a kernel's)
 """

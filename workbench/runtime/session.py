@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from workbench.hw.load import machine_load
+
 
 class Session:
     def __init__(self):
@@ -19,14 +21,15 @@ class Session:
         self.measured: list[dict] = []
 
     def add_measurement(self, result, model, command: str, prompt: str | None = None) -> None:
-        """A generation measured outside the magics (the panel), for %report."""
+        """A generation measured outside the magics (the panel), for %report, with the time and
+        the machine's load now (not when the report is written)."""
         self.measured.append({"result": result, "model": model, "command": command, "prompt": prompt,
-                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": machine_load()})
 
     def add_rows(self, rows: list[dict], kind: str, command: str) -> None:
         """Rows measured outside the magics (the panel's serve-bench), for %report."""
         self.measured.append({"rows": rows, "kind": kind, "command": command,
-                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": machine_load()})
 
     @property
     def model(self):

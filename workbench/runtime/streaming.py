@@ -27,5 +27,11 @@ class TextStream:
         text = self.tokenizer.decode(self.ids)
         out = self.out or sys.stdout  # looked up per call: IPython swaps stdout per cell
         out.write(text[len(self.text):])
-        out.flush()
+        if getattr(out, "flush_interval", None) is None:
+            out.flush()  # a terminal or a pipe: shown now, token by token
+        # else a Jupyter kernel's stream (ipykernel's OutStream), which sends what was written at
+        # most every flush_interval (0.2 s) from its own thread. A flush there blocks this thread
+        # until that thread has sent it, and sends one message per token for the browser to
+        # draw: on a 2-core machine that cost the notebook a fifth of its decode tokens/s
+        # (bench/notebooks.py --generate-speed).
         self.text = text

@@ -62,10 +62,33 @@ def server_args(model, *, slots: int = 8, chunk: int = DEFAULT_CHUNK, prefix_cac
     return options
 
 
+# `workbench serve`'s port, and %serve's where it is free: README's examples and any client
+# configured for the usual address find the server there.
+DEFAULT_PORT = 8000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on host:port and it can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def default_port(host: str = "127.0.0.1") -> tuple[int, str | None]:
+    """DEFAULT_PORT where it is free, else a free port and a sentence saying why."""
+    if port_is_free(DEFAULT_PORT, host):
+        return DEFAULT_PORT, None
+    port = free_port(host)
+    return port, f"port {DEFAULT_PORT} is in use on {host}, so the server took {port}"
 
 
 class ServerProcess:

@@ -64,6 +64,16 @@ def _kv_options() -> list[tuple[str, str]]:
             for kernel in (fmt.kernels if len(fmt.kernels) > 1 else [None])]
 
 
+def _html_output(html_text: str, plain: str) -> dict:
+    """HTML as one output of an ipywidgets Output (nbformat's display_data), text elsewhere.
+
+    The panel's Outputs are changed only through their `outputs` state, set here in the
+    kernel: appended to, or emptied with `outputs = ()`. Output.clear_output() instead sends a
+    clear message that the browser applies and then writes back as an empty state; that echo
+    crossed the text a run had just appended, and emptied the text box after every other run."""
+    return {"output_type": "display_data", "metadata": {}, "data": {"text/html": html_text, "text/plain": plain}}
+
+
 def _slider(cls, **kw):
     # A minimum width keeps the sliders usable in a narrow (split) JupyterLab view.
     return cls(layout=W.Layout(min_width="260px", flex="1 1 260px"), style={"description_width": "initial"}, **kw)
@@ -219,7 +229,7 @@ class Panel:
         name = self.model_picker.value
         random = name.endswith(RANDOM)
         kwargs = dict(random=random, layers=self.layers.value if random else None)
-        self.output.clear_output()
+        self.output.outputs = ()  # not clear_output(): see _html_output
         try:
             if self.ranks.value > 1:
                 if running() is not None and running() is not self.cluster:
@@ -259,7 +269,7 @@ class Panel:
 
     def run(self, _=None) -> None:
         """Warm up (if ticked), then `repeats` measured runs with the current settings."""
-        self.output.clear_output()
+        self.output.outputs = ()  # not clear_output(): see _html_output
         if self.model is None:
             self._error("no model loaded: pick one and press Load, or run %load_model first")
             return
@@ -313,9 +323,10 @@ class Panel:
         self._record(results)
         self._refresh_displays()
         texts = self.result.text if isinstance(self.result.text, list) else [self.result.text]
-        self.output.append_display_data(W.HTML(
+        self.output.outputs += (_html_output(
             "".join(f"<div><b>sequence {b}</b> continues:<pre style='white-space: pre-wrap; margin: 2px 0'>"
-                    f"{html.escape(t)}</pre></div>" for b, t in enumerate(texts))))
+                    f"{html.escape(t)}</pre></div>" for b, t in enumerate(texts)),
+            "\n".join(f"sequence {b} continues: {t}" for b, t in enumerate(texts))),)
 
     def _record(self, results) -> None:
         """Every measured run into this session's report (through the session: the report layer
@@ -364,7 +375,7 @@ class Panel:
         and the knee, record them for %report. Returns the rows (None on an error)."""
         from workbench.analysis.serve_bench import format_rows, serve_bench
         from workbench.serving.process import ServerProcess, server_args
-        from workbench.ui.plots import knee_spec, mime_bundle
+        from workbench.ui.plots import figure_output, knee_spec
 
         self.serve_output.outputs = ()
         if self.model is None:
@@ -399,7 +410,7 @@ class Panel:
         self.session.add_rows(rows, "serve_bench", command)
         self._serve_show(f"<pre>{html.escape(format_rows(rows))}</pre>", format_rows(rows))
         if len(rows) > 1:  # a sweep: the latency-throughput curve
-            self.serve_output.outputs += (mime_bundle(knee_spec(rows)),)
+            self.serve_output.outputs += (figure_output(knee_spec(rows)),)
         return rows
 
     def _serve_error(self, message: str) -> None:
@@ -407,8 +418,7 @@ class Panel:
 
     def _serve_show(self, html_text: str, plain: str) -> None:
         """HTML in the serving output, kept as such in a saved notebook."""
-        self.serve_output.outputs += ({"output_type": "display_data", "metadata": {},
-                                       "data": {"text/html": html_text, "text/plain": plain}},)
+        self.serve_output.outputs += (_html_output(html_text, plain),)
 
     def _mimebundle(self) -> dict:
         """The widget view, with the static figures of the last run as its HTML fallback."""
@@ -500,7 +510,9 @@ class Panel:
         if not self.runs:
             self._error("nothing to export yet: press Run first")
             return
-        path = self.export(Path("results") / f"panel-{time.strftime('%Y%m%d-%H%M%S')}.{kind}")
+        from workbench.cache import results_dir
+
+        path = self.export(results_dir() / f"panel-{time.strftime('%Y%m%d-%H%M%S')}.{kind}")
         self.output.append_stdout(f"wrote {path.resolve()}\n")
 
     def _ipython_display_(self):

@@ -7,8 +7,8 @@
     throughput_figure(timings, batch)     tokens/s of each decode step, all sequences and
                                           per sequence
 
-Each takes earlier runs as `previous` (label, Timings) pairs, drawn as faint traces so two
-settings can be compared by eye. The figures are plain plotly Figures, rebuilt from the
+Each takes earlier runs as `previous` (label, Timings) pairs, newest first, drawn as faint
+lines (a shade and a dash per run, EARLIER_LINES) so settings can be compared by eye. The figures are plain plotly Figures, rebuilt from the
 Timings: nothing is patched in place, so a figure can never hold half an update.
 
 LivePlots shows the three in a notebook while a generation runs:
@@ -26,8 +26,8 @@ updates did not survive a reload.
 
 from __future__ import annotations
 
+import json
 import statistics
-
 import time
 
 import plotly.graph_objects as go
@@ -37,7 +37,11 @@ from workbench.model.timing import PARTS, Timings
 
 PHASES = ("prefill", "decode")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
-FAINT = "rgba(120, 120, 120, 0.45)"
+# Earlier runs, newest first: a shade and a dash each, the same run alike in every figure, so
+# two earlier runs are told apart (the newest is the darkest).
+EARLIER_LINES = ({"color": "rgba(60, 60, 60, 0.8)", "dash": "dot"}, {"color": "rgba(110, 110, 110, 0.65)", "dash": "dash"},
+                 {"color": "rgba(150, 150, 150, 0.55)", "dash": "dashdot"}, {"color": "rgba(180, 180, 180, 0.5)",
+                                                                              "dash": "longdash"})
 MARGIN = dict(l=60, r=20, t=50, b=45)
 BELOW = {"orientation": "h", "y": -0.38, "yanchor": "top"}  # legends under the plot: it keeps its width when narrow
 
@@ -46,9 +50,10 @@ def _axis(title: str, **kw) -> dict:
     return {"title": {"text": title}, **kw}
 
 
-def _faint(name: str, x, y, **kw) -> dict:
+def _earlier(age: int, name: str, x, y, **kw) -> dict:
+    """An earlier run's trace (age 0: the newest), one legend entry per run."""
     return {"type": "scatter", "name": f"earlier: {name}", "x": list(x), "y": list(y), "mode": "lines",
-            "line": {"color": FAINT, "dash": "dot"}, **kw}
+            "line": {**EARLIER_LINES[age % len(EARLIER_LINES)], "width": 1.5}, "legendgroup": f"earlier {age}", **kw}
 
 
 # The figures are written as plotly JSON (dicts) rather than built through graph_objects:
@@ -80,11 +85,11 @@ def per_layer_spec(layers: dict[str, list[dict]], earlier=(), title: str = "Per-
                          "y": [r[f"{part.name}_ms"] for r in rows], "marker": {"color": part.color},
                          "xaxis": f"x{axis}", "yaxis": f"y{axis}",
                          "hovertemplate": f"{part.label}<br>layer %{{x}}: %{{y:.3f}} ms<extra></extra>"})
-        for label, old in earlier:
+        for age, (label, old) in enumerate(earlier):
             rows = old[phase]
-            data.append(_faint(label, (r["layer"] for r in rows), (sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows),
-                               legendgroup=f"earlier {label}", showlegend=axis == "", xaxis=f"x{axis}",
-                               yaxis=f"y{axis}"))
+            data.append(_earlier(age, label, (r["layer"] for r in rows),
+                                 (sum(r[f"{p.name}_ms"] for p in PARTS) for r in rows), showlegend=axis == "",
+                                 xaxis=f"x{axis}", yaxis=f"y{axis}"))
         if predicted and predicted.get(phase):
             rows = predicted[phase]
             parts = ", ".join(f"{p.name} {rows[0][p.name + '_ms']:.3f}" for p in PARTS)
@@ -115,9 +120,9 @@ def _no_run_yet() -> dict:
 
 def bandwidth_spec(timings: Timings, peak_gbps: float, previous=()) -> dict:
     data = []
-    for label, earlier in previous:
+    for age, (label, earlier) in enumerate(previous):
         steps = earlier.decode_steps
-        data.append(_faint(label, range(1, len(steps) + 1), (s.gbps() for s in steps)))
+        data.append(_earlier(age, label, range(1, len(steps) + 1), (s.gbps() for s in steps)))
     decode = timings.decode_steps
     data.append({"type": "scatter", "name": "this run", "x": list(range(1, len(decode) + 1)),
                  "y": [s.gbps() for s in decode], "mode": "lines+markers"})
@@ -138,9 +143,9 @@ def bandwidth_spec(timings: Timings, peak_gbps: float, previous=()) -> dict:
 
 def throughput_spec(timings: Timings, batch: int, previous=()) -> dict:
     data = []
-    for label, earlier in previous:
+    for age, (label, earlier) in enumerate(previous):
         steps = earlier.decode_steps
-        data.append(_faint(label, range(1, len(steps) + 1), (s.tokens / s.total_s for s in steps)))
+        data.append(_earlier(age, label, range(1, len(steps) + 1), (s.tokens / s.total_s for s in steps)))
     decode = timings.decode_steps
     x = list(range(1, len(decode) + 1))
     data.append({"type": "scatter", "name": f"all {batch} sequences" if batch > 1 else "tokens/s", "x": x,
@@ -244,10 +249,29 @@ def knee_spec(rows: list[dict], title: str = "Latency against throughput") -> di
                        "legend": BELOW}}
 
 
-def mime_bundle(spec: dict) -> dict:
-    """A figure's plotly JSON as a display_data output: drawn by JupyterLab, text elsewhere."""
-    return {"output_type": "display_data", "metadata": {},
-            "data": {PLOTLY_MIME: spec, "text/plain": f"<{spec['layout']['title']['text']}>"}}
+def figure_data(figure) -> dict:
+    """A figure (plotly JSON, or a go.Figure) as a MIME bundle: plotly's own type, drawn by
+    JupyterLab's plotly renderer, and its title as text where nothing draws it (a terminal)."""
+    spec = json.loads(figure.to_json()) if isinstance(figure, go.Figure) else figure
+    title = spec.get("layout", {}).get("title")
+    title = title.get("text") if isinstance(title, dict) else title  # plotly takes either form
+    return {PLOTLY_MIME: spec, "text/plain": f"<{title or 'figure'}>"}
+
+
+def figure_output(figure) -> dict:
+    """The figure as one notebook output (nbformat's display_data): what an ipywidgets
+    Output's `outputs` tuple holds, replaced whole at each redraw."""
+    return {"output_type": "display_data", "metadata": {}, "data": figure_data(figure)}
+
+
+def show_figure(figure) -> None:
+    """Display a figure where the code runs: the one way the magics show one. The kernel's
+    display publisher takes the MIME bundle (data and metadata apart); handing it a whole
+    output dict instead gives an output nbformat's schema refuses, which JupyterLab neither
+    draws nor saves."""
+    from IPython.display import display
+
+    display(figure_data(figure), raw=True)
 
 
 class LivePlots:
@@ -271,6 +295,7 @@ class LivePlots:
         self.keep_previous = keep_previous
         self.previous: list[tuple[str, Timings]] = []  # earlier finished runs, newest first
         self._finished: tuple[str, Timings] | None = None  # the last finished run (drawn, not faint)
+        self.finished_runs = 0
         self.timings = Timings()
         self.batch = 1
         self.updates = 0
@@ -338,7 +363,8 @@ class LivePlots:
         topk_log: a tensor-parallel run's top-k checks (GenerationResult.topk_log)."""
         if self._finished is not None:
             self.previous = ([self._finished] + self.previous)[:self.keep_previous]
-        self._finished = (label, timings)
+        self.finished_runs += 1
+        self._finished = (f"run {self.finished_runs}: {label}", timings)  # numbered: the same settings twice differ
         self.topk_log = list(topk_log or [])
         self.update(timings, batch)
 
@@ -350,15 +376,15 @@ class LivePlots:
                  bandwidth_spec(self.timings, self.peak_gbps, self.previous),
                  throughput_spec(self.timings, self.batch, self.previous))
         for out, spec in zip(self.outputs, specs):
-            out.outputs = (mime_bundle(spec),)  # one message per figure, replacing what was there
+            out.outputs = (figure_output(spec),)  # one message per figure, replacing what was there
         distributed = any(s.comm_bytes for s in self.timings.steps)
         comm_out, topk_out = self.distributed_outputs
         comm_out.layout.display = None if distributed else "none"
         topk_out.layout.display = None if self.topk_log else "none"
         if distributed:
-            comm_out.outputs = (mime_bundle(comm_spec(self.timings)),)
+            comm_out.outputs = (figure_output(comm_spec(self.timings)),)
         if self.topk_log:
-            topk_out.outputs = (mime_bundle(topk_spec(self.topk_log)),)
+            topk_out.outputs = (figure_output(topk_spec(self.topk_log)),)
 
 
 def ablation_figure(rows) -> go.Figure:
