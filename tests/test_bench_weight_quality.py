@@ -41,7 +41,7 @@ def test_a_row_per_format_and_engine(tmp_path):
 
 
 def test_bad_arguments_are_refused_by_name():
-    for args, message in ((["--formats", "q4"], "--formats: dtype must be one of fp32, bf16, int8, int8-g32, got 'q4'"),
+    for args, message in ((["--formats", "q4"], "--formats: dtype must be one of fp32, bf16, int8, int8-g32, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g128, got 'q4'"),
                           (["--engines", "tiles"], "--engines: 'tiles' is not one of auto, fma, amx_bf16"),
                           (["--context", "1"], "--context must be at least 2 tokens, got 1")):
         r = run(*args)

@@ -16,7 +16,7 @@ from workbench.kernels._build import SOURCE_DIR, SOURCES, runnable_variants, var
 
 KERNEL_UNITS = [s for s in SOURCES if s not in ("bindings.cpp", "ops.cpp")]  # those two: no ISA-specific code
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],  # as every AVX-512 CPU has
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": ["-march=x86-64"],
 }

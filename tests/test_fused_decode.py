@@ -101,11 +101,12 @@ def test_greedy_tokens_are_the_reference_paths(model):
     """The same greedy tokens, except where the Python path's two best tokens are so close
     that the paths' last-bit differences may order them either way: at the first token that
     differs, the Python path's logits must put the fused path's token within `tie` of its
-    own (an fp32 cache: 1e-3; int8 read by the tile kernel, whose roundings the step logits
-    test bounds: 0.1).
-    Measured: one such step in 24 tokens with int8-g32 weights, the two best 0.011 apart."""
+    own (an fp32 cache: 1e-3; int8 read by the tile kernel: 0.3, the step logits test's
+    measured largest difference at one logit, 0.26).
+    Measured: one such step in 24 tokens with int8-g32 weights, the two best 0.011 apart; with
+    q6_k weights 0.128 apart on another host."""
     prompt = "The licence grants every recipient the same rights, provided that"
-    for kv, tie in (("fp32", 1e-3), ("int8", 0.1)):
+    for kv, tie in (("fp32", 1e-3), ("int8", 0.3)):
         fused = model.generate(prompt, max_new_tokens=24, kv_cache=kv, step="fused", stop_at_eos=False)
         python = model.generate(prompt, max_new_tokens=24, kv_cache=kv, step="reference", stop_at_eos=False)
         assert fused.step_path == "fused" and python.step_path == "reference"

@@ -187,7 +187,7 @@ def test_fp32_weights_keep_the_fma_engine_and_the_rest_follow_the_engine(kernels
         if engine == "amx_int8":
             expect.update(bfloat16="amx_bf16", int8_group="amx_bf16")
         assert {k: kernels.gemm_engine_for(k) for k in expect} == expect
-    with pytest.raises(ValueError, match="kernel must be 'float32', 'bfloat16', 'int8' or 'int8_group', got 'q4'"):
+    with pytest.raises(ValueError, match="gemm_engine_for: kernel must be one of 'float32', 'bfloat16', 'int8', 'int8_group', 'q4_0', .*'q6_k', 'i4_g128', got 'q4'"):
         kernels.gemm_engine_for("q4")
 
 

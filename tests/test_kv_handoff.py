@@ -25,6 +25,8 @@ from hypothesis import given, settings, strategies as st
 from workbench.distributed.comm import SHM_DIR, create_shm_segment
 from workbench.distributed.shard import plan
 from workbench.model.config import ModelConfig
+from workbench.model.llama import Linear
+from workbench.model.weights import WEIGHT_FORMATS
 
 ALSO_EMULATED = True  # conftest.py: the AVX-512 build's code too, on any AVX2 host
 
@@ -37,16 +39,9 @@ def config(kv_heads: int, group: int, head_dim: int) -> ModelConfig:
                        ffn_dim=128, vocab_size=32, head_dim=head_dim)
 
 
-def quantized(w: torch.Tensor, fmt: str) -> SimpleNamespace:
-    """A linear layer's weight in one of the fused step's formats (and its scales)."""
-    if fmt == "fp32":
-        return SimpleNamespace(weight=w.contiguous(), scale=None)
-    if fmt == "bf16":
-        return SimpleNamespace(weight=w.to(torch.bfloat16).contiguous(), scale=None)
-    groups = w.reshape(w.shape[0], -1, 32) if fmt == "int8_group" else w.unsqueeze(1)
-    scale = groups.abs().amax(-1).clamp_min(1e-8) / 127
-    q = (groups / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8).reshape(w.shape)
-    return SimpleNamespace(weight=q.contiguous(), scale=scale.contiguous() if fmt == "int8_group" else scale[:, 0])
+def quantized(w: torch.Tensor, fmt: str) -> Linear:
+    """A linear layer's weight in one of the fused step's formats (WEIGHT_FORMATS' names)."""
+    return Linear(w.contiguous(), WEIGHT_FORMATS[fmt])
 
 
 def full_weights(cfg: ModelConfig, gen: torch.Generator) -> list[dict]:
@@ -130,7 +125,7 @@ SHARED = [(3, 3), (7, 2), (5, 2), (3, 5), (5, 3)]
 
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(SHARED), st.sampled_from([32, 64]), st.integers(1, 3),
-       st.sampled_from(["fp32", "bf16", "int8", "int8_group"]), st.integers(0, 2**31 - 1))
+       st.sampled_from(["fp32", "bf16", "int8", "int8-g32", "q8_0", "q4_0"]), st.integers(0, 2**31 - 1))
 def test_the_handed_over_kv_head_is_the_one_the_rank_would_compute(kernels, heads, head_dim, batch, fmt, seed):
     kv_heads, group = heads
     cfg = config(kv_heads, group, head_dim)

@@ -60,7 +60,7 @@ def extension():
         from torch.utils.cpp_extension import load
 
         from workbench.cache import cache_dir, cpu_key
-        from workbench.kernels._build import SOURCE_DIR, our_ninja
+        from workbench.kernels._build import SOURCE_DIR, build_claim, our_ninja
 
         prefix = ccl_prefix()
         # The binding implements kernels.h's StepCollective for the kernels' extension to call:
@@ -68,7 +68,9 @@ def extension():
         interface = hashlib.sha256((SOURCE_DIR / "kernels.h").read_bytes()).hexdigest()[:16]
         build = cache_dir() / "kernels" / f"ccl-{cpu_key()}"
         build.mkdir(parents=True, exist_ok=True)
-        with our_ninja():  # the same ninja in every process, as for the kernels
+        # the same ninja in every process, and the folder's flock (a killed build's lock file is
+        # removed, not waited on forever), as for the kernels
+        with our_ninja(), build_claim(build):
             _ext = load(name="workbench_ccl", sources=[str(SOURCE_DIR / "ccl_comm.cpp")],
                         extra_include_paths=[str(prefix / "include")],
                         extra_cflags=["-O2", f"-DWBK_KERNELS_H={interface}"],

@@ -50,7 +50,7 @@ import torch
 from workbench import kernels
 from workbench.distributed.shard import FFN_ALIGN, ShardPlan, ffn_align, plan, split, take
 from workbench.model.config import ModelConfig
-from workbench.model.llama import embed_rows, rms_norm
+from workbench.model.llama import Linear, embed_rows, rms_norm
 
 TOKEN_BROADCAST = ("ids", "embeddings")
 LM_HEAD = ("topk", "gather", "hidden-split")
@@ -102,7 +102,7 @@ class TensorParallel:
         model.head_map = self.plan.head_map  # where the shard cut a group of query heads, which KV head each reads
         model.kv_handoff = self.plan.kv_handoff  # a KV head held with a neighbour: computed once, handed over
         model.collective = self.comm.step_collective()  # called from C++ by the fused step
-        self.head_hidden = model.extras["lm_head_hidden_split"]
+        self.head_hidden = Linear(model.extras["lm_head_hidden_split"], None)  # in its own format (blocks stay blocks)
         world, vocab = self.comm.world, model.cfg.vocab_size
         self.widths = [hi - lo for lo, hi in (split(vocab, world, r) for r in range(world))]
         self.slice_width = max(self.widths)  # gathered slices are padded to one width
@@ -182,7 +182,7 @@ class TensorParallel:
     def _hidden_split(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums of every logit: the LM head's columns of its hidden slice."""
         lo, hi = self.plan.hidden
-        return kernels.linear(h[:, lo:hi].contiguous(), self.head_hidden)
+        return self.head_hidden(h[:, lo:hi].contiguous())
 
     def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Every logit, gathered from the vocabulary slices: [rows, vocab]."""

@@ -200,7 +200,7 @@ _modules: dict[str, ModuleType] = {}
 
 
 @contextlib.contextmanager
-def _build_claim(build_dir: Path):
+def build_claim(build_dir: Path):
     """Hold an flock on the build folder while torch compiles or loads into it. torch's own
     lock is a plain file that a killed build leaves behind, and the next load then waits on it
     forever; the flock is released by the kernel when its holder dies, so whoever holds it
@@ -229,7 +229,7 @@ def load_extension(variant: str = "native", verbose: bool = False) -> ModuleType
             build_dir = _build_dir(variant, sources_key)
             build_dir.mkdir(parents=True, exist_ok=True)
             try:
-                with _build_claim(build_dir):
+                with build_claim(build_dir):
                     module = load(
                         name=f"workbench_kernels_{variant}",
                         sources=[str(SOURCE_DIR / s) for s in SOURCES],
