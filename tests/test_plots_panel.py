@@ -320,7 +320,7 @@ def test_panel_serve_bench_draws_the_knee_and_goes_to_the_report(model):
     entry = report.recorded()[-1]
     assert entry["kind"] == "serve_bench" and entry["rows"] == rows
     first, bench, stop = entry["command"].splitlines()
-    assert first.startswith("workbench serve --model smollm2-135m --dtype fp32 --kv-cache ") and first.endswith(" &")
+    assert first.startswith("workbench serve --model smollm2-135m --dtype file --kv-cache ") and first.endswith(" &")
     assert bench.startswith("workbench serve-bench --url http://127.0.0.1:") and "--rate 20,max" in bench
     assert stop == "kill %1"
     assert not p.serve_button.disabled

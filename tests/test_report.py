@@ -635,7 +635,8 @@ def test_machine_load_counts_other_processes_and_not_ours():
         child.wait()
     busy = {p["pid"]: p for p in load["busy_processes"]}
     assert other in busy and child.pid not in busy
-    assert busy[other]["name"].startswith("python") and load["busy_elsewhere_cpus"] >= busy[other]["cpu_percent"] / 100
+    # the total is rounded to 0.01 CPU
+    assert busy[other]["name"].startswith("python") and load["busy_elsewhere_cpus"] >= busy[other]["cpu_percent"] / 100 - 0.005
     assert f"python" in load_said(load) and load_said(None) == "machine load not recorded"
 
 

@@ -164,7 +164,8 @@ def cmd_peers(args) -> int:
 
     rows = run_peers(engines=args.engines.split(",") if args.engines else None,
                      prompt_lens=[int(x) for x in args.prompt_lens.split(",")], new_tokens=args.new_tokens,
-                     rounds=args.rounds, threads=args.threads, progress=lambda m: print("  " + m, flush=True))
+                     rounds=args.rounds, threads=args.threads, progress=lambda m: print("  " + m, flush=True),
+                     model=args.model)
     print()
     print(format_peers(rows))
     out = Path(args.out)
@@ -286,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=cmd_compare)
 
     pe = sub.add_parser("peers", help="ours vs transformers and llama.cpp: same tokens, interleaved rounds")
+    pe.add_argument("--model", default="smollm2-135m",
+                    help="the bundled default (its conversions: F32, Q8_0, ...), gemma3-270m or a .gguf path "
+                         "(the file itself in every engine) (default %(default)s)")
     pe.add_argument("--engines", default=None, help="comma-separated engine names (default: all)")
     pe.add_argument("--prompt-lens", default="64,1024")
     pe.add_argument("--new-tokens", type=int, default=64)

@@ -329,7 +329,7 @@ class _WeightBytes:
 
     @classmethod
     def of(cls, model, cfg: ModelConfig, weight_dtype: str) -> _WeightBytes:
-        from workbench.model.weights import AS_FILE, BlockTensor, weight_format
+        from workbench.model.weights import AS_FILE, weight_format
 
         if weight_dtype != AS_FILE:
             # bytes a weight in each group at the model's own widths (a block format's fallback
@@ -348,17 +348,12 @@ class _WeightBytes:
             embed_row = w.nbytes(1, cfg.dim) if w.blocks else cfg.dim * w.embedding_dtype().itemsize
             return cls(nbytes, lambda d: embed_row, w.kernel, w.matrix_engine)
         # a model loaded as its file holds it: each group's mean bytes per weight over the layers
-        llama = getattr(model, "llama", model)
-        per_weight = {}
-        for group in ("qkv", "o", "gate_up", "down"):
-            lins = [layer.linears[group] for layer in llama.layers]
-            per_weight[group] = sum(lin.nbytes for lin in lins) / sum(lin.params for lin in lins)
-        per_weight["lm_head"] = llama.lm_head.nbytes / llama.lm_head.params
-        emb = llama.embedding
-        row_bytes = emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
-        main = llama.layers[0].wqkv.parts[0].fmt
-        return cls(lambda group, rows, cols: per_weight[group] * rows * cols, lambda d: row_bytes, main.kernel,
-                   main.matrix_engine)
+        # (a tensor-parallel model's: its first rank's shard, as the cluster reported it)
+        llama = getattr(model, "llama", None)
+        per_weight = llama.bytes_per_weight() if llama is not None else model.bytes_per_weight
+        main = weight_format(per_weight["format"])
+        return cls(lambda group, rows, cols: per_weight[group] * rows * cols, lambda d: per_weight["embed_row"],
+                   main.kernel, main.matrix_engine)
 
 
 def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,

@@ -38,8 +38,11 @@ def _workbench(spec: dict):
 
     llama = model.llama
     weights = sum(layer.weight_bytes for layer in llama.layers) + llama.head_bytes(1)  # read by every step
-    kv_per_token = 2 * llama.cfg.n_layers * llama.n_kv_heads * kv_format(model.kv_cache).bytes_per_vector(
-        llama.cfg.head_dim, llama.n_kv_heads)
+    kv_per_token = 2 * llama.n_kv_heads * kv_format(model.kv_cache).bytes_per_vector(llama.cfg.head_dim, llama.n_kv_heads)
+    windows = llama.cfg.windows or (0,) * llama.cfg.n_layers
+
+    def kv_tokens(length: float) -> float:  # keys every layer reads: a windowed layer at most its window
+        return sum(min(w, length) if w else length for w in windows)
 
     def run(prompt: list[int], n: int, batch: int = 1) -> dict:
         stamps = []  # wall time at each token: the gaps are decode steps, sampling included
@@ -48,7 +51,7 @@ def _workbench(spec: dict):
         return {"prefill_ms": 1e3 * out.timings.time_to_first_token_s,
                 "decode_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], "tokens": out.token_ids[0],
                 # what a decode step reads, as the step records count it, at the run's middle step
-                "decode_bytes_per_step": weights + batch * kv_per_token * (len(prompt) + n / 2)}
+                "decode_bytes_per_step": weights + batch * kv_per_token * kv_tokens(len(prompt) + n / 2)}
 
     return run, model.description
 
@@ -63,7 +66,8 @@ def _transformers(spec: dict):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.get("dtype", "fp32")]
     # The GGUF as transformers itself decodes it, saved once as a Hugging Face directory: loading
     # that takes a second where decoding the GGUF again takes tens.
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_directory()), dtype=dtype, attn_implementation="sdpa").eval()
+    source = Path(spec["path"]) if spec.get("path") else None  # another model's GGUF; None: the bundled one
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_directory(source)), dtype=dtype, attn_implementation="sdpa").eval()
 
     import inspect
 

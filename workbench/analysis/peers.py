@@ -21,6 +21,9 @@ dropped):
                                  (it reads Q4_1, Q8_0 and F16, not F32), prefix caching off, the
                                  prompt in one batch; its own perf metrics time the tokens
     IPEX                         only in a side environment with torch 2.8 (README): absent here
+Another model's GGUF file (`model=`: gemma3-270m, or a path) runs FILE_ENGINES instead, on the
+file itself: workbench in the file's own formats and dequantized to fp32, transformers on the
+same file (dequantized to fp32), llama.cpp on the file.
 Each row: prefill ms (time to first token) and decode tokens/s, median (min-max) over the
 rounds; the ratios of its matched workbench row's decode speed to its own and of its prefill
 time to the workbench row's (> 1: ours faster), each with its spread (worst to best pairing of
@@ -72,6 +75,13 @@ ENGINES: tuple[Engine, ...] = (
     Engine("OpenVINO GenAI Q4_1", {"engine": "openvino"}, "openvino_genai", "workbench bf16", "Q4_1"),
     Engine("OpenVINO GenAI F16", {"engine": "openvino"}, "openvino_genai", "workbench bf16", "F16"),
     Engine("OpenVINO GenAI Q8_0", {"engine": "openvino"}, "openvino_genai", "workbench int8-g32", "Q8_0"),
+)
+# Another model's GGUF file, as its users run it ("file": the file itself).
+FILE_ENGINES: tuple[Engine, ...] = (
+    Engine("workbench fp32", {"engine": "workbench", "dtype": "fp32", "kv_cache": "fp16"}, None, "workbench fp32"),
+    Engine("workbench file", {"engine": "workbench", "dtype": "file", "kv_cache": "fp16"}, None, "workbench fp32"),
+    Engine("transformers fp32", {"engine": "transformers"}, "transformers", "workbench fp32", "file"),
+    Engine("llama.cpp file", {"engine": "llama.cpp", "kv": "f16"}, "llama_cpp", "workbench file", "file"),
 )
 IPEX_ABSENT = ("IPEX", "not run: intel-extension-for-pytorch is end-of-life and pinned to torch 2.8, and this "
                        "environment has torch 2.13; README 'Peers' has the side-environment recipe")
@@ -132,10 +142,13 @@ def converted_gguf(kind: str, source: Path | None = None) -> Path:
 
 
 class _Worker:
-    def __init__(self, engine: Engine, threads: int, n_ctx: int):
+    def __init__(self, engine: Engine, threads: int, n_ctx: int, source: Path | None = None):
+        """source: another model's GGUF file (FILE_ENGINES), None for the bundled model."""
         spec = {**engine.spec, "threads": threads, "n_ctx": n_ctx}
+        if source is not None:
+            spec["model"] = str(source)
         if engine.gguf:
-            spec["path"] = str(converted_gguf(engine.gguf))
+            spec["path"] = str(source if engine.gguf == "file" else converted_gguf(engine.gguf))
         self.engine = engine
         self.proc = subprocess.Popen([sys.executable, "-m", "workbench.analysis.peer_worker", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -255,10 +268,28 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
+def peer_source(model: str) -> Path | None:
+    """The GGUF file `model` names (a bundled model's name or a path); None for the bundled
+    default, whose engines (ENGINES) make their own conversions of it."""
+    from workbench.model.loaders import BUNDLED_MODEL, BUNDLED_MODELS, bundled_gguf_path
+
+    if model == BUNDLED_MODEL:
+        return None
+    if model in BUNDLED_MODELS:
+        return bundled_gguf_path(model)
+    path = Path(model).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"model: peers run on a GGUF file (every engine reads one), a bundled model "
+                         f"({', '.join(BUNDLED_MODELS)}) or a .gguf path; got {model!r}")
+    return path
+
+
 def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_tokens: int = 64, rounds: int = 3,
-              threads: int | None = None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
+              threads: int | None = None, seed: int = 0, progress: Callable[[str], None] | None = None,
+              model: str = "smollm2-135m") -> list[dict]:
     """Every engine on every prompt length, interleaved, `rounds` times. Returns one row per
-    (engine, prompt length), including rows for engines that could not run (with why)."""
+    (engine, prompt length), including rows for engines that could not run (with why). model:
+    the bundled default (ENGINES), or another GGUF file (FILE_ENGINES)."""
     import torch
 
     from workbench.analysis.text import sample_prompts
@@ -266,7 +297,8 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
 
     say = progress or (lambda msg: None)
     threads = threads or torch.get_num_threads()
-    known = {e.name: e for e in ENGINES}
+    source = peer_source(model)
+    known = {e.name: e for e in (ENGINES if source is None else FILE_ENGINES)}
     chosen = [known[n] if n in known else None for n in (engines or list(known))]
     if None in chosen:
         bad = [n for n, e in zip(engines, chosen) if e is None]
@@ -276,7 +308,7 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
             chosen.insert(0, known[e.matched])
     if known["workbench fp32"] not in chosen:
         chosen.insert(0, known["workbench fp32"])  # the tokens every row is checked against
-    tokenizer = gguf_tokenizer()
+    tokenizer = gguf_tokenizer(source)
     prompts = {n: sample_prompts(tokenizer, n, 1)[0] for n in prompt_lens}
     rows, workers = [], {}
     try:
@@ -285,7 +317,7 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
             if why is None:
                 say(f"starting {e.name}")
                 try:
-                    workers[e.name] = _Worker(e, threads, max(prompt_lens) + new_tokens + 16)
+                    workers[e.name] = _Worker(e, threads, max(prompt_lens) + new_tokens + 16, source)
                 except RuntimeError as err:
                     why = str(err)
             if why:
@@ -332,7 +364,8 @@ def run_peers(engines: list[str] | None = None, prompt_lens=(64, 1024), new_toke
                 row["same_tokens_as_workbench_fp32"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
                                                             min(len(a), len(b)))
             rows.append(row)
-    rows.append({"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]})
+    if source is None:
+        rows.append({"engine": IPEX_ABSENT[0], "status": IPEX_ABSENT[1]})
     return rows
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 import itertools
 import random
 import statistics
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -168,6 +169,9 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     ref = single.generate(prompts, **run)  # also the warm-up
     set_threads(before)
     cfg, weight_dtype, kv_cache = single.config, single.weight_dtype, single.switches.kv_cache
+    # what the cost model needs of the weights (a file's own formats: their bytes per weight), kept
+    # apart from the model, which may be freed before the clusters start
+    weights = SimpleNamespace(config=cfg, weight_dtype=weight_dtype, bytes_per_weight=single.llama.bytes_per_weight())
     comm = dict(comm or {})
 
     def allreduce_fit(cluster: Cluster) -> dict:
@@ -188,7 +192,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
         """The cost model's vs_tp1 for these ranks, all-reduce fit and KV handoff."""
         if "alpha_us" not in fit:
             return None
-        return tp_roofline_ratio(cfg, ranks_, comm=(fit["alpha_us"], fit["beta_gbps"]), batch=batch,
+        return tp_roofline_ratio(weights, ranks_, comm=(fit["alpha_us"], fit["beta_gbps"]), batch=batch,
                                  prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache,
                                  weight_dtype=weight_dtype, kv_handoff=handoff)
 

@@ -369,6 +369,7 @@ class DistributedModel(SwitchProperties):
         self.config = infos[0]["config"]
         self.tokenizer = infos[0]["tokenizer"]
         self.weight_dtype = infos[0]["weight_dtype"]
+        self.bytes_per_weight = infos[0]["bytes_per_weight"]  # the cost model's, as rank 0's shard has them
         self.description = f"{infos[0]['description']}, tensor parallel over {cluster.n} ranks ({cluster.backend})"
         self.options = options
         self.switches = Switches()

@@ -446,6 +446,21 @@ class LlamaModel:
         count("embedding", [emb.fmt.name if isinstance(emb, BlockTensor) else str(emb.dtype).replace("torch.", "")])
         return groups
 
+    def bytes_per_weight(self) -> dict:
+        """What the cost model needs of weights held as a file holds them: each tensor group's
+        mean bytes per weight over the layers (its mix of formats), the LM head's, the
+        embedding's bytes a row, and the main format (the first layer's qkv). Per weight, so a
+        tensor-parallel shard's numbers are the whole model's."""
+        per = {}
+        for group in ("qkv", "o", "gate_up", "down"):
+            lins = [layer.linears[group] for layer in self.layers]
+            per[group] = sum(lin.nbytes for lin in lins) / sum(lin.params for lin in lins)
+        per["lm_head"] = self.lm_head.nbytes / self.lm_head.params
+        emb = self.embedding
+        per["embed_row"] = emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
+        per["format"] = self.layers[0].wqkv.parts[0].fmt.name
+        return per
+
     def head_bytes(self, tokens: int) -> int:
         """Bytes the non-layer part of a step reads: the embedding rows of `tokens` tokens,
         the final norm, the whole LM head."""
