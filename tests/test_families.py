@@ -139,11 +139,14 @@ def test_int8_kv_cache_and_bf16_weights_stay_close(family):
     prompt, forced = ids[:70], ids[70:80]
     fp32, int8, widen, int8_ref = (_decode_logits(ours, prompt, forced, *kv) for kv in (
         ("fp32",), ("int8",), ("int8", "widen"), ("int8-ref",)))
-    for a, b, c, d in zip(fp32, int8, widen, int8_ref):
-        assert _rel(c, d) < 1e-4, name
-        assert _rel(b, a) < 0.1, name
+    widen_err = max(_rel(c, d) for c, d in zip(widen, int8_ref))
+    default_err = max(_rel(b, a) for a, b in zip(fp32, int8))
+    print(f"{name}: widen vs int8-ref {widen_err:.2e}, default kernel vs fp32 {default_err:.3f}")
+    assert widen_err < 1e-4, (name, widen_err)
+    assert default_err < 0.1, (name, default_err, ours.llama.new_cache(1, 8, "int8").kernel)
     bf16 = wb.load_model(str(folder), max_seq_len=256, dtype="bf16")
     agree = (bf16.logits(ids).argmax(-1) == _ref_logits(ref, ids).argmax(-1)).double().mean().item()
+    print(f"{name}: bf16 argmax agreement {agree:.3f}")
     assert agree >= 0.9, (name, agree)
 
 
