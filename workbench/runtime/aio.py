@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Coroutine
 
 WAKE_S = 0.2  # how soon the waiting thread sees an interrupt
@@ -33,30 +31,49 @@ def run_coroutine(coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run(coro)
     started = threading.Event()
     running: dict = {}
+    outcome: dict = {}
 
     async def main():
         running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
         started.set()
         return await coro
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-coroutine") as pool:
-        future = pool.submit(asyncio.run, main())
+    done = threading.Event()  # waited on, not thread.join: an interrupted join can return early later
+
+    def work():
         try:
-            while True:
-                try:
-                    # A timed wait, again and again: a signal another thread received (SIGINT goes
-                    # to any thread of the process) runs its handler here only once this wakes.
-                    return future.result(timeout=WAKE_S)
-                except FutureTimeout:
-                    continue
-        except KeyboardInterrupt:
-            started.wait()
+            outcome["value"] = asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=work, name="workbench-coroutine", daemon=True)
+    try:
+        # Inside the try from the start: an interrupt may arrive while the thread is starting
+        # (its coroutine already running), and must still cancel it.
+        thread.start()
+        while not done.wait(WAKE_S):
+            # A timed wait, again and again: a signal another thread received (SIGINT goes to
+            # any thread of the process) runs its handler here only once this wakes.
+            pass
+    except KeyboardInterrupt:
+        # A thread that started runs its coroutine: wait until it has, to cancel it. One that
+        # never got its OS thread (the interrupt came before) has no ident after a grace period.
+        waited = 0.0
+        while not (started.wait(WAKE_S) or done.is_set()):
+            waited += WAKE_S
+            if thread.ident is None and waited >= 10 * WAKE_S:
+                coro.close()  # it never ran
+                raise
+        if started.is_set():
             try:
                 running["loop"].call_soon_threadsafe(running["task"].cancel)
             except RuntimeError:  # its loop has closed: the coroutine had just finished
                 pass
-            try:
-                future.result()  # the coroutine's own cleanup (closing connections) runs first
-            except BaseException:  # its CancelledError, or whatever the cleanup raised
-                pass
-            raise
+        while not done.wait(WAKE_S):
+            pass  # the coroutine's own cleanup (closing connections) runs first
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
