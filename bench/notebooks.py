@@ -45,9 +45,10 @@ from common import print_table, spread, write_results  # noqa: E402
 import nbclient  # noqa: E402
 import nbformat  # noqa: E402
 
+from workbench.hw.load import TICKS, cpu_ticks, descendants  # noqa: E402
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 PROMPT = "The capital of France is"
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def notebook_wall_times(names: list[str]) -> None:
@@ -65,36 +66,13 @@ def notebook_wall_times(names: list[str]) -> None:
 
 # -- where the CPU time goes -------------------------------------------------------------------
 
-def _cpu_seconds() -> dict[int, tuple[float, str, int]]:
-    """pid -> (user + system CPU seconds, command name, parent pid) of every process now."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        found[int(entry)] = ((int(fields[11]) + int(fields[12])) / TICKS, name, int(fields[1]))
-    return found
-
-
-def _descendants(root: int, table: dict) -> set[int]:
-    found, frontier = {root}, {root}
-    while frontier:
-        frontier = {pid for pid, (_, _, ppid) in table.items() if ppid in frontier} - found
-        found |= frontier
-    return found
-
-
 def cpu_used(before: dict, after: dict, groups: dict[str, set[int]]) -> dict[str, float]:
     """CPU seconds each group of processes used between two snapshots; "other" is the rest
     (this script's own process included)."""
     used = {name: 0.0 for name in groups}
     used["other"] = 0.0
-    for pid, (cpu, _, _) in after.items():
-        delta = cpu - before.get(pid, (0.0,))[0] if pid in before else cpu
+    for pid, (_, ticks, _) in after.items():  # workbench.hw.load.cpu_ticks() tables
+        delta = (ticks - before[pid][1] if pid in before else ticks) / TICKS
         group = next((name for name, pids in groups.items() if pid in pids), "other")
         used[group] += max(0.0, delta)
     return used
@@ -137,7 +115,7 @@ class IPythonShell:
         self.run(SETUP + "\nprint('TPS', 0, flush=True)")
 
     def processes(self) -> dict[str, set[int]]:
-        return {"shell or kernel": _descendants(self.proc.pid, _cpu_seconds())}
+        return {"shell or kernel": descendants(self.proc.pid, cpu_ticks())}
 
     def run(self, code: str) -> float:
         # one line per statement: the shell runs each as typed (a blank line ends a block)
@@ -169,7 +147,7 @@ class Kernel:
         self.run(SETUP + "\nprint('TPS', 0)")
 
     def processes(self) -> dict[str, set[int]]:
-        return {"shell or kernel": _descendants(self.km.provisioner.pid, _cpu_seconds())}
+        return {"shell or kernel": descendants(self.km.provisioner.pid, cpu_ticks())}
 
     def run(self, code: str) -> float:
         said = []
@@ -226,16 +204,16 @@ class JupyterLab:
         self._cell(0)
 
     def processes(self) -> dict[str, set[int]]:
-        table = _cpu_seconds()
-        server = _descendants(self.server.pid, table)
+        table = cpu_ticks()
+        server = descendants(self.server.pid, table)
         kernel = set()
         for pid in server:
             try:
                 if b"ipykernel" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    kernel |= _descendants(pid, table)
+                    kernel |= descendants(pid, table)
             except OSError:
                 pass
-        browser = {pid for pid, (_, name, _) in table.items() if name.startswith(("chrom", "headless"))}
+        browser = {pid for pid, (_, _, name) in table.items() if name.startswith(("chrom", "headless"))}
         return {"shell or kernel": kernel, "browser": browser - kernel, "jupyter server": server - kernel - browser}
 
     def _cell(self, index: int) -> str:
@@ -284,10 +262,10 @@ def generate_speed(rounds: int, seed: int = 0) -> None:
             rng.shuffle(order)
             for place, what in order:
                 groups = place.processes()
-                before, t0 = _cpu_seconds(), time.perf_counter()
+                before, t0 = cpu_ticks(), time.perf_counter()
                 tps = place.run(runs[what])
                 wall = time.perf_counter() - t0
-                used = cpu_used(before, _cpu_seconds(), groups)
+                used = cpu_used(before, cpu_ticks(), groups)
                 if r == 0:
                     continue
                 cell = found.setdefault((place.name, what), {"tps": [], "wall": [], **{k: [] for k in used}})

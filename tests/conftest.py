@@ -174,19 +174,9 @@ LEFTOVER_GRACE_S = 20.0  # for processes a test has just stopped to finish exiti
 
 def _marked_processes() -> dict[int, str]:
     """pid -> command line of every live process (not this one) carrying this session's mark."""
-    from workbench.distributed.watchdog import alive, cmdline
+    from workbench.distributed.watchdog import cmdline, marked_processes
 
-    mark = f"{SESSION_MARK}={os.getpid()}".encode()
-    marked = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if mark in f.read().split(b"\0"):
-                        marked.append(int(entry))
-            except OSError:  # gone meanwhile, or not ours to read
-                pass
-    return {pid: cmdline(pid) for pid in marked if alive(pid)}
+    return {pid: cmdline(pid) for pid in marked_processes(str(os.getpid()), SESSION_MARK)}
 
 
 # What was in /dev/shm before the suite ran: whatever is there at its end and was not, and

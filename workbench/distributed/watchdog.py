@@ -106,9 +106,10 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def marked_processes(cluster_id: str) -> list[int]:
-    """Live processes (this one excepted) whose environment carries MARK=cluster_id."""
-    mark = f"{MARK}={cluster_id}".encode()
+def marked_processes(cluster_id: str, variable: str = MARK) -> list[int]:
+    """Live processes (this one excepted) whose environment carries variable=cluster_id (the
+    cluster's MARK, or another mark such as the test session's)."""
+    mark = f"{variable}={cluster_id}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():

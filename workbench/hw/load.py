@@ -21,7 +21,7 @@ BUSY_PERCENT = 5.0  # a process using at least this much of one CPU over the sam
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_ticks() -> dict[int, tuple[int, int, str]]:
+def cpu_ticks() -> dict[int, tuple[int, int, str]]:
     """pid -> (parent pid, user + system ticks, name) of every process readable now."""
     found = {}
     for entry in os.listdir("/proc"):
@@ -37,13 +37,13 @@ def _cpu_ticks() -> dict[int, tuple[int, int, str]]:
     return found
 
 
-def _ours(ticks: dict[int, tuple[int, int, str]]) -> set[int]:
-    """This process and its descendants."""
-    ours, frontier = {os.getpid()}, {os.getpid()}
+def descendants(root: int, ticks: dict[int, tuple[int, int, str]]) -> set[int]:
+    """root and its descendants, from a cpu_ticks() table."""
+    found, frontier = {root}, {root}
     while frontier:
-        frontier = {pid for pid, (ppid, _, _) in ticks.items() if ppid in frontier} - ours
-        ours |= frontier
-    return ours
+        frontier = {pid for pid, (ppid, _, _) in ticks.items() if ppid in frontier} - found
+        found |= frontier
+    return found
 
 
 def machine_load(sample_s: float = SAMPLE_S) -> dict:
@@ -53,10 +53,10 @@ def machine_load(sample_s: float = SAMPLE_S) -> dict:
             loadavg = [float(x) for x in f.read().split()[:3]]
     except OSError:
         loadavg = list(os.getloadavg())
-    before, t0 = _cpu_ticks(), time.monotonic()
+    before, t0 = cpu_ticks(), time.monotonic()
     time.sleep(sample_s)
-    after, elapsed = _cpu_ticks(), time.monotonic() - t0
-    ours = _ours(after)
+    after, elapsed = cpu_ticks(), time.monotonic() - t0
+    ours = descendants(os.getpid(), after)
     busy = []
     for pid, (_, ticks, name) in after.items():
         if pid in ours or pid not in before:

@@ -446,6 +446,12 @@ class LlamaModel:
         count("embedding", [emb.fmt.name if isinstance(emb, BlockTensor) else str(emb.dtype).replace("torch.", "")])
         return groups
 
+    @property
+    def embedding_row_bytes(self) -> int:
+        """Bytes of one embedding row as held (a block format's blocks, or the float row)."""
+        emb = self.embedding
+        return emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
+
     def bytes_per_weight(self) -> dict:
         """What the cost model needs of weights held as a file holds them: each tensor group's
         mean bytes per weight over the layers (its mix of formats), the LM head's, the
@@ -456,17 +462,14 @@ class LlamaModel:
             lins = [layer.linears[group] for layer in self.layers]
             per[group] = sum(lin.nbytes for lin in lins) / sum(lin.params for lin in lins)
         per["lm_head"] = self.lm_head.nbytes / self.lm_head.params
-        emb = self.embedding
-        per["embed_row"] = emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
+        per["embed_row"] = self.embedding_row_bytes
         per["format"] = self.layers[0].wqkv.parts[0].fmt.name
         return per
 
     def head_bytes(self, tokens: int) -> int:
         """Bytes the non-layer part of a step reads: the embedding rows of `tokens` tokens,
         the final norm, the whole LM head."""
-        emb = self.embedding
-        row = emb.data.shape[1] if isinstance(emb, BlockTensor) else emb.shape[1] * emb.element_size()
-        return tokens * row + NORM_BYTES_PER_ELEM * self.final_norm.numel() + self.lm_head.nbytes
+        return tokens * self.embedding_row_bytes + NORM_BYTES_PER_ELEM * self.final_norm.numel() + self.lm_head.nbytes
 
     def new_cache(self, batch: int, max_len: int, kv_cache: str, kv_kernel: str | None = None) -> KVCache:
         """An empty KV cache for this model's (local) KV heads, laid out for `kv_kernel` (None:
