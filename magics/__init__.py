@@ -579,6 +579,68 @@ class WorkbenchMagics(Magics):
             self.shell.user_ns[args.output] = df
 
     @magic_arguments()
+    @argument("--formats", type=_csv("--formats", str), default=None,
+              help="weight formats, comma-separated: 'file' (a GGUF's own formats) and any of "
+                   "workbench.model.weights.WEIGHT_FORMATS (default: every format)")
+    @argument("--text", default=None, help="a text file to measure on (default: the license texts)")
+    @argument("--context", type=int, default=1024, help="tokens of text scored, one forward pass (default 1024)")
+    @argument("--rounds", type=int, default=3, help="interleaved timing rounds after a warm-up (default 3)")
+    @argument("--new-tokens", type=int, default=32, help="decode tokens timed per round (default 32)")
+    @argument("--prompt-len", type=int, default=256, help="prefill tokens timed per round (default 256)")
+    @argument("-o", dest="output", default=None, help="store the table (a DataFrame) in this variable")
+    @line_magic
+    def weight_quality(self, line):
+        """Every weight format on the loaded model's source, side by side: quality against its
+        fp32 weights on real text (KL, top-1 agreement, perplexity), the bytes a batch-1 decode
+        step reads, decode tokens/s and prefill ms in interleaved rounds; a table and a Pareto
+        figure (bytes per token against KL); the rows join %report. The model is loaded again
+        in each format; the loaded model stays as it is.
+
+        Examples::
+
+          In [1]: %weight_quality
+          In [2]: %weight_quality --formats fp32,bf16,int8-g32,q4_k,q4_0,int4-g32 --rounds 5 -o wq
+          In [3]: %weight_quality --formats file,q8_0,q4_0 --text my_notes.txt --context 512
+        """
+        from pathlib import Path
+
+        from workbench import report
+        from workbench.analysis.weight_study import DEFAULT_FORMATS, format_study, study_figure, weight_study
+        from workbench.distributed.cluster import DistributedModel
+        from workbench.model.loaders import ModelLoadError
+        from workbench.ui.plots import show_figure
+
+        args = parse_argstring(self.weight_quality, line)
+        model = self._require_model()
+        if isinstance(model, DistributedModel):
+            raise UsageError("%weight_quality loads the model in this process: %distributed stop first")
+        if args.output is not None and not args.output.isidentifier():
+            raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
+        text = None
+        if args.text:
+            path = Path(args.text).expanduser()
+            if not path.is_file():
+                raise UsageError(f"--text: no such file: {path}")
+            text = path.read_text(errors="replace")
+        bar = _Progress("weights", label=str)
+        try:
+            rows = weight_study(model, args.formats or DEFAULT_FORMATS, context=args.context, text=text,
+                                new_tokens=args.new_tokens, prompt_len=args.prompt_len, rounds=args.rounds,
+                                progress=bar.update)
+        except (ValueError, ModelLoadError) as e:
+            raise UsageError(str(e)) from None
+        finally:
+            bar.close()
+        print(f"{rows[0]['model']}: text {args.text or 'the license texts'}, {rows[0]['context']} tokens scored "
+              f"against fp32 weights; decode batch 1, {args.new_tokens} tokens, and prefill of {rows[0]['prompt_len']} "
+              f"tokens, median (min-max) of {args.rounds} interleaved rounds")
+        print(format_study(rows))
+        show_figure(study_figure(rows))
+        report.record(rows, model, command=self._command("weight_quality", line), kind="weight_quality")
+        if args.output:
+            self.shell.user_ns[args.output] = _dataframe(rows)
+
+    @magic_arguments()
     @argument("--native", action="store_true", help="native frames too: our C++ kernels by name")
     @argument("--rate", type=int, default=250, help="samples per second (default 250)")
     @argument("--duration", type=float, default=None, help="stop sampling after this many seconds")
@@ -787,27 +849,31 @@ def _dataframe(rows: list[dict]):
     return pd.DataFrame(rows)
 
 
-class _Progress:
-    """An ipywidgets progress bar where a widget frontend exists, else a text line."""
+def _ablation_label(row) -> str:
+    return f"{row.attention} {kv_label(row.kv_cache, row.kv_kernel)} len {row.prompt_len} batch {row.batch}"
 
-    def __init__(self):
-        self.bar = None
+
+class _Progress:
+    """An ipywidgets progress bar where a widget frontend exists, else a text line;
+    update(done, total, item) with label(item) the line's text (default: item as it is)."""
+
+    def __init__(self, description: str = "ablate", label=_ablation_label):
+        self.bar, self.label = None, label
         try:
             import ipywidgets
             from IPython.display import display
 
-            self.bar = ipywidgets.IntProgress(value=0, min=0, max=1, description="ablate")
+            self.bar = ipywidgets.IntProgress(value=0, min=0, max=1, description=description)
             display(self.bar)
         except ImportError:
             pass
 
-    def update(self, done: int, total: int, row) -> None:
+    def update(self, done: int, total: int, item) -> None:
         if self.bar is not None:
             self.bar.max, self.bar.value = total, done
             self.bar.description = f"{done}/{total}"
         else:
-            sys.stdout.write(f"\r{done}/{total} {row.attention} {kv_label(row.kv_cache, row.kv_kernel)} len {row.prompt_len} "
-                             f"batch {row.batch}   ")
+            sys.stdout.write(f"\r{done}/{total} {self.label(item)}   ")
             sys.stdout.flush()
 
     def close(self) -> None:

@@ -198,3 +198,16 @@ def test_linear_long_prefill(kernels):
             torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0, msg=lambda m: f"{engine}: {m}")
     finally:
         kernels.set_gemm_engine("auto")
+
+
+@pytest.mark.parametrize("name", sorted(__import__("workbench.model.weights", fromlist=["x"]).WEIGHT_FORMATS))
+def test_each_formats_bits_per_weight_is_what_its_rows_take(name):
+    """WeightFormat.bits_per_weight (the study's and the formats table's figure) against the
+    bytes a Linear built in the format holds: long rows, so a per-row scale is below the bound."""
+    from workbench.model.llama import Linear
+    from workbench.model.weights import WEIGHT_FORMATS
+
+    fmt = WEIGHT_FORMATS[name]
+    lin = Linear(torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)), fmt)
+    assert lin.formats == [fmt]
+    assert 8 * lin.nbytes / lin.params == pytest.approx(fmt.bits_per_weight, rel=2e-3)

@@ -190,6 +190,43 @@ def test_distributed_stop_without_a_cluster_keeps_the_model(shell, capsys):
     assert "none loaded" not in capsys.readouterr().out
 
 
+def test_weight_quality_magic_table_figure_report_and_the_model_stays(shell, capsys):
+    """Each format loaded again from the model's source: a row each with its quality against
+    fp32 weights, bytes and speed; the table in -o, the entry in %report with its findings,
+    the loaded model untouched; bad arguments a UsageError naming them."""
+    from workbench import report
+    from workbench.report import render
+
+    run(shell, "%load_model smollm2-135m")
+    loaded = shell.user_ns["wb_model"]
+    report.clear()
+    capsys.readouterr()
+    _, err = run(shell, "%weight_quality --formats fp32,file,q8_0,int4-g128 --context 80 --rounds 1 --new-tokens 3 "
+                        "--prompt-len 16 -o wq")
+    assert err is None, err
+    out = capsys.readouterr().out
+    assert "Pareto front" in out and "int4-g128" in out and "80 tokens scored" in out
+    df = shell.user_ns["wq"]
+    assert list(df.format) == ["fp32", "file", "q8_0", "int4-g128"]
+    rows = {r["format"]: r for r in df.to_dict("records")}
+    assert rows["fp32"]["kl_nats"] == 0 and rows["fp32"]["top1_agreement"] == 1
+    assert rows["fp32"]["bits_per_weight"] == 32 and 4 < rows["int4-g128"]["bits_per_weight"] < 4.5
+    assert rows["q8_0"]["kl_nats"] < rows["int4-g128"]["kl_nats"]
+    assert all(r["decode_tok_s"]["median"] > 0 and r["prefill_ms"]["median"] > 0 for r in rows.values())
+    assert shell.user_ns["wb_model"] is loaded and loaded.llama is not None
+    entries = report.recorded()
+    assert [e["kind"] for e in entries] == ["weight_quality"] and len(entries[0]["rows"]) == 4
+    page = render.html_page(report.build())
+    assert "weight formats: each one" in page and "fig-weights-0" in page and "no format reads fewer bytes" in page
+    report.clear()
+    for line, message in (("%weight_quality --formats q3_k", "q3_k"), ("%weight_quality --context 1", "context"),
+                          ("%weight_quality --rounds 0", "rounds"), ("%weight_quality --text /no/such/file", "no such file"),
+                          ("%weight_quality -o 1x", "-o needs")):
+        _, err = run(shell, line)
+        assert isinstance(err, UsageError) and message in str(err), (line, err)
+    assert shell.user_ns["wb_model"] is loaded
+
+
 def _helps(magic) -> list[str]:
     """Every help string a magic's arguments give, as argparse prints it (%% is one %)."""
     parser = magic.__func__.parser  # what @magic_arguments built the docstring from
@@ -198,7 +235,7 @@ def _helps(magic) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["load_model", "attention", "kvcache", "threads", "generate", "ablate", "kv_quality",
-                                  "distributed", "serve", "serve_bench", "profile", "report", "workbench"])
+                                  "weight_quality", "distributed", "serve", "serve_bench", "profile", "report", "workbench"])
 def test_every_magics_help_reads_as_written(shell, name):
     """`%magic?` shows the docstring IPython builds from the arguments: each argument's help
     whole (a bare % in one made argparse print its own internals into %serve_bench's --url

@@ -45,6 +45,8 @@ CELLS = [
     (f"%generate -n 4 {PROMPT}", "Paris"),
     ("%ablate --attention slim,naive --kvcache int8 --prompt-len 16 --new-tokens 2 --repeats 1 -o df", "top1_agreement"),
     ("%kv_quality --formats fp32,int8 --context 96 --steps 8 -o kvq", "best per byte"),
+    ("%weight_quality --formats fp32,q4_0,int4-g32 --context 64 --rounds 1 --new-tokens 3 --prompt-len 16 -o wq",
+     "Pareto front"),
     (f"%profile --rate 100 wb_model.generate('{PROMPT}', max_new_tokens=4)", "hottest frames"),
     ("%serve start --slots 2 --max-len 256", "serving at http://127.0.0.1:"),
     ("%serve status", "serving at"),
@@ -60,7 +62,7 @@ CELLS = [
     ("%report", "wrote /"),
     ("%workbench --panel", None),
 ]
-FIGURES = {"%ablate": 1, "%kv_quality": 1, "%profile": 1, "%serve_bench": 1}
+FIGURES = {"%ablate": 1, "%kv_quality": 1, "%weight_quality": 1, "%profile": 1, "%serve_bench": 1}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def _text(cell) -> str:
 
 def test_readme_lists_the_magics_this_test_runs():
     assert set(readme_magics()) == {"load_model", "attention", "kvcache", "threads", "generate", "ablate", "kv_quality",
-                                    "distributed", "serve", "serve_bench", "profile", "report", "workbench"}
+                                    "weight_quality", "distributed", "serve", "serve_bench", "profile", "report", "workbench"}
     ran_here = {re.match(r"%(\w+)", source).group(1) for source, _ in CELLS}
     assert set(readme_magics()) <= ran_here
 

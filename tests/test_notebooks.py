@@ -23,6 +23,8 @@ SMALL = {
     "05-cost-model": "NEW_TOKENS = 6\nPROMPT_LEN = 16\nSEVEN_B_LAYERS = 1",
     "06-two-real-models": 'PROMPT = "The capital of France is"\nNEW_TOKENS = 8\nROUNDS = 1\nKV_CONTEXT = 32768\n'
                           'QUALITY_CONTEXT = 96\nQUALITY_STEPS = 8',
+    "07-weight-formats": 'MODEL = "smollm2-135m"\nFORMATS = ["fp32", "file", "q8_0", "q4_k", "q4_0", "int4-g128"]\n'
+                         'CONTEXT = 64\nROUNDS = 1\nNEW_TOKENS = 3\nPROMPT_LEN = 16',
 }
 
 

@@ -2,7 +2,10 @@
 costs, measured in one run.
 
     rows = weight_study("smollm2-135m")                 # every format, the bundled model
+    rows = weight_study(model, ["file", "q4_0", "int4-g32"])  # a loaded model's source, loaded again
     print(format_study(rows)); fig = study_figure(rows) # one table, one Pareto figure
+
+In a notebook: %weight_quality (magics), whose rows join %report.
 
 For each format (WEIGHT_FORMATS, and "file": the model's own file as it is):
   - quality against the model in fp32 on real text (workbench.analysis.quality.weight_quality:
@@ -25,20 +28,53 @@ DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int8-g32", "file", "q8_0", "q6_k", "
                    "q4_1", "q4_0", "int4-g32", "int4-g128")
 
 
-def weight_study(name: str = "smollm2-135m", formats=DEFAULT_FORMATS, context: int = 1024, text: str | None = None,
-                 new_tokens: int = 32, prompt_len: int = 256, rounds: int = 3) -> list[dict]:
-    """One row per format (see the module docstring), in the order given."""
+def weight_study(source="smollm2-135m", formats=DEFAULT_FORMATS, context: int = 1024, text: str | None = None,
+                 new_tokens: int = 32, prompt_len: int = 256, rounds: int = 3, progress=None) -> list[dict]:
+    """One row per format (see the module docstring), in the order given. source: a preset
+    name or path, or a loaded Model (its source is loaded again in each format, with the same
+    load arguments; the model itself is left as it is). progress(done, total, label) after each
+    step. A format that does not fit in the memory left is refused by load_model, with the
+    numbers, before its load starts (ModelLoadError)."""
     import torch
 
     import workbench as wb
     from workbench.analysis.quality import weight_quality
     from workbench.hw.rounds import interleaved_rounds
     from workbench.kernels.peaks import measured_peaks
-    from workbench.model.weights import AS_FILE, describe_formats
+    from workbench.model.weights import AS_FILE, describe_formats, weight_format
 
-    formats = list(formats)
-    reference = wb.load_model(name, dtype="fp32")
-    models = {f: wb.load_model(name, dtype=None if f == AS_FILE else f) for f in formats}
+    formats = list(dict.fromkeys(formats))
+    if not formats:
+        raise ValueError("formats: give at least one weight format")
+    for f in formats:
+        if f != AS_FILE:
+            weight_format(f)  # ValueError naming the format and the accepted ones
+    for arg, value, least in (("context", context, 2), ("new_tokens", new_tokens, 2), ("prompt_len", prompt_len, 1),
+                              ("rounds", rounds, 1)):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{arg} must be an integer of at least {least}, got {value!r}")
+    if isinstance(source, str):
+        load_args, name = {"name_or_path": source}, source
+    else:
+        load_args = {k: v for k, v in source.load_args.items() if k != "dtype"}
+        name = str(load_args.get("name_or_path"))
+        if source.load_args.get("parallel") or getattr(source, "cluster", None) is not None:
+            raise ValueError("weight_study runs in this process: load the model without a cluster")
+    total = len(formats) + 1 + rounds + 1
+    done = 0
+
+    def step(label):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    reference = wb.load_model(**load_args, dtype="fp32")
+    step("fp32 reference")
+    models = {}
+    for f in formats:
+        models[f] = wb.load_model(**load_args, dtype=None if f == AS_FILE else f)
+        step(f"loaded {f}")
     rows = {}
     for f, model in models.items():
         llama = model.llama
@@ -54,7 +90,11 @@ def weight_study(name: str = "smollm2-135m", formats=DEFAULT_FORMATS, context: i
     prompt = reference.tokenizer.encode(" ".join(["The licence grants every recipient the same rights."] * 64))
     prompt = (prompt * (prompt_len // max(1, len(prompt)) + 1))[:prompt_len]
     short = prompt[:16]
+    last_round = None
     for round_, f in interleaved_rounds(formats, rounds, warmup=1):
+        if last_round is not None and round_ != last_round:
+            step(f"round {last_round + 1}" if last_round >= 0 else "warm-up")
+        last_round = round_
         model = models[f]
         stamps: list[float] = []
         model.generate([short], max_new_tokens=new_tokens, stop_at_eos=False, record=False,
@@ -67,6 +107,7 @@ def weight_study(name: str = "smollm2-135m", formats=DEFAULT_FORMATS, context: i
             gaps = [b - a for a, b in zip(stamps, stamps[1:])]
             rows[f]["decode_s"].append(statistics.median(gaps))
             rows[f]["prefill_s"].append(prefill)
+    step(f"round {last_round + 1}")
     triad = measured_peaks().triad_gbps
     out = []
     for f in formats:

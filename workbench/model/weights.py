@@ -80,6 +80,15 @@ class WeightFormat:
 
         return tuple(constants()["weight_blocks"][self.kernel])
 
+    @property
+    def bits_per_weight(self) -> float:
+        """Bits a weight of a long row takes, its scales included (a row's one scale counts as 0)."""
+        if self.blocks:
+            weights, nbytes = self.block_geometry
+            return 8 * nbytes / weights
+        bits = 8 * torch.empty((), dtype=self.storage).element_size()
+        return bits + (32 / self.group if self.scales == "group" else 0)  # one fp32 scale per group
+
     def fits(self, cols: int) -> bool:
         """Whether a row of `cols` weights is whole blocks of this format (always, unblocked)."""
         return not self.blocks or cols % self.block_geometry[0] == 0

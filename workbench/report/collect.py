@@ -135,7 +135,7 @@ def prediction_entry(model, result) -> dict | None:
 
 def record(item, model=None, command: str | None = None, prompt: str | None = None, kind: str | None = None) -> dict:
     """Add a measurement to this session's log: a GenerationResult, or a list of rows
-    (AblationRow objects or dicts; kind "ablation", "tp_ablation", "peers", "kv_quality",
+    (AblationRow objects or dicts; kind "ablation", "tp_ablation", "peers", "kv_quality", "weight_quality",
     "benchmark"). Returns the entry."""
     from dataclasses import asdict, is_dataclass
 

@@ -355,6 +355,23 @@ def _quality_findings(i: int, e: dict, peaks: dict) -> str:
                            f"bytes and KL: {html.escape(said)}</li>"])
 
 
+def _weight_findings(i: int, e: dict, peaks: dict) -> str:
+    from workbench.analysis.weight_study import pareto_front
+
+    rows = e["rows"]
+    if not rows or "kl_nats" not in rows[0]:
+        return _entry_finding(i, e, f"{len(rows)} rows")
+    front = "; ".join(f"{r['format']} ({_number(r['bytes_per_token'] / 1e6)} MB per token, KL {_number(r['kl_nats'])} "
+                      f"nats)" for r in pareto_front(rows))
+    fastest = max(rows, key=lambda r: r["decode_tok_s"]["median"])
+    return _entry_finding(i, e, f"{len(rows)} weight formats: each one's KL and top-1 agreement against fp32 weights, "
+                                f"the bytes a decode step reads and its speed",
+                          [f"<li>no format reads fewer bytes with a lower KL than these: {html.escape(front)}</li>",
+                           f"<li>fastest decode: {html.escape(fastest['format'])}, "
+                           f"{_number(fastest['decode_tok_s']['median'])} tokens/s, "
+                           f"{_number(fastest['decode_pct_of_triad'], 'pct')}% of the measured triad</li>"])
+
+
 def _profile_findings(i: int, e: dict, peaks: dict) -> str:
     top = e.get("top_frames") or []
     item = (f"<li>hottest frame by self time: <code>{html.escape(str(top[0]['frame']))}</code> "
@@ -369,7 +386,8 @@ def _rows_findings(i: int, e: dict, peaks: dict) -> str:
 
 
 FINDINGS = {"ablation": _ablation_findings, "generation": _generation_findings, "tp_ablation": _tp_findings,
-            "peers": _peers_findings, "kv_quality": _quality_findings, "profile": _profile_findings,
+            "peers": _peers_findings, "kv_quality": _quality_findings, "weight_quality": _weight_findings,
+            "profile": _profile_findings,
             "serve_bench": _serve_findings}
 
 

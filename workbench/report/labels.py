@@ -60,6 +60,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "top1_agreement_vs_fp32": ("top-1 agreement with fp32", "sig"), "kl_nats": ("mean KL, nats", "sig"),
     "kl_nats_max": ("max KL, nats", "sig"), "perplexity": ("perplexity", "sig"),
     "attention_rel_error": ("attention relative error", "sig"),
+    # weight formats
+    "format": ("weight format", "text"), "formats": ("formats by tensor group", "text"),
+    "bits_per_weight": ("bits per weight", "sig"), "bytes_per_token": ("weight bytes per token", "bytes"),
+    "decode_tok_s": ("decode tokens/s", "sig"), "decode_pct_of_triad": ("decode, % of triad", "pct"),
     # the cost model, profiles
     "phase": ("phase", "text"), "part": ("part", "text"), "predicted_ms": ("predicted ms", "ms"),
     "measured_ms": ("measured ms", "ms"), "ratio": ("measured / predicted", "ratio"), "bound": ("bound", "text"),

@@ -237,8 +237,21 @@ def _serve_body(i: int, rows: list[dict], figures: list) -> str:
             + _grid_table(flat, SERVE_COLUMNS))
 
 
+WEIGHT_COLUMNS = ["format", "formats", "bits_per_weight", "bytes_per_token", "kl_nats", "kl_nats_max", "top1_agreement",
+                  "perplexity", "decode_tok_s", "decode_pct_of_triad", "prefill_ms"]
+
+
+def _weight_body(i: int, rows: list[dict], figures: list) -> str:
+    from workbench.analysis.weight_study import study_figure
+
+    spec = study_figure(rows)
+    spec["layout"]["title"]["text"] = f"Entry {i}: " + spec["layout"]["title"]["text"]
+    return _figure(figures, f"fig-weights-{i}", spec) + _grid_table(rows, WEIGHT_COLUMNS)
+
+
 def _rows_section(i: int, e: dict, figures: list) -> str:
-    body = {"peers": _peers_body, "tp_ablation": _tp_body, "ablation": _ablation_body, "serve_bench": _serve_body}.get(
+    body = {"peers": _peers_body, "tp_ablation": _tp_body, "ablation": _ablation_body, "serve_bench": _serve_body,
+            "weight_quality": _weight_body}.get(
         e["kind"], lambda i, rows, figures: _grid_table(rows))(i, e["rows"], figures)
     return f"<h3 id='entry-{i}'>Entry {i}: {html.escape(e['kind'].replace('_', ' '))}</h3>{body}"
 
