@@ -2,8 +2,10 @@
 
 Every bench/ script writes results/<name>.json: its environment (command, commit, machine,
 measured peaks, time) and the tables it printed. The runs worth keeping are copied into
-docs/results/ (`--add`), and this script renders them, grouped by host and day, newest first,
-each table under the command that produced it. tests/test_measurements_doc.py checks that
+docs/results/ (`--add`), and this script renders them: first one table per host class of where
+the workbench stands against each peer (the latest run of each comparison: its ratio, date and
+command; COMPARISONS reads them from each benchmark's JSON), then the log, grouped by host and
+day, newest first, each table under the command that produced it. tests/test_measurements_doc.py checks that
 docs/measurements.md is what this script renders from docs/results/.
 
     python bench/measurements.py                      # render docs/measurements.md
@@ -91,12 +93,130 @@ def load(folder: Path) -> list[tuple[str, dict]]:
     return runs
 
 
+def host_class(machine: dict) -> str:
+    """The host as the peer table groups it: CPU model and vector / matrix units."""
+    return host_label(machine).split(";")[0]
+
+
+def _ratio_text(r: dict) -> str:
+    if r.get("min") is None or r["min"] == r["max"]:
+        return f"{r['median']:.2f}x"
+    return f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def _peers_rows(data: dict):
+    """bench/peers.py: each peer engine against the workbench row it is matched with."""
+    for r in data.get("rows", []):
+        if r.get("status") != "ok" or not r.get("ours_over_peer"):
+            continue
+        words = data["environment"]["command"].split()
+        model = words[words.index("--model") + 1] if "--model" in words[:-1] else "smollm2-135m"
+        for metric, key in (("decode tokens/s", "ours_over_peer"), ("time to first token", "ours_over_peer_prefill")):
+            if r.get(key):
+                yield {"comparison": f"{model}, prompt {r['prompt_len']}: {metric}", "ours": r["matched"],
+                       "peer": r["engine"], "ratio": r[key]}
+
+
+def _gguf_formats_rows(data: dict):
+    """bench/gguf_formats.py: the same GGUF file in the workbench and in llama.cpp."""
+    ttft = next((c for t in data["tables"] for c in t["columns"] if c.startswith("TTFT ")), "TTFT")
+    for r in data.get("rows", []):
+        if r.get("engine") != "workbench":
+            continue
+        for metric, key in (("decode tokens/s, batch 1", "decode_ratio"), (f"{ttft.replace(' ms', '')} tokens", "prefill_ratio"),
+                            (f"decode tokens/s, batch {r.get('batch')}", "batch_ratio")):
+            if r.get(key):
+                yield {"comparison": f"{r['file']}: {metric}", "ours": "workbench, the file's formats",
+                       "peer": "llama.cpp, the same file", "ratio": r[key]}
+
+
+def _serving_rows(data: dict):
+    """bench/serving.py --only peers: output tokens/s of each peer server against ours, per load."""
+    import statistics
+
+    runs = data.get("peers", {}).get("rows", {})
+    rates = {}
+    for key, rows in runs.items():
+        server, _, load_ = key.partition(" | ")
+        done = [r["output_tokens_per_s"] for r in rows if r.get("output_tokens_per_s")]
+        if done:
+            rates[(server, load_)] = done
+    for (server, load_), ours in rates.items():
+        if not server.startswith("ours"):
+            continue
+        for (peer, peer_load), theirs in rates.items():
+            if peer_load == load_ and not peer.startswith("ours"):
+                yield {"comparison": f"serving, {load_}: output tokens/s", "ours": server, "peer": peer,
+                       "ratio": {"median": statistics.median(ours) / statistics.median(theirs),
+                                 "min": min(ours) / max(theirs), "max": max(ours) / min(theirs)}}
+
+
+def _linear_rows(data: dict):
+    """bench/linear.py: ours against torch (oneDNN) per product and row count; median and
+    min-max over the layer shapes."""
+    import statistics
+
+    by_case: dict[tuple[str, int], list[float]] = {}
+    for r in data.get("results", []):
+        for name, ratio in r.get("speedups", {}).items():
+            ours, _, peer = name.partition(" / ")
+            if peer.startswith("torch") and ours.startswith("ours"):
+                by_case.setdefault((name, r["M"]), []).append(ratio)
+    for (name, m), ratios in sorted(by_case.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        ours, _, peer = name.partition(" / ")
+        yield {"comparison": f"linear layers at {m} rows (over {len(ratios)} shapes)", "ours": ours, "peer": peer,
+               "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
+
+
+# benchmark script stem -> the comparisons against peers its results JSON holds
+COMPARISONS = {"peers": _peers_rows, "gguf_formats": _gguf_formats_rows, "serving": _serving_rows,
+               "linear": _linear_rows}
+
+
+def _natural(key: tuple) -> list:
+    """Sort key: numbers inside the strings compare as numbers (16 rows before 1024 rows)."""
+    return [[int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(part))] for part in key]
+
+
+def peer_summary(runs: list[tuple[str, dict]]) -> str:
+    """One table per host class: the latest run of each comparison against a peer."""
+    latest: dict[tuple, tuple[str, dict, dict]] = {}
+    for _, data in runs:
+        env = data["environment"]
+        script = Path(env["command"].split()[1]).stem if len(env["command"].split()) > 1 else ""
+        for row in COMPARISONS.get(script, lambda d: ())(data):
+            key = (host_class(env["machine"]), script, row["comparison"], row["ours"], row["peer"])
+            if key not in latest or latest[key][0] < env["time"]:
+                latest[key] = (env["time"], env, row)
+    if not latest:
+        return ""
+    out = ["## Where the workbench stands against its peers\n",
+           "The latest run of each comparison on each host class, generated from the log below. A ratio is ours "
+           "over the peer's speed (> 1: the workbench is faster), median (min-max) over the run's rounds, or over "
+           "layer shapes for linear layers.\n"]
+    for host in sorted({k[0] for k in latest}):
+        out.append(f"### {host}\n")
+        out.append("| benchmark | comparison | ours | peer | ours / peer | date | command |")
+        out.append("|---|---|---|---|---|---|---|")
+        for key in sorted((k for k in latest if k[0] == host), key=_natural):
+            when, env, row = latest[key]
+            out.append("| " + " | ".join(_cell(c) for c in (key[1], row["comparison"], row["ours"], row["peer"],
+                                                            _ratio_text(row["ratio"]), when[:10],
+                                                            f"`{env['command']}`")) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def render(runs: list[tuple[str, dict]]) -> str:
     sections: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     for name, data in runs:
         env = data["environment"]
         sections.setdefault((env["time"][:10], host_label(env["machine"])), []).append((name, data))
     out = [HEADER]
+    summary = peer_summary(runs)
+    if summary:
+        out.append(summary)
+        out.append("Below, every run, by host class and day, newest first.\n")
     for (day, host), items in sorted(sections.items(), key=lambda kv: kv[0][0], reverse=True):
         items.sort(key=lambda item: item[1]["environment"]["time"])
         env = items[0][1]["environment"]

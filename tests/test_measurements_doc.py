@@ -103,3 +103,28 @@ def test_adding_a_second_run_of_a_benchmark_on_one_day_keeps_both(tmp_path, monk
     names = sorted(p.name for p in (tmp_path / "results").iterdir())
     assert names == ["2026-12-01-some-cpu-avx512-l1d-48k-distributed-1531.json",
                      "2026-12-01-some-cpu-avx512-l1d-48k-distributed.json"]
+
+
+def test_peer_summary_keeps_the_latest_run_of_each_comparison_per_host_class():
+    gen = _generator()
+    avx2, avx512 = ["avx2", "fma"], ["avx2", "avx512f", "avx512_vnni"]
+
+    def gguf_run(time: str, flags: list[str], ratio: float) -> dict:
+        run = _result(time, flags, "t", [["x", "1"]])
+        run["environment"]["command"] = "python bench/gguf_formats.py --model gemma3-270m"
+        run["tables"][0]["columns"] = ["file", "TTFT 512 ms"]
+        run["rows"] = [{"file": "gemma3-270m", "engine": "workbench", "batch": 16,
+                        "decode_ratio": {"median": ratio, "min": ratio - 0.1, "max": ratio + 0.1},
+                        "prefill_ratio": {"median": 1.5, "min": 1.4, "max": 1.6}, "batch_ratio": None},
+                       {"file": "gemma3-270m", "engine": "llama.cpp", "batch": 16}]
+        return run
+
+    runs = [("gguf_formats", gguf_run("2026-12-07T10:00:00+0000", avx2, 0.8)),
+            ("gguf_formats", gguf_run("2026-12-07T12:00:00+0000", avx2, 0.97)),  # the later run wins
+            ("gguf_formats", gguf_run("2026-12-06T12:00:00+0000", avx512, 1.2))]
+    page = gen.render(runs)
+    summary = page[page.index("## Where the workbench stands"):page.index("Below, every run")]
+    assert "0.97x (0.87-1.07)" in summary and "0.80x" not in summary and "1.20x (1.10-1.30)" in summary
+    assert summary.count("### Some CPU, 2 logical CPUs: ") == 2  # one table per host class
+    assert "gemma3-270m: TTFT 512 tokens" in summary and "batch 16" not in summary  # no batch ratio measured
+    assert "`python bench/gguf_formats.py --model gemma3-270m`" in summary and "2026-12-07" in summary

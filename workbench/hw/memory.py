@@ -52,6 +52,28 @@ def zeros(shape, dtype=torch.float32) -> torch.Tensor:
     return empty(shape, dtype).zero_()
 
 
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to call
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim(0)). Tensors below
+    glibc's mmap threshold (it grows to 32 MiB as large blocks are freed: a layer's matrices
+    fall under it) come from the heap, and a freed one's pages stay in the process's resident
+    memory until trimmed. A load that copies each matrix (file -> kernels' layout -> the
+    arena) calls this as it goes, or a 4 GB model would leave GBs of freed copies resident."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 class Arena:
     """One huge-page buffer that tensors are moved into one after another, each at a 4 KiB
     boundary right after the previous one: `take(t)` copies t in and returns the view that

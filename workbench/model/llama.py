@@ -334,6 +334,7 @@ class LlamaModel:
             prefix = f"layers.{i}."
             unfused = {k[len(prefix):]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
             self.layers.append(Layer(keep(cfg, i, unfused), cfg.head_dim, fmt))
+            memory.trim_heap()  # the layer's transient copies (file view -> kernels' layout, stacking)
         embedding = materialize(weights["embedding"])
         lm_head = materialize(weights["lm_head"]) if "lm_head" in weights else embedding  # tied: the same tensor
         head = keep(cfg, None, {"embedding": embedding, "final_norm": materialize(weights["final_norm"]),
@@ -402,8 +403,16 @@ class LlamaModel:
         table = self.embedding.data if isinstance(self.embedding, BlockTensor) else self.embedding
         tied = len(self.lm_head.parts) == 1 and head is table
         arena = memory.Arena(sum(memory.Arena.size(getattr(part, name)) for part, name in slots))
+        moved = 0
         for part, name in slots:
-            setattr(part, name, arena.take(getattr(part, name)))
+            old = getattr(part, name)
+            setattr(part, name, arena.take(old))
+            moved += old.nbytes
+            del old
+            if moved >= 64 << 20:  # the replaced tensors' heap pages back to the system as we go
+                memory.trim_heap()
+                moved = 0
+        memory.trim_heap()
         if tied:
             moved = self.lm_head.parts[0].weight
             if isinstance(self.embedding, BlockTensor):
