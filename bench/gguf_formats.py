@@ -11,6 +11,10 @@ interleaved in a new random order every round:
   - batched decode: tokens/s with --batch sequences decoded together (llama.cpp: as many
     parallel sequences of one context, its batched llama_decode).
 
+--activation-bits 16,8 runs the workbench twice, its decode's integer products with int16
+activations (the default) and with int8 ones (as llama.cpp's: faster, less exact; see
+kernels.set_block_activation_bits), each engine in the same interleaved rounds.
+
 Each ratio (ours over llama.cpp, > 1: ours faster) is taken round by round. Every figure is
 median (min-max) over --rounds rounds after one warm-up round.
 
@@ -22,6 +26,7 @@ median (min-max) over --rounds rounds after one warm-up round.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -51,9 +56,17 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16, help="sequences of the batched decode (0: skip it)")
+    parser.add_argument("--activation-bits", default="16",
+                        help="the workbench's decode activations, comma-separated: 16 (int16), 8 (int8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        bits_list = [int(b) for b in args.activation_bits.split(",")]
+    except ValueError:
+        parser.error(f"--activation-bits must be 16, 8 or both (16,8), got {args.activation_bits!r}")
+    if not bits_list or any(b not in (8, 16) for b in bits_list):
+        parser.error(f"--activation-bits must be 16, 8 or both (16,8), got {args.activation_bits!r}")
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -78,11 +91,13 @@ def main() -> int:
     for kind, path in files:
         path = path or shaped_gguf(args.preset, args.layers, kind)
         size = path.stat().st_size
-        engines = {
-            "workbench": Engine("workbench", {"engine": "workbench", "model": str(path), "dtype": "file",
-                                              "kv_cache": "fp16", "max_batch": max(1, args.batch)}, None, ""),
-            "llama.cpp": Engine("llama.cpp", {"engine": "llama.cpp", "path": str(path), "kv": "f16"}, "llama_cpp", ""),
-        }
+        engines = {}
+        for bits in bits_list:
+            name = "workbench" if bits == 16 else "workbench int8 acts"
+            engines[name] = Engine(name, {"engine": "workbench", "model": str(path), "dtype": "file", "kv_cache": "fp16",
+                                          "max_batch": max(1, args.batch), "activation_bits": bits}, None, "")
+        engines["llama.cpp"] = Engine("llama.cpp", {"engine": "llama.cpp", "path": str(path), "kv": "f16"}, "llama_cpp", "")
+        ours = [name for name in engines if name != "llama.cpp"]
         workers = {name: _Worker(e, args.threads, n_ctx) for name, e in engines.items()}
         runs = {name: {"decode": {}, "prefill": {}, "batch": {}, "bytes": None} for name in workers}
         try:
@@ -102,9 +117,7 @@ def main() -> int:
         finally:
             for w in workers.values():
                 w.close()
-        step_bytes = runs["workbench"]["bytes"]  # the same file: both read these bytes a step
-        same = sum(1 for _ in __import__("itertools").takewhile(
-            lambda ab: ab[0] == ab[1], zip(runs["workbench"]["tokens"], runs["llama.cpp"]["tokens"])))
+        step_bytes = runs[ours[0]]["bytes"]  # the same file: both read these bytes a step
         for name in workers:
             r = runs[name]
             dec = list(r["decode"].values())
@@ -113,8 +126,9 @@ def main() -> int:
                    "step_bytes": step_bytes, "decode_tok_s": dec, "decode_gbps": gbps,
                    "decode_pct_of_triad": [100 * g / triad for g in gbps], "prefill_ms": list(r["prefill"].values()),
                    "batch": args.batch, "batch_tok_s": list(r["batch"].values())}
-            if name == "workbench":
+            if name != "llama.cpp":
                 other = runs["llama.cpp"]
+                same = sum(1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(r["tokens"], other["tokens"])))
                 row["decode_ratio"] = ratio_by_round(r["decode"], other["decode"])
                 row["prefill_ratio"] = ratio_by_round(other["prefill"], r["prefill"])  # theirs / ours: > 1 ours faster
                 row["batch_ratio"] = ratio_by_round(r["batch"], other["batch"]) if r["batch"] else None

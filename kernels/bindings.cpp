@@ -195,6 +195,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_blocks", &dequantize_blocks, py::arg("w"), py::arg("kernel"), py::arg("K"),
         py::arg("rows") = py::none(), py::arg("reference") = false, py::call_guard<py::gil_scoped_release>());
   m.def("block_dot_isa", &wbk::block_dot_isa);
+  m.def("block_byte_dot_isa", &wbk::block_byte_dot_isa);
+  m.def("set_block_activation_bits", [](int bits) {
+    TORCH_CHECK_VALUE(bits == 8 || bits == 16, "set_block_activation_bits: bits must be 8 or 16, got ", bits);
+    wbk::set_block_activation_bits(bits);
+  });
+  m.def("block_activation_bits", &wbk::block_activation_bits);
   m.def("shm_segment_bytes", [](int64_t world, int64_t capacity) { return wbk::shm_segment_bytes(world, capacity); });
   m.def("shm_all_reduce", &shm_all_reduce, py::call_guard<py::gil_scoped_release>());
   m.def("shm_broadcast", &shm_broadcast, py::call_guard<py::gil_scoped_release>());

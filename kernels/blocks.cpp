@@ -2,10 +2,15 @@
 // kernel of decode (blocks.h says what each format stores and how rows are laid out).
 //
 // block_matvec, y [M, N] = x [M, K] . w^T, memory-bound on w's bytes:
-//   - each row of x is quantized once per call to int16, one scale per 32 values
-//     (scale = max |x| / 32767; relative error at most 1.5e-5 of the chunk's largest value,
-//     where llama.cpp's q8 activations have 4e-3), with the exact fp32 sum of each chunk kept
-//     for the formats' offsets (q4_0's -8, the minimums);
+//   - each row of x is quantized once per call, one scale per 32 values, to int16 (the default,
+//     set_block_activation_bits(16): scale = max |x| / 32767, relative error at most 1.5e-5 of
+//     the chunk's largest value, offsets with the exact fp32 sums) or to int8 (8: scale =
+//     max |x| / 127, as llama.cpp's q8 activations, whose error moves a model's logits
+//     visibly; the formats' offsets and minimums taken with the sums of the rounded values, so
+//     y is exactly the dequantized weights times the rounded x, up to fp32 accumulation);
+//   - int8: a weight chunk of 32 is one vector of bytes (nibbles, fifth and sixth bits put
+//     together), multiplied with the activations four products an int32 lane (pmaddubsw, or
+//     VNNI's vpdpbusd), half the instructions of the int16 path a weight;
 //   - a weight chunk of 32 is widened to int16 in registers (nibbles, fifth and sixth bits
 //     put together) and multiplied with the activations in pairs into int32 lanes (pmaddwd, or
 //     VNNI's vpdpwssd): exact integer sums, no float work per weight;
@@ -22,8 +27,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -594,6 +601,37 @@ void quantize_acts(const float* x, int64_t K, int16_t* q, float* scale, float* s
   }
 }
 
+// The same, quantized to int8 in [-127, 127]; the sums are of the rounded values (times the
+// scale), so that the offsets and minimums are taken with the x the products see.
+struct Acts8 {
+  const int8_t* q;
+  const float* scale;
+  const float* sum;
+  const float* sum16;
+};
+
+void quantize_acts8(const float* x, int64_t K, int8_t* q, float* scale, float* sum, float* sum16) {
+  for (int64_t c = 0; c < K / kBlockChunk; ++c) {
+    const float* xc = x + c * kBlockChunk;
+    float amax = 0.0f;
+    for (int i = 0; i < kBlockChunk; ++i) amax = std::max(amax, std::fabs(xc[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int s0 = 0, s1 = 0;
+    for (int i = 0; i < kBlockChunk; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xc[i] * inv));
+      q[c * kBlockChunk + i] = static_cast<int8_t>(v);
+      (i < 16 ? s0 : s1) += v;
+    }
+    const float d = amax / 127.0f;
+    scale[c] = d;
+    sum[c] = d * static_cast<float>(s0 + s1);
+    sum16[2 * c] = d * static_cast<float>(s0);
+    sum16[2 * c + 1] = d * static_cast<float>(s1);
+  }
+}
+
+std::atomic<int> g_activation_bits{16};
+
 // 8 floats from p[0 .. n) (the rest 0), 8 halves likewise.
 inline Vec8F load8(const float* p, int64_t n) {
   if (n >= 8) return Vec8F::load(p);
@@ -791,8 +829,27 @@ namespace {
 
 // Dot products of the blocks of 32 (q4_0, q4_1, q5_0, q5_1, q8_0, i4_g128) with one row of
 // activations, eight blocks (chunks) at a time.
+// Chunk j's integer dot product with its 32 activations, in 8 lanes: int16 activations (the
+// weights widened to int16) or int8 (the weights as one vector of bytes).
 template <WeightDtype T>
-float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
+inline VecI8 chunk_dot(const Group& G, int64_t j, const int16_t* x) {
+  VecS lo, hi;
+  unpack_chunk<T>(G, j, lo, hi);
+  return dot(dot(VecI8::zero(), lo, VecS::load(x)), hi, VecS::load(x + 16));
+}
+template <WeightDtype T>
+inline VecI8 chunk_dot(const Group& G, int64_t j, const int8_t* x) {
+  if constexpr (T == WeightDtype::kQ8_0) {
+    return dot_ss(VecI8::zero(), Bytes32::load(G.qs + 32 * j), Bytes32::load(x));
+  } else {
+    Bytes32 w = Bytes32::nibbles(G.qs + 16 * j);
+    if constexpr (T == WeightDtype::kQ5_0 || T == WeightDtype::kQ5_1) w = w | Bytes32::bits32(u32_at(G.qh + 4 * j));
+    return dot_us(VecI8::zero(), w, Bytes32::load(x));
+  }
+}
+
+template <WeightDtype T, typename A>
+float dot_block32(const uint8_t* row, const A& a, int64_t K) {
   const PlanarFormat pf = planar(T);
   const int64_t nb = K / kBlockChunk;
   constexpr bool kHasMin = T == WeightDtype::kQ4_1 || T == WeightDtype::kQ5_1 || T == WeightDtype::kI4G128;
@@ -802,12 +859,7 @@ float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {  // chunk b0 + j is chunk j of group b0 / 8
     const int64_t n = std::min<int64_t>(8, nb - b0);
     const Group G = group_at(pf, row, K, b0 / 8);
-    auto chunk = [&](int64_t j) {  // chunk j's integer dot product, in 8 lanes
-      const int16_t* x = a.q + (b0 + j) * 32;
-      VecS lo, hi;
-      unpack_chunk<T>(G, j, lo, hi);
-      return dot(dot(VecI8::zero(), lo, VecS::load(x)), hi, VecS::load(x + 16));
-    };
+    auto chunk = [&](int64_t j) { return chunk_dot<T>(G, j, a.q + (b0 + j) * 32); };
     Vec8F d, m = Vec8F::zero();
     if constexpr (T == WeightDtype::kI4G128) {  // a scale and offset per 4 chunks: 1 or 2 blocks
       const int64_t b1 = G.blocks > 1 ? 1 : 0;
@@ -834,19 +886,36 @@ float dot_block32(const uint8_t* row, const Acts& a, int64_t K) {
 
 // q4_k and q5_k: per super-block, each sub-block's sum times its scale, less the minimums
 // times the activations' sums.
-template <bool kQ5>
-float dot_q4k_q5k(const uint8_t* row, const Acts& a, int64_t K) {
+template <bool kQ5, typename A>
+float dot_q4k_q5k(const uint8_t* row, const A& a, int64_t K) {
+  constexpr bool kBytes8 = std::is_same_v<A, Acts8>;
   constexpr int64_t kBytes = kQ5 ? 176 : 144;
   alignas(32) float factor[8];
   Vec8F even = Vec8F::zero(), odd = Vec8F::zero(), off = Vec8F::zero();
   for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
     const uint8_t* blk = row + sb * kBytes;
     const uint8_t* qs = blk + (kQ5 ? 48 : 16);
-    const int16_t* x = a.q + sb * kSuperBlock;
+    const auto* x = a.q + sb * kSuperBlock;
     uint64_t sc, mn;
     scales_mins_k4(blk + 4, &sc, &mn);
     (Vec8F::from_u8(sc) * Vec8F::set1(f16_at(blk)) * Vec8F::load(a.scale + 8 * sb)).store(factor);
     off = fmadd(Vec8F::from_u8(mn) * Vec8F::set1(f16_at(blk + 2)), Vec8F::load(a.sum + 8 * sb), off);
+    if constexpr (kBytes8) {  // sub-block 2p: the low nibbles of bytes 32 p .. 32 p + 31, 2p + 1: the high
+      const Bytes32 low4 = Bytes32::set1(0x0F), bit4 = Bytes32::set1(0x10);
+      Bytes32 h;
+      if constexpr (kQ5) h = Bytes32::load(blk + 16);
+      for (int p = 0; p < 4; ++p) {
+        const Bytes32 b = Bytes32::load(qs + 32 * p);
+        Bytes32 w0 = b & low4, w1 = shr<4>(b) & low4;
+        if constexpr (kQ5) {
+          w0 = w0 | (shl<4>(h) & bit4);
+          w1 = w1 | (shl<3>(h) & bit4);
+          h = shr<2>(h);
+        }
+        WBK_ADD_CHUNK(2 * p, dot_us(VecI8::zero(), w0, Bytes32::load(x + 64 * p)));
+        WBK_ADD_CHUNK(2 * p + 1, dot_us(VecI8::zero(), w1, Bytes32::load(x + 64 * p + 32)));
+      }
+    } else {
     VecS ha, hb;
     if constexpr (kQ5) {
       ha = VecS::widen_u8(blk + 16);
@@ -862,6 +931,7 @@ float dot_q4k_q5k(const uint8_t* row, const Acts& a, int64_t K) {
       WBK_ADD_CHUNK(2 * p, dot(dot(VecI8::zero(), w[0], VecS::load(x + 64 * p)), w[1], VecS::load(x + 64 * p + 16)));
       WBK_ADD_CHUNK(2 * p + 1, dot(dot(VecI8::zero(), w[2], VecS::load(x + 64 * p + 32)), w[3],
                                    VecS::load(x + 64 * p + 48)));
+    }
     }
   }
   return reduce_add(even + odd) - reduce_add(off);
@@ -895,6 +965,56 @@ float dot_q6k(const uint8_t* row, const Acts& a, int64_t K) {
   return reduce_add(even + odd) - 32.0f * reduce_add(off);
 }
 
+// q6_k with int8 activations: a quarter of a half (32 weights, sub-blocks 2k and 2k + 1 of
+// the half) is one vector of bytes; its lanes 0-3 hold the first sub-block's products, 4-7
+// the second's, so each takes its own factor.
+float dot_q6k_i8(const uint8_t* row, const Acts8& a, int64_t K) {
+  alignas(32) float factor[16];
+  Vec8F even = Vec8F::zero(), odd = Vec8F::zero(), off = Vec8F::zero();
+  const Bytes32 low4 = Bytes32::set1(0x0F), bits45 = Bytes32::set1(0x30);
+  for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const int8_t* x = a.q + sb * kSuperBlock;
+    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const Vec8F d = Vec8F::set1(f16_at(blk + 208));
+    const Vec8F sc_lo = Vec8F::from_i8(sc) * d, sc_hi = Vec8F::from_i8(sc + 8) * d;
+    const float* xs = a.scale + 8 * sb;
+    (sc_lo * Vec8F::load4_doubled(xs)).store(factor);  // sub-block i reads chunk i / 2
+    (sc_hi * Vec8F::load4_doubled(xs + 4)).store(factor + 8);
+    off = fmadd(sc_lo, Vec8F::load(a.sum16 + 16 * sb), off);
+    off = fmadd(sc_hi, Vec8F::load(a.sum16 + 16 * sb + 8), off);
+    for (int n = 0; n < 2; ++n) {
+      const Bytes32 la = Bytes32::load(blk + 64 * n), lb = Bytes32::load(blk + 64 * n + 32);
+      const Bytes32 hh = Bytes32::load(blk + 128 + 32 * n);
+      const Bytes32 q[4] = {(la & low4) | (shl<4>(hh) & bits45), (lb & low4) | (shl<2>(hh) & bits45),
+                         (shr<4>(la) & low4) | (hh & bits45), (shr<4>(lb) & low4) | (shr<2>(hh) & bits45)};
+      const float* f = factor + 8 * n;
+      for (int k = 0; k < 4; ++k) {
+        const Vec8F fk = Vec8F::halves(f[2 * k], f[2 * k + 1]);
+        const Vec8F prod = to_float(dot_us(VecI8::zero(), q[k], Bytes32::load(x + 128 * n + 32 * k)));
+        if (k & 1) odd = fmadd(prod, fk, odd);
+        else even = fmadd(prod, fk, even);
+      }
+    }
+  }
+  return reduce_add(even + odd) - 32.0f * reduce_add(off);
+}
+
+// Weight-only int8 rows with int8 activations: each chunk's 32 signed products in one vector.
+float dot_int8_i8(const int8_t* row, const float* gs, const Acts8& a, int64_t K) {
+  const int64_t nc = K / kBlockChunk;
+  alignas(32) float factor[8];
+  Vec8F even = Vec8F::zero(), odd = Vec8F::zero();
+  for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nc - c0);
+    const Vec8F xs = load8(a.scale + c0, n);
+    (gs ? xs * load8(gs + c0, n) : xs).store(factor);
+    for (int j = 0; j < n; ++j)
+      WBK_ADD_CHUNK(j, dot_ss(VecI8::zero(), Bytes32::load(row + (c0 + j) * 32), Bytes32::load(a.q + (c0 + j) * 32)));
+  }
+  return reduce_add(even + odd);
+}
+
 // Weight-only int8 rows (the int8 / int8-g32 formats, linear.cpp's layout: K int8 a row, with
 // fp32 scales per 32 of a row, gs, or one per row applied by the caller): the same int16
 // products as q8_0's, each chunk's factor its group scale (or 1) times its activation scale.
@@ -918,19 +1038,23 @@ float dot_int8(const int8_t* row, const float* gs, const Acts& a, int64_t K) {
 
 #undef WBK_ADD_CHUNK
 
-using RowDot = float (*)(const uint8_t*, const Acts&, int64_t);
+template <typename A>
+using RowDot = float (*)(const uint8_t*, const A&, int64_t);
 
-RowDot row_dot(WeightDtype t) {
+template <typename A>
+RowDot<A> row_dot(WeightDtype t) {
   switch (t) {
-    case WeightDtype::kQ4_0: return dot_block32<WeightDtype::kQ4_0>;
-    case WeightDtype::kQ4_1: return dot_block32<WeightDtype::kQ4_1>;
-    case WeightDtype::kQ5_0: return dot_block32<WeightDtype::kQ5_0>;
-    case WeightDtype::kQ5_1: return dot_block32<WeightDtype::kQ5_1>;
-    case WeightDtype::kQ8_0: return dot_block32<WeightDtype::kQ8_0>;
-    case WeightDtype::kI4G128: return dot_block32<WeightDtype::kI4G128>;
-    case WeightDtype::kQ4_K: return dot_q4k_q5k<false>;
-    case WeightDtype::kQ5_K: return dot_q4k_q5k<true>;
-    case WeightDtype::kQ6_K: return dot_q6k;
+    case WeightDtype::kQ4_0: return dot_block32<WeightDtype::kQ4_0, A>;
+    case WeightDtype::kQ4_1: return dot_block32<WeightDtype::kQ4_1, A>;
+    case WeightDtype::kQ5_0: return dot_block32<WeightDtype::kQ5_0, A>;
+    case WeightDtype::kQ5_1: return dot_block32<WeightDtype::kQ5_1, A>;
+    case WeightDtype::kQ8_0: return dot_block32<WeightDtype::kQ8_0, A>;
+    case WeightDtype::kI4G128: return dot_block32<WeightDtype::kI4G128, A>;
+    case WeightDtype::kQ4_K: return dot_q4k_q5k<false, A>;
+    case WeightDtype::kQ5_K: return dot_q4k_q5k<true, A>;
+    case WeightDtype::kQ6_K:
+      if constexpr (std::is_same_v<A, Acts8>) return dot_q6k_i8;
+      else return dot_q6k;
     default: return nullptr;
   }
 }
@@ -940,26 +1064,34 @@ RowDot row_dot(WeightDtype t) {
 constexpr int kActsSlot = Scratch::kSlots - 1;
 constexpr int64_t kRowsPerTask = 16;
 
-// Rows of x quantized for the dot products, in the calling thread's scratch; `at(m)` is row m's.
+// Rows of x quantized for the dot products (A: Acts, int16, or Acts8, int8), in the calling
+// thread's scratch; `at(m)` is row m's.
+template <typename A>
 class QuantizedRows {
+  using Q = std::remove_const_t<std::remove_pointer_t<decltype(A::q)>>;
+
  public:
   QuantizedRows(const float* x, int64_t M, int64_t K) : K_(K), chunks_(K / kBlockChunk) {
-    // [M][K] int16, then [M][chunks] scales, [M][chunks] sums and [M][2 chunks] half sums, in
-    // one float buffer (it outlives the Scratch handle: parallel.h)
-    const int64_t q_floats = (M * K + 1) / 2;
+    // [M][K] quantized, then [M][chunks] scales, [M][chunks] sums and [M][2 chunks] half sums,
+    // in one float buffer (it outlives the Scratch handle: parallel.h)
+    const int64_t q_floats = (M * K * static_cast<int64_t>(sizeof(Q)) + 3) / 4;
     float* buf = Scratch(kActsSlot, q_floats + 4 * M * chunks_).data();
-    q_ = reinterpret_cast<int16_t*>(buf);
+    q_ = reinterpret_cast<Q*>(buf);
     scale_ = buf + q_floats;
     sum_ = scale_ + M * chunks_;
     sum16_ = sum_ + M * chunks_;
-    for (int64_t m = 0; m < M; ++m)
-      quantize_acts(x + m * K, K, q_ + m * K, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_);
+    for (int64_t m = 0; m < M; ++m) {
+      if constexpr (std::is_same_v<A, Acts8>)
+        quantize_acts8(x + m * K, K, q_ + m * K, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_);
+      else
+        quantize_acts(x + m * K, K, q_ + m * K, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_);
+    }
   }
-  Acts at(int64_t m) const { return {q_ + m * K_, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_}; }
+  A at(int64_t m) const { return {q_ + m * K_, scale_ + m * chunks_, sum_ + m * chunks_, sum16_ + 2 * m * chunks_}; }
 
  private:
   int64_t K_, chunks_;
-  int16_t* q_;
+  Q* q_;
   float *scale_, *sum_, *sum16_;
 };
 
@@ -976,19 +1108,39 @@ void rows_times_x(int64_t M, int64_t N, float* y, Dot&& dot_row) {
 
 }  // namespace
 
-void block_matvec(const float* x, const uint8_t* w, WeightDtype t, float* y, int64_t M, int64_t N, int64_t K) {
-  const QuantizedRows acts(x, M, K);
-  const RowDot dot_row = row_dot(t);
+namespace {
+
+template <typename A>
+void block_matvec_with(const float* x, const uint8_t* w, WeightDtype t, float* y, int64_t M, int64_t N, int64_t K) {
+  const QuantizedRows<A> acts(x, M, K);
+  const RowDot<A> dot_row = row_dot<A>(t);
   const int64_t row_bytes = block_row_bytes(t, K);
   rows_times_x(M, N, y, [&](int64_t n, int64_t m) { return dot_row(w + n * row_bytes, acts.at(m), K); });
 }
 
+}  // namespace
+
+void set_block_activation_bits(int bits) { g_activation_bits.store(bits == 8 ? 8 : 16); }
+int block_activation_bits() { return g_activation_bits.load(); }
+const char* block_byte_dot_isa() { return kByteDotIsa; }
+
+void block_matvec(const float* x, const uint8_t* w, WeightDtype t, float* y, int64_t M, int64_t N, int64_t K) {
+  if (block_activation_bits() == 16) return block_matvec_with<Acts>(x, w, t, y, M, N, K);
+  block_matvec_with<Acts8>(x, w, t, y, M, N, K);
+}
+
 void int8_matvec(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
                  int64_t K) {
-  const QuantizedRows acts(x, M, K);
   const int64_t groups = K / kBlockChunk;
+  if (block_activation_bits() == 16) {
+    const QuantizedRows<Acts> acts(x, M, K);
+    return rows_times_x(M, N, y, [&](int64_t n, int64_t m) {
+      return dot_int8(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
+    });
+  }
+  const QuantizedRows<Acts8> acts(x, M, K);
   rows_times_x(M, N, y, [&](int64_t n, int64_t m) {
-    return dot_int8(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
+    return dot_int8_i8(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
   });
 }
 

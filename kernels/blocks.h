@@ -74,8 +74,15 @@ void block_matvec(const float* x, const uint8_t* w, WeightDtype dtype, float* y,
 void int8_matvec(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
                  int64_t K);
 
-// The instructions block_matvec's dot products use in this build.
+// The instructions block_matvec's dot products use in this build: with int16 activations,
+// and with int8 (block_byte_dot_isa).
 const char* block_dot_isa();
+const char* block_byte_dot_isa();
+
+// What block_matvec and int8_matvec round the activations to, per 32 values: 16 (int16, the
+// default) or 8 (int8); every thread's calls from then on.
+void set_block_activation_bits(int bits);
+int block_activation_bits();
 
 // fp32 -> IEEE fp16, rounding to nearest even (the quantizers' scales).
 uint16_t float_to_half_bits(float f);

@@ -577,6 +577,55 @@ inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_dpwssd_avx_epi32(ac
 inline constexpr const char* kBlockDotIsa = "avx2 (pmaddwd)";
 inline VecI8 dot(VecI8 acc, VecS a, VecS b) { return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(a.v, b.v))}; }
 #endif
+// 32 byte lanes, for the dot products with activations quantized to int8 (blocks.cpp): a
+// chunk of 32 weights in one vector, as unsigned bytes (a block's 4-, 5- or 6-bit values, at
+// most 63) or signed (q8_0, the int8 formats), the activations int8 in [-127, 127].
+//   Bytes32 load (32 bytes), nibbles (16 bytes: low nibbles in lanes 0-15, high in 16-31),
+//           set1, &, |, shr<n> / shl<n> (per byte: 16-bit shifts whose bleed the masks drop),
+//           bits32 (lane e = 0x10 where bit q5_bit(e) of a 32-bit word is set)
+//   dot_us(acc, u, s): u unsigned, s signed, four products a lane; dot_ss: both signed
+struct Bytes32 {
+  __m256i v;
+  static inline Bytes32 load(const void* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  static inline Bytes32 nibbles(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F))};
+  }
+  static inline Bytes32 set1(uint8_t x) { return {_mm256_set1_epi8(static_cast<char>(x))}; }
+  // Lane e = 0x10 where the 32-bit word's bit for weight e is set, in the kernels' Q5 order
+  // (blocks.cpp q5_bit: weight e at byte 2 (e % 2) + e / 16, bit (e % 16) / 2).
+  static inline Bytes32 bits32(uint32_t qh) {
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                              _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                                               1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3));
+    const __m256i mask = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128, -128,
+                                          1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128, -128);
+    return {_mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, mask), mask), _mm256_set1_epi8(0x10))};
+  }
+};
+inline Bytes32 operator&(Bytes32 a, Bytes32 b) { return {_mm256_and_si256(a.v, b.v)}; }
+inline Bytes32 operator|(Bytes32 a, Bytes32 b) { return {_mm256_or_si256(a.v, b.v)}; }
+template <int N>
+inline Bytes32 shr(Bytes32 a) { return {_mm256_srli_epi16(a.v, N)}; }
+template <int N>
+inline Bytes32 shl(Bytes32 a) { return {_mm256_slli_epi16(a.v, N)}; }
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+inline constexpr const char* kByteDotIsa = "avx512-vnni (vpdpbusd)";
+inline VecI8 dot_us(VecI8 acc, Bytes32 u, Bytes32 s) { return {_mm256_dpbusd_epi32(acc.v, u.v, s.v)}; }
+#elif defined(__AVXVNNI__)
+inline constexpr const char* kByteDotIsa = "avx-vnni (vpdpbusd)";
+inline VecI8 dot_us(VecI8 acc, Bytes32 u, Bytes32 s) { return {_mm256_dpbusd_avx_epi32(acc.v, u.v, s.v)}; }
+#else
+inline constexpr const char* kByteDotIsa = "avx2 (pmaddubsw)";
+// pairs of products summed to int16 (at most 2 x 63 x 127, or 2 x 128 x 127 for dot_ss: no
+// saturation), then pairs of those to int32
+inline VecI8 dot_us(VecI8 acc, Bytes32 u, Bytes32 s) {
+  return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)))};
+}
+#endif
+inline VecI8 dot_ss(VecI8 acc, Bytes32 a, Bytes32 s) {
+  return dot_us(acc, Bytes32{_mm256_sign_epi8(a.v, a.v)}, Bytes32{_mm256_sign_epi8(s.v, a.v)});
+}
 struct Vec8F {
   __m256 v;
   static inline Vec8F zero() { return {_mm256_setzero_ps()}; }
@@ -598,6 +647,8 @@ struct Vec8F {
   static inline Vec8F load4_doubled(const float* p) {
     return {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))};
   }
+  // Lanes 0-3 = a, 4-7 = b.
+  static inline Vec8F halves(float a, float b) { return {_mm256_setr_ps(a, a, a, a, b, b, b, b)}; }
 };
 inline Vec8F operator+(Vec8F a, Vec8F b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec8F operator*(Vec8F a, Vec8F b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -679,6 +730,70 @@ inline VecI8 dot(VecI8 acc, VecS a, VecS b) {
   for (int i = 0; i < 8; ++i) acc.v[i] += a.v[2 * i] * b.v[2 * i] + a.v[2 * i + 1] * b.v[2 * i + 1];
   return acc;
 }
+struct Bytes32 {
+  uint8_t v[32];
+  static inline Bytes32 load(const void* p) {
+    Bytes32 r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+  }
+  static inline Bytes32 nibbles(const uint8_t* p) {
+    Bytes32 r;
+    for (int i = 0; i < 16; ++i) {
+      r.v[i] = p[i] & 0x0F;
+      r.v[i + 16] = p[i] >> 4;
+    }
+    return r;
+  }
+  static inline Bytes32 set1(uint8_t x) {
+    Bytes32 r;
+    for (auto& e : r.v) e = x;
+    return r;
+  }
+  static inline Bytes32 bits32(uint32_t qh) {
+    Bytes32 r;
+    for (int e = 0; e < 32; ++e) r.v[e] = (qh >> (8 * (2 * (e % 2) + e / 16) + (e % 16) / 2)) & 1 ? 0x10 : 0;
+    return r;
+  }
+};
+inline Bytes32 operator&(Bytes32 a, Bytes32 b) {
+  for (int i = 0; i < 32; ++i) a.v[i] &= b.v[i];
+  return a;
+}
+inline Bytes32 operator|(Bytes32 a, Bytes32 b) {
+  for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
+  return a;
+}
+// the x86 builds' 16-bit lane shifts, bleed between byte pairs included (the masks drop it)
+template <int N>
+inline Bytes32 shr(Bytes32 a) {
+  Bytes32 r;
+  for (int i = 0; i < 32; i += 2) {
+    const uint16_t w = static_cast<uint16_t>((a.v[i] | (a.v[i + 1] << 8)) >> N);
+    r.v[i] = w & 0xFF;
+    r.v[i + 1] = w >> 8;
+  }
+  return r;
+}
+template <int N>
+inline Bytes32 shl(Bytes32 a) {
+  Bytes32 r;
+  for (int i = 0; i < 32; i += 2) {
+    const uint16_t w = static_cast<uint16_t>((a.v[i] | (a.v[i + 1] << 8)) << N);
+    r.v[i] = w & 0xFF;
+    r.v[i + 1] = w >> 8;
+  }
+  return r;
+}
+inline constexpr const char* kByteDotIsa = "scalar";
+inline VecI8 dot_us(VecI8 acc, Bytes32 u, Bytes32 s) {
+  for (int i = 0; i < 32; ++i) acc.v[i / 4] += u.v[i] * static_cast<int8_t>(s.v[i]);
+  return acc;
+}
+inline VecI8 dot_ss(VecI8 acc, Bytes32 a, Bytes32 s) {
+  for (int i = 0; i < 32; ++i) acc.v[i / 4] += static_cast<int8_t>(a.v[i]) * static_cast<int8_t>(s.v[i]);
+  return acc;
+}
 struct Vec8F {
   float v[8];
   static inline Vec8F zero() { return set1(0.0f); }
@@ -712,6 +827,11 @@ struct Vec8F {
   static inline Vec8F load4_doubled(const float* p) {
     Vec8F r;
     for (int i = 0; i < 8; ++i) r.v[i] = p[i / 2];
+    return r;
+  }
+  static inline Vec8F halves(float a, float b) {
+    Vec8F r;
+    for (int i = 0; i < 8; ++i) r.v[i] = i < 4 ? a : b;
     return r;
   }
 };

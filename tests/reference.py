@@ -73,3 +73,13 @@ def int8_weights_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     if scale.dim() == 1:
         return q.float() * scale[:, None]
     return q.float() * scale.repeat_interleave(32, dim=1)[:, : q.shape[1]]
+
+
+def int8_activations_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) as decode's integer products see it with int8 activations
+    (kernels.block_activation_bits() == 8): each 32 values rounded, half to even, to
+    multiples of their largest |x| / 127."""
+    M, K = x.shape
+    chunks = x.double().reshape(M, K // 32, 32)
+    step = chunks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(chunks / torch.where(step > 0, step, 1)) * step).reshape(M, K)

@@ -7,13 +7,18 @@
   every format decodes (ours and gguf's decoder agree) to within its expected error.
 - The products (matrix-vector and GEMM, every format, every build) against float64 over the
   exactly dequantized weights. The GEMM dequantizes to fp32, so it is held to fp32's
-  accumulation error. The matrix-vector kernel quantizes x to int16 per 32 values (blocks.cpp):
-  each x is off by at most half a step, amax(chunk) / 32767 / 2, so each output may be off by
-  the sum over chunks of that step times sum |w| over the chunk; the test allows that bound
-  plus fp32 accumulation.
+  accumulation error. The matrix-vector kernel quantizes x per 32 values (blocks.cpp): to int8
+  (kernels.set_block_activation_bits(8)), whose products, offsets and minimums all see the
+  rounded x, so it is held to fp32's accumulation error against float64 over the rounded x;
+  or to int16 (the default), whose offsets
+  take the exact sums: each x is off by at most half a step, amax(chunk) / 32767 / 2, so each
+  output may be off by the sum over chunks of that step times sum |w| over the chunk; the test
+  allows that bound plus fp32 accumulation.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -24,6 +29,8 @@ from hypothesis import strategies as st
 import gguf
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+
+from reference import int8_activations_reference  # noqa: E402
 
 ALSO_EMULATED = True
 
@@ -135,21 +142,49 @@ def _matvec_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return step @ wsum.T
 
 
+@contextmanager
+def activation_bits(kernels, bits: int):
+    before = kernels.block_activation_bits()
+    kernels.set_block_activation_bits(bits)
+    try:
+        yield
+    finally:
+        kernels.set_block_activation_bits(before)
+
+
 @given(kind=st.sampled_from(KINDS), M=st.one_of(st.integers(1, 12), st.sampled_from([33, 64])),
-       N=st.integers(1, 70), blocks=st.integers(1, 5), gemm=st.booleans(), seed=st.integers(0, 1000))
-def test_linear_on_blocks_matches_float64(kernels, kind, M, N, blocks, gemm, seed):
+       N=st.integers(1, 70), blocks=st.integers(1, 5), gemm=st.booleans(), bits=st.sampled_from([8, 16]),
+       seed=st.integers(0, 1000))
+def test_linear_on_blocks_matches_float64(kernels, kind, M, N, blocks, gemm, bits, seed):
     gen = torch.Generator().manual_seed(seed)
     K = blocks * _unit(kind) * (2 if _unit(kind) == 32 else 1)
     x = torch.randn(M, K, generator=gen) * torch.logspace(-2, 1, K)[torch.randperm(K, generator=gen)]
     w = kernels.repack_blocks(kernels.quantize_blocks(torch.randn(N, K, generator=gen), kind), kind, K)
     exact = kernels.dequantize_blocks(w, kind, K)
-    ref = x.double() @ exact.double().T
-    y = kernels.linear(x, w, kernel=kind, matvec_max_rows=0 if gemm else 64).double()
-    scale = (x.abs().double() @ exact.abs().double().T)
-    # the int16 half-step bound with a margin: a clean-clone CI run found a q4_0 case at 1.04x of it
-    # (64 rows, one block), on the scalar and emulated builds alike
-    allowed = 1e-5 * scale + (0 if gemm else 1.25 * _matvec_bound(x, exact))
+    with activation_bits(kernels, bits):
+        y = kernels.linear(x, w, kernel=kind, matvec_max_rows=0 if gemm else 64).double()
+    if not gemm and bits == 8:  # every product of the rounded x: fp32 accumulation only
+        xr = int8_activations_reference(x)
+        ref = xr @ exact.double().T
+        allowed = 1e-5 * (xr.abs() @ exact.abs().double().T)
+    else:
+        ref = x.double() @ exact.double().T
+        scale = (x.abs().double() @ exact.abs().double().T)
+        # the int16 half-step bound with a margin: a clean-clone CI run found a q4_0 case at 1.04x of it
+        # (64 rows, one block), on the scalar and emulated builds alike
+        allowed = 1e-5 * scale + (0 if gemm else 1.25 * _matvec_bound(x, exact))
     assert ((y - ref).abs() <= allowed + 1e-30).all(), ((y - ref).abs() / (allowed + 1e-30)).max()
+
+
+def test_activation_bits_are_16_by_default_and_checked(kernels):
+    assert kernels.block_activation_bits() == 16
+    with activation_bits(kernels, 8):
+        isa = kernels.block_dot_isa()
+        assert "maddubs" in isa or "dpbusd" in isa or isa == "scalar", isa
+    for bad in (4, 32, True, "8"):
+        with pytest.raises(ValueError, match="bits must be 8 or 16"):
+            kernels.set_block_activation_bits(bad)
+    assert kernels.block_activation_bits() == 16
 
 
 def test_linear_on_blocks_errors_name_the_argument(kernels):

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import int8_weights_reference
+from reference import int8_activations_reference, int8_weights_reference
 
 # Also on the "emulated" build (conftest.py), where the tests that loop over the engines run
 # the AMX and AVX512-BF16 ones too (a long prefill's packed x, allocated for the call).
@@ -73,21 +73,30 @@ def test_linear_matches_reference(kernels, M, N, K, dtype, matvec_max_rows, seri
     matvec_max_rows=st.sampled_from([0, 1, 10, 64]),
     group=st.sampled_from([None, 32]),
     serial=st.booleans(),
+    bits=st.sampled_from([8, 16]),
     seed=st.integers(0, 1000),
 )
-def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, serial, seed):
+def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, serial, bits, seed):
     """Weight-only int8 (one scale per output row, or per 32 weights of a row) on both paths
     against float64 over the dequantized weights (as a bf16 engine sees them where the GEMM
     runs on one): only fp32 accumulation differs, as for fp32 and bf16 (K = 129, 1000 leave a partial last group; the GEMM's K slices do not start
-    on group boundaries)."""
+    on group boundaries). The matrix-vector kernel's integer products (K a multiple of 32)
+    with int8 activations are held to float64 over the rounded x (reference.py)."""
     from workbench.kernels import quantize_weight_int8
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=gen)
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 3  # rows of different ranges
     q, s = quantize_weight_int8(w, group)
-    with row_order(kernels, "int8", serial):
-        y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
+    before = kernels.block_activation_bits()
+    kernels.set_block_activation_bits(bits)
+    try:
+        with row_order(kernels, "int8", serial):
+            y = kernels.linear(x, q, scale=s, matvec_max_rows=matvec_max_rows)
+            out = torch.empty(M, N)
+            assert kernels.linear(x, q, scale=s, out=out, matvec_max_rows=matvec_max_rows) is not None
+    finally:
+        kernels.set_block_activation_bits(before)
     # The GEMM on a bf16 engine rounds x to bf16, and a grouped weight times its scale to bf16
     # (a per-row int8 value is exact in bf16; its scale applies to the output).
     on_engine = M > matvec_max_rows and kernels.gemm_engine_for("int8") != "fma"
@@ -96,12 +105,11 @@ def test_int8_weights_match_reference(kernels, M, N, K, matvec_max_rows, group, 
     else:
         deq = int8_weights_reference(q, s)
         deq = (deq.bfloat16() if on_engine else deq).double()
-    ref = (x.bfloat16() if on_engine else x).double() @ deq.t()
+    integer_products = M <= matvec_max_rows and K % 32 == 0 and bits == 8
+    xs = int8_activations_reference(x) if integer_products else (x.bfloat16() if on_engine else x).double()
+    ref = xs @ deq.t()
     scale = K**0.5 * x.abs().max().item() * deq.abs().max().item()
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * scale, rtol=0)
-    out = torch.empty(M, N)
-    with row_order(kernels, "int8", serial):
-        assert kernels.linear(x, q, scale=s, out=out, matvec_max_rows=matvec_max_rows) is not None
     torch.testing.assert_close(out.double(), ref, atol=1e-4 * scale, rtol=0)  # into a caller's buffer
 
 

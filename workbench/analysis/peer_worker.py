@@ -30,6 +30,10 @@ def _workbench(spec: dict):
         from workbench import kernels
 
         kernels.set_gemm_engine(spec["gemm_engine"])
+    if spec.get("activation_bits"):  # decode's integer products: int16 (the default) or int8 activations
+        from workbench import kernels
+
+        kernels.set_block_activation_bits(spec["activation_bits"])
     model = wb.load_model(spec.get("model", "smollm2-135m"), dtype=spec.get("dtype", "fp32"),
                           max_batch=spec.get("max_batch", 1))
     model.attention, model.kv_cache = spec.get("attention", "slim"), spec.get("kv_cache", "fp16")

@@ -247,8 +247,25 @@ class KernelSet:
         return self.ext.dequantize_blocks(w, kernel, _positive_int("K", K), rows, bool(reference))
 
     def block_dot_isa(self) -> str:
-        """The instructions of the block-quantized matrix-vector kernel's dot products here."""
-        return self.ext.block_dot_isa()
+        """The instructions of the block-quantized matrix-vector kernel's dot products here,
+        with the activations at block_activation_bits()."""
+        return self.ext.block_byte_dot_isa() if self.ext.block_activation_bits() == 8 else self.ext.block_dot_isa()
+
+    ACTIVATION_BITS = (8, 16)
+
+    def block_activation_bits(self) -> int:
+        """What decode's matrix-vector kernel of block-quantized and int8 weights rounds the
+        activations to, per 32 values: 16 (int16, the default: scale max|x| / 32767, 1.5e-5 of
+        the chunk's largest value at most) or 8 (int8, scale max|x| / 127, as llama.cpp does:
+        half the instructions a weight, and an error that moves the logits visibly; see
+        bench/gguf_formats.py --activation-bits). See kernels/blocks.cpp."""
+        return self.ext.block_activation_bits()
+
+    def set_block_activation_bits(self, bits: int) -> None:
+        """Choose 16 (the default) or 8 for block_activation_bits(), for every call from then on."""
+        if isinstance(bits, bool) or bits not in self.ACTIVATION_BITS:
+            raise ValueError(f"bits must be 8 or 16, got {bits!r}")
+        self.ext.set_block_activation_bits(int(bits))
 
     def matvec_max_rows(self, kernel: str) -> int:
         """Up to how many rows of x a linear layer with `kernel` weights (WeightFormat.kernel:
@@ -546,6 +563,8 @@ linear = native.linear
 gemm_engine = native.gemm_engine
 gemm_engine_for = native.gemm_engine_for
 set_gemm_engine = native.set_gemm_engine
+block_activation_bits = native.block_activation_bits
+set_block_activation_bits = native.set_block_activation_bits
 gemm_engines = native.gemm_engines
 matvec_max_rows = native.matvec_max_rows
 rope_ = native.rope_

@@ -51,8 +51,9 @@ class WeightFormat:
     fallback: str | None = None   # the format of a matrix whose rows are not whole blocks of this one
     search: bool = False          # our quantizer's least-squares scales (int4-g32) rather than GGUF's rounding
     # What decode's matrix-vector kernel multiplies these weights with: "fp32" activations, or
-    # "int16", the activations rounded to int16 per 32 values for integer products (block and
-    # int8 formats, kernels/blocks.cpp; relative error at most 1.5e-5 of each 32's largest)
+    # "integer", the activations rounded per 32 values for integer products (block and int8
+    # formats, kernels/blocks.cpp): to int16 (the default; relative error at most 1.5e-5 of each
+    # 32's largest) or int8 (as llama.cpp does), as kernels.block_activation_bits() says
     decode_activations: str = "fp32"
 
     @property
@@ -140,7 +141,7 @@ class WeightFormat:
 def _block(name: str, kernel: str, description: str, gguf: str | None = None, fallback: str | None = None,
            search: bool = False) -> WeightFormat:
     return WeightFormat(name, torch.uint8, torch.float32, "block", kernel, "blocks", description, gguf_type=gguf,
-                        fallback=fallback, search=search, decode_activations="int16")
+                        fallback=fallback, search=search, decode_activations="integer")
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
@@ -151,11 +152,11 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("int8", torch.int8, torch.float32, "row", "int8", "int8",
                  "weight-only int8, one fp32 scale per output row; products on the bf16 engine (the int8 "
                  "values converted to bf16, exactly) where the CPU has one", matrix_engine=True,
-                 decode_activations="int16"),
+                 decode_activations="integer"),
     WeightFormat("int8-g32", torch.int8, torch.float32, "group", "int8_group", "int8",
                  "weight-only int8, one fp32 scale per 32 weights of a row (llama.cpp's Q8_0 granularity); "
                  "products on the bf16 engine (each value times its scale, rounded to bf16) where the CPU has "
-                 "one", matrix_engine=True, decode_activations="int16"),
+                 "one", matrix_engine=True, decode_activations="integer"),
     _block("q8_0", "q8_0", "GGUF Q8_0: int8 and an fp16 scale per 32 weights (8.5 bits a weight)", "Q8_0"),
     _block("q4_0", "q4_0", "GGUF Q4_0: 4 bits and an fp16 scale per 32 weights (4.5 bits)", "Q4_0"),
     _block("q4_1", "q4_1", "GGUF Q4_1: 4 bits, an fp16 scale and minimum per 32 weights (5 bits)", "Q4_1"),
