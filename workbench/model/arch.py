@@ -30,6 +30,12 @@ ModelConfig fields, read from each checkpoint's config):
                     every 6th layer global, the local layers' RoPE base 10,000 (llama.cpp's)
     hf_names / gguf_names   where the family's checkpoints name a layer's tensor differently
                     from HF_LAYER_NAMES / GGUF_LAYER_NAMES (Gemma 3's norms, Phi-3's fused ones)
+    moe             a mixture of experts in place of the MLP: "" (dense), "renormalize" (Mixtral:
+                    softmax over the router's logits, the top k weights renormalized to sum to
+                    1) or "config" (Qwen3-MoE: renormalized where the config's norm_topk_prob
+                    says); the router is "router" [experts, dim] and expert e's matrices are
+                    "experts.{e}.w_gate", "experts.{e}.w_up", "experts.{e}.w_down" (names
+                    templated by "experts.w_gate" ... in hf_names, with {e} the expert)
 
 A layer's tensors have one set of names inside the workbench (the keys of a loader's dict,
 which workbench.model.llama.Layer reads): attn_norm, mlp_norm, wq, wk, wv, wo, w_gate, w_up,
@@ -64,10 +70,15 @@ class Architecture:
     local_rope_theta: float | None = None
     hf_names: tuple[tuple[str, str], ...] = ()
     gguf_names: tuple[tuple[str, str], ...] = ()
+    moe: str = ""
 
     def hf_name(self, ours: str) -> str:
         """A layer tensor's name in a Hugging Face checkpoint, after model.layers.{i}."""
-        return dict(self.hf_names).get(ours, HF_LAYER_NAMES[ours])
+        if ours.startswith("experts."):  # experts.{e}.w_gate: the family's template for expert e
+            _, e, base = ours.split(".")
+            return dict(self.hf_names)[f"experts.{base}"].format(e=e)
+        names = dict(self.hf_names)
+        return names[ours] if ours in names else HF_LAYER_NAMES[ours]
 
     def gguf_name(self, ours: str) -> str:
         """... and in a GGUF file, after blk.{i}."""
@@ -116,6 +127,20 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                            ("post_attn_norm", "post_attention_layernorm.weight"))),
     Architecture("phi3", "Phi-3 / Phi-4-mini: fused qkv and gate_up projections, partial rotary dims",
                  ("phi3",), "phi3", fused_qkv=True, fused_gate_up=True, windows="all"),
+    Architecture("mixtral", "Mixtral: Mistral's decoder with a mixture of SwiGLU experts in place of the MLP, the "
+                 "top k of a softmax router, their weights renormalized", ("mixtral",), None, windows="all",
+                 moe="renormalize",
+                 hf_names=(("router", "block_sparse_moe.gate.weight"),
+                           ("experts.w_gate", "block_sparse_moe.experts.{e}.w1.weight"),
+                           ("experts.w_up", "block_sparse_moe.experts.{e}.w3.weight"),
+                           ("experts.w_down", "block_sparse_moe.experts.{e}.w2.weight"))),
+    Architecture("qwen3_moe", "Qwen3-MoE: Qwen3's attention (per-head q / k norms) with a mixture of SwiGLU experts "
+                 "in every layer, the top k of a softmax router (renormalized where the config says)",
+                 ("qwen3_moe",), None, qk_norm=True, moe="config",
+                 hf_names=(("router", "mlp.gate.weight"),
+                           ("experts.w_gate", "mlp.experts.{e}.gate_proj.weight"),
+                           ("experts.w_up", "mlp.experts.{e}.up_proj.weight"),
+                           ("experts.w_down", "mlp.experts.{e}.down_proj.weight"))),
 )}
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -141,9 +166,15 @@ def layer_tensors(arch: Architecture, cfg) -> dict[str, tuple[int, ...]]:
     ([out, in] for matrices) for ModelConfig cfg: the fused ones where its checkpoints fuse."""
     d, f, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    out = {"attn_norm": (d,), "mlp_norm": (d,), "wo": (d, q), "w_down": (d, f)}
+    out = {"attn_norm": (d,), "mlp_norm": (d,), "wo": (d, q)}
     out.update({"wqkv": (q + 2 * kv, d)} if arch.fused_qkv else {"wq": (q, d), "wk": (kv, d), "wv": (kv, d)})
-    out.update({"w_gate_up": (2 * f, d)} if arch.fused_gate_up else {"w_gate": (f, d), "w_up": (f, d)})
+    if arch.moe:  # f: each expert's FFN
+        out["router"] = (cfg.n_experts, d)
+        for e in range(cfg.n_experts):
+            out.update({f"experts.{e}.w_gate": (f, d), f"experts.{e}.w_up": (f, d), f"experts.{e}.w_down": (d, f)})
+    else:
+        out["w_down"] = (d, f)
+        out.update({"w_gate_up": (2 * f, d)} if arch.fused_gate_up else {"w_gate": (f, d), "w_up": (f, d)})
     if arch.qkv_bias:
         out.update({"bq": (q,), "bk": (kv,), "bv": (kv,)})
     if arch.qk_norm:

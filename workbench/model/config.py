@@ -35,6 +35,11 @@ class ModelConfig:
     rotary_dim: int | None = None      # dims of each head RoPE rotates (the first ones); None: all
     windows: tuple[int, ...] | None = None  # each layer's sliding window, 0 for none; None: none at all
     rope_local_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3); None: rope_theta
+    # A mixture of experts (the family's record says how it routes): experts a layer, routed
+    # a token, and whether the chosen ones' weights are renormalized; ffn_dim is each expert's
+    n_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk: bool = True
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -51,6 +56,9 @@ class ModelConfig:
         rd = self.rotary_dim
         if rd is not None and (rd <= 0 or rd > self.head_dim or rd % 2):
             raise ValueError(f"{self.name}: rotary_dim must be an even number in 1..head_dim ({self.head_dim}), got {rd}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"{self.name}: experts_per_token must be in 1..n_experts ({self.n_experts}), "
+                             f"got {self.experts_per_token}")
 
     @property
     def spec(self):
@@ -88,7 +96,8 @@ class ModelConfig:
     def parameter_count(self) -> int:
         d, f, hd = self.dim, self.ffn_dim, self.head_dim
         attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
-        layer = attn + 3 * d * f + self.layer_vectors()
+        mlp = (self.n_experts * 3 * d * f + self.n_experts * d) if self.n_experts else 3 * d * f
+        layer = attn + mlp + self.layer_vectors()
         head = 0 if self.tied_embeddings else self.vocab_size * d
         return self.n_layers * layer + self.vocab_size * d + head + d
 
@@ -96,8 +105,11 @@ class ModelConfig:
         """[out, in] of every matrix multiplied in a forward pass: each layer's q, k, v, o,
         gate, up, down, then the LM head (the embedding itself when tied)."""
         d, f, hd = self.dim, self.ffn_dim, self.head_dim
-        layer = [(self.n_heads * hd, d), (self.n_kv_heads * hd, d), (self.n_kv_heads * hd, d), (d, self.n_heads * hd),
-                 (f, d), (f, d), (d, f)]
+        layer = [(self.n_heads * hd, d), (self.n_kv_heads * hd, d), (self.n_kv_heads * hd, d), (d, self.n_heads * hd)]
+        if self.n_experts:  # the router (kept fp32: counted as the format's here) and every expert
+            layer += [(self.n_experts, d)] + [(f, d), (f, d), (d, f)] * self.n_experts
+        else:
+            layer += [(f, d), (f, d), (d, f)]
         return layer * self.n_layers + [(self.vocab_size, d)]
 
     def weight_bytes(self, fmt) -> int:

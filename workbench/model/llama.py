@@ -244,6 +244,27 @@ def rope_tables(cfg: ModelConfig, max_len: int, theta: float | None = None,
     return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
 
 
+class ExpertGroup:
+    """A mixture's experts' matrices of one kind ([gate; up], or down) as one tensor group for
+    the accounting a Linear offers (bytes, parameters, formats): what %workbench and the cost
+    model read of a layer's groups."""
+
+    def __init__(self, linears: list[Linear]):
+        self.members = linears
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lin.nbytes for lin in self.members)
+
+    @property
+    def params(self) -> int:
+        return sum(lin.params for lin in self.members)
+
+    @property
+    def formats(self) -> list[WeightFormat]:
+        return [f for lin in self.members for f in lin.formats]
+
+
 class Layer:
     """One decoder layer's weights. Q, K and V are stored as one [q; k; v] matrix and the
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
@@ -266,21 +287,81 @@ class Layer:
         # each matrix read (a loader's lazy weight) and converted in turn, freed once stacked
         self.wqkv = Linear([w.pop("wq"), w.pop("wk"), w.pop("wv")], fmt)
         self.wo = Linear(w.pop("wo"), fmt)
-        self.w_gate_up = Linear([w.pop("w_gate"), w.pop("w_up")], fmt)
-        self.w_down = Linear(w.pop("w_down"), fmt)
+        # A mixture of experts (arch.Architecture.moe): the router in fp32 and each expert's
+        # [gate; up] and down in the format; top_k and norm_topk set by the model from its config.
+        self.router, self.experts, self.top_k, self.norm_topk = None, [], 0, True
+        self.last_experts: list[int] = []  # the experts the last forward ran (what it read)
+        if "router" in w:
+            self.router = Linear(materialize(w.pop("router")).float(), WEIGHT_FORMATS["fp32"])
+            self.experts = [(Linear([w.pop(f"experts.{e}.w_gate"), w.pop(f"experts.{e}.w_up")], fmt),
+                             Linear(w.pop(f"experts.{e}.w_down"), fmt)) for e in range(self.router.out_features)]
+            self.w_gate_up, self.w_down = None, None
+            self.ffn_dim = self.experts[0][0].piece_rows[0]
+        else:
+            self.w_gate_up = Linear([w.pop("w_gate"), w.pop("w_up")], fmt)
+            self.w_down = Linear(w.pop("w_down"), fmt)
+            self.ffn_dim = self.w_gate_up.piece_rows[0]
         self.q_dim, self.kv_dim, _ = self.wqkv.piece_rows
         self.n_heads, self.n_kv_heads = self.q_dim // head_dim, self.kv_dim // head_dim  # this process's heads
-        self.ffn_dim = self.w_gate_up.piece_rows[0]
         # Fixed once the weights are: counted here, not on every recorded step.
-        linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        linears = self.stream()
         vectors = [self.attn_norm, self.mlp_norm, self.qkv_bias, *(getattr(self, n) for n in self.EXTRAS)]
         norms = sum(v.numel() for v in vectors if v is not None)
         self.weight_bytes = sum(lin.nbytes for lin in linears) + NORM_BYTES_PER_ELEM * norms
         self.linear_params = sum(lin.params for lin in linears)
+        # a step of a mixture reads the attention, the router and the experts it routes to
+        self._shared_bytes = self.weight_bytes - sum(a.nbytes + b.nbytes for a, b in self.experts)
+        self._shared_params = self.linear_params - sum(a.params + b.params for a, b in self.experts)
+
+    def stream(self) -> list[Linear]:
+        """Every matrix of the layer in the order a decode step reads them."""
+        mlp = ([self.router] + [lin for pair in self.experts for lin in pair] if self.router is not None
+               else [self.w_gate_up, self.w_down])
+        return [self.wqkv, self.wo, *mlp]
 
     @property
     def linears(self) -> dict[str, Linear]:
+        """The tensor groups: q / k / v, o, [gate; up], down; a mixture's router and its experts'
+        [gate; up] and down as one group each (ExpertGroup: their bytes, parameters, formats)."""
+        if self.router is not None:
+            return {"qkv": self.wqkv, "o": self.wo, "router": self.router,
+                    "gate_up": ExpertGroup([g for g, _ in self.experts]), "down": ExpertGroup([d for _, d in self.experts])}
         return {"qkv": self.wqkv, "o": self.wo, "gate_up": self.w_gate_up, "down": self.w_down}
+
+    def read_bytes(self) -> int:
+        """Weight bytes the last step read: all of a dense layer's; of a mixture, the shared
+        part and the experts its tokens were routed to (top_k of them before any step)."""
+        if self.router is None:
+            return self.weight_bytes
+        used = self.last_experts or range(self.top_k)
+        return self._shared_bytes + sum(self.experts[e][0].nbytes + self.experts[e][1].nbytes for e in used)
+
+    def read_params(self) -> int:
+        """The parameters behind read_bytes (the products' FLOPs are 2 per token and parameter)."""
+        if self.router is None:
+            return self.linear_params
+        used = self.last_experts or range(self.top_k)
+        return self._shared_params + sum(self.experts[e][0].params + self.experts[e][1].params for e in used)
+
+    def moe(self, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """The mixture in place of the MLP, x [T, dim] -> [T, dim]: the router's softmax, each
+        token's top_k experts (their weights renormalized to sum to 1 where norm_topk), and
+        each expert run once on the rows routed to it (its weights read once), its output
+        weighted and added into those rows."""
+        probs = self.router(x).softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        self.last_experts = sorted(set(chosen.flatten().tolist()))
+        for e in self.last_experts:
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            gate_up, down = self.experts[e]
+            gu = gate_up(x[rows])
+            gate, up = gu.split([self.ffn_dim, self.ffn_dim], dim=-1)
+            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+            out.index_add_(0, rows, down((act * up).contiguous()) * weights[rows, slot, None])
+        return out
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -355,6 +436,7 @@ class LlamaModel:
         self.rope_local = rope_tables(cfg, cfg.max_seq_len, cfg.rope_local_theta, {}) if local else None
         for i, layer in enumerate(self.layers):
             layer.window = cfg.window(i)
+            layer.top_k, layer.norm_topk = cfg.experts_per_token, cfg.norm_topk
             layer.rope = 1 if layer.window and local else 0
         self._stacks = weakref.WeakKeyDictionary()  # cache -> its fused decode step (kernels.decode_stack)
         # Tensor parallel: the all-reduce the fused step runs after o_proj and down_proj (a
@@ -395,7 +477,7 @@ class LlamaModel:
         step reads them: layer by layer qkv, o, gate/up, down, then the LM head. A batch-1
         decode step then streams one long run of memory on 2 MiB pages (workbench.hw.memory.Arena).
         Each old tensor is freed as its view replaces it; a tied LM head stays the embedding."""
-        linears = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        linears = [lin for layer in self.layers for lin in layer.stream()]
         linears.append(self.lm_head)
         slots = [(part, name) for lin in linears for part in lin.parts for name in ("weight", "scale")
                  if getattr(part, name) is not None]
@@ -527,7 +609,10 @@ class LlamaModel:
             x += o
             h = rms_norm(x, layer.mlp_norm, eps)
             t3 = clock.t()
-            m = self._project(layer.w_down, layer.mlp_input(h, act, one_pass), i, "mlp")
+            if layer.router is not None:  # a mixture of experts (one process: load_model refuses a cluster)
+                m = layer.moe(h, act)
+            else:
+                m = self._project(layer.w_down, layer.mlp_input(h, act, one_pass), i, "mlp")
             t4 = clock.t()
             if layer.post_mlp_norm is not None:
                 m = rms_norm(m, layer.post_mlp_norm, eps)
@@ -548,11 +633,11 @@ class LlamaModel:
             total = clock.t() - t_start
             attention_flops = 4 * self.n_heads * self.cfg.head_dim * attention_pairs  # Q K^T and P V
             rec = StepRecord(phase, tokens, clock.parts_s, total - layers_s,
-                             weight_bytes=[layer.weight_bytes for layer in self.layers],
+                             weight_bytes=[layer.read_bytes() for layer in self.layers],
                              kv_bytes=kv_bytes if isinstance(kv_bytes, list) else [kv_bytes] * len(self.layers),
                              head_bytes=self.head_bytes(tokens),
                              total_s=total,
-                             flops=[2 * tokens * layer.linear_params + attention_flops for layer in self.layers],
+                             flops=[2 * tokens * layer.read_params() + attention_flops for layer in self.layers],
                              head_flops=2 * head_rows * self.lm_head.params, wake_s=wake_s, path=path,
                              comm_bytes=comm_bytes)
         return self.parallel.end(rec) if self.parallel is not None else rec
@@ -699,6 +784,8 @@ class LlamaModel:
             return f"kv_cache {switches.kv_cache!r} runs on the torch reference path"
         if self.parallel is not None and self.collective is None:  # the step would skip the all-reduces
             return "tensor parallel without a collective for the fused step (model.collective)"
+        if self.layers[0].router is not None:
+            return "a mixture of experts decodes on the Python path (its routed experts are not in the fused step yet)"
         return None
 
     def _fused_stack(self, cache: KVCache):

@@ -186,8 +186,9 @@ def _gguf_config(fields: dict, tensors: dict, name: str) -> ModelConfig:
         raise ModelLoadError(f"{name}: unsupported architecture {arch!r}{moe}; the workbench runs "
                              f"general.architecture {_supported_families('gguf')}")
     if int(fields.get(f"{arch}.expert_count", 0) or 0) > 0:
-        raise ModelLoadError(f"{name}: a mixture-of-experts {arch!r} model ({fields[f'{arch}.expert_count']} experts) "
-                             f"is not supported yet; the workbench runs dense models")
+        raise ModelLoadError(f"{name}: a mixture-of-experts {arch!r} GGUF file ({fields[f'{arch}.expert_count']} "
+                             f"experts) is not read yet; the workbench runs Mixtral and Qwen3-MoE from Hugging Face "
+                             f"folders, and dense models from GGUF")
     a = arch + "."
     try:
         dim = int(fields[a + "embedding_length"])
@@ -438,7 +439,7 @@ def _hf_config(hf: dict, name: str, max_seq_len: int | None) -> ModelConfig:
     mtype = hf.get("model_type")
     spec = by_hf_type(mtype)
     if spec is None:
-        moe = " (a mixture-of-experts model: not supported yet)" if any(
+        moe = " (a mixture-of-experts family the workbench does not run yet)" if any(
             k in hf for k in ("num_local_experts", "num_experts", "n_routed_experts")) else ""
         raise ModelLoadError(f"{name}: unsupported architecture {archs} (model_type {mtype!r}){moe}; the workbench "
                              f"runs model_type {_supported_families('hf')}")
@@ -466,17 +467,40 @@ def _hf_config(hf: dict, name: str, max_seq_len: int | None) -> ModelConfig:
         windows = layer_windows(spec, n_layers, window, layer_types, hf.get("sliding_window_pattern"))
     qpas = hf.get("query_pre_attn_scalar")
     rotary = int(head_dim * partial) if partial is not None else None
+    moe = _hf_experts(hf, spec, name, n_layers)
     cfg = ModelConfig(
         name=name, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads", n_heads),
-        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"], norm_eps=hf.get("rms_norm_eps", 1e-5),
+        ffn_dim=moe.pop("ffn_dim", None) or hf["intermediate_size"], vocab_size=hf["vocab_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
         rope_theta=theta, rope_scaling=scaling, max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), head_dim=head_dim,
         arch=spec.name, attn_scale=qpas ** -0.5 if qpas else None,
-        rotary_dim=rotary if rotary != head_dim else None, windows=windows, rope_local_theta=local_theta)
+        rotary_dim=rotary if rotary != head_dim else None, windows=windows, rope_local_theta=local_theta, **moe)
     if isinstance(cfg.eos_token_id, list):
         cfg = replace(cfg, eos_token_id=cfg.eos_token_id[0])
     return cfg
+
+
+def _hf_experts(hf: dict, spec, name: str, n_layers: int) -> dict:
+    """A mixture-of-experts family's ModelConfig fields from its config ({} for a dense one):
+    experts, routed a token, renormalized or not, each expert's FFN; ModelLoadError for what the
+    workbench does not run (dense layers among the sparse ones, shared experts)."""
+    if not spec.moe:
+        return {}
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts or not hf.get("num_experts_per_tok"):
+        raise ModelLoadError(f"{name}: a {spec.name} config needs num_local_experts (or num_experts) and "
+                             f"num_experts_per_tok")
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ModelLoadError(f"{name}: config decoder_sparse_step = {hf.get('decoder_sparse_step', 1)}, mlp_only_layers "
+                             f"= {hf.get('mlp_only_layers')}: dense layers among the experts' are not implemented "
+                             f"(the workbench runs experts in every layer: decoder_sparse_step 1, mlp_only_layers [])")
+    if hf.get("shared_expert_intermediate_size") or hf.get("n_shared_experts"):
+        raise ModelLoadError(f"{name}: shared experts are not implemented (the workbench runs routed experts only)")
+    norm = True if spec.moe == "renormalize" else bool(hf.get("norm_topk_prob", False))
+    return {"n_experts": int(experts), "experts_per_token": int(hf["num_experts_per_tok"]), "norm_topk": norm,
+            "ffn_dim": hf.get("moe_intermediate_size") or hf["intermediate_size"]}
 
 
 def _hf_rope(hf: dict, spec, name: str) -> tuple[float, dict | None, float | None, float | None]:
@@ -532,6 +556,10 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         raise ModelLoadError(f"{folder}: {e}") from None
     cfg = _trained_layers(cfg, layers, folder)
     spec = cfg.spec
+    if spec.moe and parallel is not None:
+        raise ModelLoadError(f"{folder.name}: a mixture-of-experts model ({spec.name}) runs in one process so far: "
+                             f"neither tensor nor expert parallel splits its experts yet (%distributed stop, then "
+                             f"%load_model)")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")
@@ -594,7 +622,8 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         weights["lm_head"] = functools.partial(get, head_key)
     for i in range(cfg.n_layers):
         for ours, shape in shapes.items():
-            kind = "norm" if is_norm(ours) else "linear" if len(shape) == 2 else "vector"
+            # the router stays fp32 whatever the format: which experts run must not hang on its rounding
+            kind = "norm" if is_norm(ours) else "linear" if len(shape) == 2 and ours != "router" else "vector"
             load = functools.partial(get, f"{prefix}layers.{i}.{spec.hf_name(ours)}", kind)
             _add_layer_tensor(weights, i, ours, load, cfg)
     tokenizer = Tokenizer.from_directory(folder, cfg.bos_token_id, cfg.eos_token_id)
