@@ -97,12 +97,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<Tensor, Tensor, std::vector<WeightPart>, std::vector<WeightPart>, std::vector<WeightPart>,
                     std::vector<WeightPart>, Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>,
                     std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
-                    std::optional<Tensor>, int64_t, int64_t>(),
+                    std::optional<Tensor>, int64_t, int64_t, std::vector<WeightPart>,
+                    std::vector<std::vector<WeightPart>>, std::vector<std::vector<WeightPart>>, int64_t, bool>(),
            py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("wqkv"), py::arg("wo"), py::arg("w_gate_up"),
            py::arg("w_down"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
            py::arg("qkv_bias") = py::none(), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("post_attn_norm") = py::none(), py::arg("post_mlp_norm") = py::none(), py::arg("window") = 0,
-           py::arg("rope") = 0);
+           py::arg("rope") = 0, py::arg("router") = std::vector<WeightPart>{},
+           py::arg("experts_gate_up") = std::vector<std::vector<WeightPart>>{},
+           py::arg("experts_down") = std::vector<std::vector<WeightPart>>{}, py::arg("top_k") = 0,
+           py::arg("norm_topk") = true);
   py::register_exception<wbk::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
   // The collectives a tensor-parallel rank's DecodeStack.step takes (comm=).
   py::class_<wbk::StepCollective>(m, "StepCollective", py::module_local());
@@ -129,7 +133,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step", &DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
            py::arg("timers"), py::arg("comm") = nullptr, py::arg("cos_local") = py::none(),
            py::arg("sin_local") = py::none(), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("layers", &DecodeStack::layers);
+      .def_property_readonly("layers", &DecodeStack::layers)
+      .def_property_readonly("expert_hits", &DecodeStack::expert_hits);
   m.def("slim_attention", &slim_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
         py::arg("scale"), py::arg("block_m"), py::arg("window") = 0,
         py::call_guard<py::gil_scoped_release>());

@@ -4,7 +4,7 @@
 //   qkv = h W_qkv^T; RoPE on the q and k heads; k, v appended to the layer's cache
 //   x += decode_attention(q, cache) W_o^T
 //   h = RMSNorm(x) * mlp_norm
-//   x += (SiLU(h W_gate^T) * (h W_up^T)) W_down^T
+//   x += (SiLU(h W_gate^T) * (h W_up^T)) W_down^T   (or a mixture of experts: mixture())
 //
 // with the same kernels the Python model calls one by one (linear.cpp, rope.cpp,
 // kv_cache.cpp, decode_attention.cpp / decode_tiled.cpp), but without a Python call, a
@@ -237,6 +237,72 @@ double qkv_projection(const float* h, const LinearRef& w, const StackShape& s, S
   return comm_s;
 }
 
+// The mixture of experts in place of the MLP, for the B rows of h: out [B, dim] = for each
+// token, the sum over its top_k experts of weight * down(act(gate) * up)(h). The router's
+// softmax and top-k per token (ties to the lower expert), then each expert that any token
+// chose runs once on all of its rows (its weights read once a step), its outputs weighted
+// into those rows.
+void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, float* out, StepBuffers& buf) {
+  const int64_t dim = s.dim, E = L.router.N, K = L.top_k, F = L.experts[0].down.K;
+  buf.probs.resize(B * E);
+  linear(h, L.router, buf.probs.data(), E, B, buf.rows);
+  buf.choice.resize(B * K);
+  buf.choice_weight.resize(B * K);
+  for (int64_t b = 0; b < B; ++b) {
+    float* p = buf.probs.data() + b * E;
+    const float top = *std::max_element(p, p + E);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - top));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    int64_t* c = buf.choice.data() + b * K;
+    float* w = buf.choice_weight.data() + b * K;
+    float chosen = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {  // the k-th largest, ties to the lower expert
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (std::find(c, c + k, e) != c + k) continue;
+        if (best < 0 || p[e] > p[best]) best = e;
+      }
+      c[k] = best;
+      w[k] = p[best];
+      chosen += p[best];
+    }
+    if (L.norm_topk)
+      for (int64_t k = 0; k < K; ++k) w[k] /= chosen;
+  }
+  std::fill(out, out + B * dim, 0.0f);
+  for (int64_t e = 0; e < E; ++e) {
+    buf.moe_rows.clear();
+    buf.moe_row_weight.clear();
+    for (int64_t i = 0; i < B * K; ++i)
+      if (buf.choice[i] == e) {
+        buf.moe_rows.push_back(i / K);
+        buf.moe_row_weight.push_back(buf.choice_weight[i]);
+      }
+    const int64_t n = static_cast<int64_t>(buf.moe_rows.size());
+    if (L.expert_hits) L.expert_hits[e] = n > 0;
+    if (n == 0) continue;
+    buf.moe_in.resize(n * dim);
+    for (int64_t r = 0; r < n; ++r)
+      std::copy(h + buf.moe_rows[r] * dim, h + (buf.moe_rows[r] + 1) * dim, buf.moe_in.data() + r * dim);
+    buf.moe_gate_up.resize(n * 2 * F);
+    buf.moe_act.resize(n * F);
+    buf.moe_out.resize(n * dim);
+    linear(buf.moe_in.data(), L.experts[e].gate_up, buf.moe_gate_up.data(), 2 * F, n, buf.rows);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* gu = buf.moe_gate_up.data() + r * 2 * F;
+      act_mul_row(s.act, gu, gu + F, buf.moe_act.data() + r * F, F);
+    }
+    linear(buf.moe_act.data(), L.experts[e].down, buf.moe_out.data(), dim, n, buf.rows);
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = out + buf.moe_rows[r] * dim;
+      const float* y = buf.moe_out.data() + r * dim;
+      const float w = buf.moe_row_weight[r];
+      for (int64_t i = 0; i < dim; ++i) o[i] += w * y[i];
+    }
+  }
+}
+
 }  // namespace
 
 double wake_threads() {
@@ -322,14 +388,18 @@ double decode_stack_step(const StackShape& s, const std::vector<LayerRef>& layer
     }
     const auto t3 = Clock::now();
 
-    // MLP: [gate | up], SiLU(gate) * up, down.
-    linear(h, L.gate_up, buf.gate_up.data(), 2 * ffn, B, buf.rows);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* gu = buf.gate_up.data() + b * 2 * ffn;
-      act_mul_row(s.act, gu, gu + ffn, buf.act.data() + b * ffn, ffn);
-    }
+    // MLP: [gate | up], SiLU(gate) * up, down; or the mixture of experts in its place.
     float* d_out = output_buffer(a.comm, out, B * dim);
-    linear(buf.act.data(), L.down, d_out, dim, B, buf.rows);
+    if (!L.experts.empty()) {
+      mixture(h, L, s, B, d_out, buf);
+    } else {
+      linear(h, L.gate_up, buf.gate_up.data(), 2 * ffn, B, buf.rows);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* gu = buf.gate_up.data() + b * 2 * ffn;
+        act_mul_row(s.act, gu, gu + ffn, buf.act.data() + b * ffn, ffn);
+      }
+      linear(buf.act.data(), L.down, d_out, dim, B, buf.rows);
+    }
     const double mlp_comm_s = all_reduce(a.comm, d_out, B * dim);
     const auto t4 = Clock::now();
     for (int64_t b = 0; b < B; ++b) {

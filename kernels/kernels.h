@@ -260,10 +260,22 @@ struct LinearRef {  // a linear layer: row-wise parts (formats may differ), outp
   std::vector<WeightRef> parts;
   int64_t N = 0, K = 0;
 };
+struct ExpertRef {  // one expert of a mixture: [gate; up] and down
+  LinearRef gate_up, down;
+};
 struct LayerRef {  // one layer's weights and KV cache
   const float* attn_norm;
   const float* mlp_norm;
   LinearRef qkv, o, gate_up, down;
+  // A mixture of experts in place of the MLP (gate_up and down then unused): the router's
+  // fp32 weights [E, dim], each token's top_k experts by softmax probability (their weights
+  // renormalized to sum to 1 where norm_topk), each expert run once on the rows routed to it;
+  // expert_hits [E] (may be null) gets 1 for each expert the step ran.
+  LinearRef router;
+  std::vector<ExpertRef> experts;
+  int64_t top_k = 0;
+  bool norm_topk = true;
+  int32_t* expert_hits = nullptr;
   void* k_cache;
   void* v_cache;
   float* k_scale;  // int8 caches only
@@ -337,6 +349,11 @@ struct StepBuffers {  // scratch reused from step to step
   std::vector<float> h, qkv, q, k, v, attn, out, gate_up, act;
   std::vector<float> handoff, rows;  // the shared KV head's k and v; a run of rows of qkv
   std::vector<int64_t> ring_positions, ring_lengths;  // a windowed layer's slots and lengths
+  // a mixture's router probabilities [B, E], each token's choices and weights [B, top_k],
+  // one expert's rows gathered, its [gate | up], activation and output
+  std::vector<float> probs, choice_weight, moe_in, moe_gate_up, moe_act, moe_out;
+  std::vector<int64_t> choice, moe_rows;
+  std::vector<float> moe_row_weight;
 };
 // Wakes the thread pool (an empty parallel region) and returns the seconds it took.
 double wake_threads();

@@ -787,12 +787,18 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
   check_tensor(first.attn_norm, fn, "layers[0].attn_norm", 1, "[dim]");
   const int64_t dim = first.attn_norm.size(0);
   const wbk::HeadMap head_map = checked_head_map(group, q_offset, heads, Hkv, fn);
-  TORCH_CHECK_VALUE(!first.w_gate_up.empty(), fn, ": layers[0].w_gate_up needs at least one weight part");
+  const bool moe = !first.router.empty();
+  const auto& first_gate_up = moe ? (first.experts_gate_up.empty() ? first.w_gate_up : first.experts_gate_up[0])
+                                  : first.w_gate_up;
+  TORCH_CHECK_VALUE(!first_gate_up.empty(), fn, ": layers[0].w_gate_up (or its first expert's) needs at least one "
+                    "weight part");
   int64_t gate_up_rows = 0;
-  for (const WeightPart& part : first.w_gate_up) {
+  for (const WeightPart& part : first_gate_up) {
     check_tensor(part.w, fn, "layers[0].w_gate_up", 2, "[rows, K]");
     gate_up_rows += part.w.size(0);
   }
+  const int64_t n_experts = moe ? first.router[0].w.size(0) : 0;
+  expert_hits_ = at::zeros({static_cast<int64_t>(n), n_experts}, at::kInt);
   const int64_t ffn = gate_up_rows / 2;
   const wbk::CacheDtype dtype = cache_dtype(first.k_cache, fn, "layers[0].k_cache");
   const bool is_int8 = dtype == wbk::CacheDtype::kInt8;
@@ -820,11 +826,36 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
     r.mlp_norm = in.mlp_norm.data_ptr<float>();
     r.qkv = checked_linear(in.wqkv, fn, at + "wqkv", dim);
     r.o = checked_linear(in.wo, fn, at + "wo", heads * D);
-    r.gate_up = checked_linear(in.w_gate_up, fn, at + "w_gate_up", dim);
-    r.down = checked_linear(in.w_down, fn, at + "w_down", ffn);
-    TORCH_CHECK_VALUE(r.qkv.N == (heads + 2 * Hkv) * D && r.o.N == dim && r.gate_up.N == 2 * ffn && r.down.N == dim,
-                      fn, ": layer ", l, "'s weights do not fit dim ", dim, ", ", heads, " heads, ", Hkv,
-                      " KV heads of ", D, " and ffn ", ffn);
+    TORCH_CHECK_VALUE(in.router.empty() != moe, fn, ": ", at, "router: every layer is a mixture of experts or none is");
+    if (moe) {
+      r.router = checked_linear(in.router, fn, at + "router", dim);
+      TORCH_CHECK_VALUE(r.router.N == n_experts && r.router.parts.size() == 1 &&
+                        r.router.parts[0].dtype == wbk::WeightDtype::kFloat32, fn, ": ", at, "router must be one fp32 [",
+                        n_experts, ", ", dim, "] matrix");
+      TORCH_CHECK_VALUE(static_cast<int64_t>(in.experts_gate_up.size()) == n_experts &&
+                        in.experts_down.size() == in.experts_gate_up.size(), fn, ": ", at, "needs ", n_experts,
+                        " experts' gate_up and down (one per router row), got ", in.experts_gate_up.size(), " and ",
+                        in.experts_down.size());
+      TORCH_CHECK_VALUE(in.top_k >= 1 && in.top_k <= n_experts, fn, ": ", at, "top_k must be in 1..", n_experts,
+                        ", got ", in.top_k);
+      for (int64_t e = 0; e < n_experts; ++e) {
+        const std::string ex = at + "experts[" + std::to_string(e) + "].";
+        wbk::ExpertRef x{checked_linear(in.experts_gate_up[e], fn, ex + "gate_up", dim),
+                         checked_linear(in.experts_down[e], fn, ex + "down", ffn)};
+        TORCH_CHECK_VALUE(x.gate_up.N == 2 * ffn && x.down.N == dim, fn, ": ", ex, "weights do not fit dim ", dim,
+                          " and ffn ", ffn);
+        r.experts.push_back(std::move(x));
+      }
+      r.top_k = in.top_k;
+      r.norm_topk = in.norm_topk;
+      r.expert_hits = expert_hits_.data_ptr<int32_t>() + l * n_experts;
+    } else {
+      r.gate_up = checked_linear(in.w_gate_up, fn, at + "w_gate_up", dim);
+      r.down = checked_linear(in.w_down, fn, at + "w_down", ffn);
+    }
+    TORCH_CHECK_VALUE(r.qkv.N == (heads + 2 * Hkv) * D && r.o.N == dim && (moe || (r.gate_up.N == 2 * ffn &&
+                      r.down.N == dim)), fn, ": layer ", l, "'s weights do not fit dim ", dim, ", ", heads, " heads, ",
+                      Hkv, " KV heads of ", D, " and ffn ", ffn);
     // the family's vectors: each optional, float32, of the length its place needs
     auto vector = [&](const std::optional<Tensor>& t, const char* name, int64_t len) -> const float* {
       if (!t) return nullptr;

@@ -180,6 +180,12 @@ struct DecodeLayer {
   std::optional<Tensor> k_scale, v_scale;
   std::optional<Tensor> qkv_bias, q_norm, k_norm, post_attn_norm, post_mlp_norm;
   int64_t window = 0, rope = 0;
+  // A mixture of experts (w_gate_up and w_down then empty): the router's fp32 part, each
+  // expert's [gate; up] and down parts, top_k, and whether the chosen weights renormalize.
+  std::vector<WeightPart> router;
+  std::vector<std::vector<WeightPart>> experts_gate_up, experts_down;
+  int64_t top_k = 0;
+  bool norm_topk = true;
 };
 
 // The fused decode step's Python face: built once per (model, cache) with every layer's
@@ -200,6 +206,8 @@ class DecodeStack {
               const std::optional<Tensor>& cos_local, const std::optional<Tensor>& sin_local);
 
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+  // [layers, experts] int32: 1 where the last step ran that expert (a mixture; else [layers, 0])
+  Tensor expert_hits() const { return expert_hits_; }
 
  private:
   wbk::StackShape shape_{};
@@ -208,6 +216,7 @@ class DecodeStack {
   bool uses_local_rope_ = false;
   std::vector<wbk::LayerRef> layers_;
   std::vector<DecodeLayer> keep_;  // every tensor a pointer above points into
+  Tensor expert_hits_;
   wbk::StepBuffers buffers_;
 };
 

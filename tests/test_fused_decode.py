@@ -81,8 +81,13 @@ def test_fused_step_matches_the_reference_path(model, kv):
         assert diff.max() < 1e-3 and same_top1 == 1, (diff.max(), same_top1)
     elif kv[0] == "fp32":
         # Block and int8 weights: their products round each activation to int16 (kernels/blocks.cpp), and
-        # a last-bit difference now and then rounds one the other way (measured up to 3.3e-3).
-        assert diff.max() < 0.03 and same_top1 == 1, (diff.max(), same_top1)
+        # a last-bit difference now and then rounds one the other way (measured up to 1.3e-2). The
+        # top-1 may then differ only where the reference's two best are within that of each other
+        # (int4-g128's logits tie often: a compiler's other inlining of the step flipped one).
+        assert diff.max() < 0.03, diff.max()
+        flipped = fused.argmax(-1) != python.argmax(-1)
+        gap = python.max(-1).values - python.gather(-1, fused.argmax(-1, keepdim=True)).squeeze(-1)
+        assert (gap[flipped] < 0.03).all(), gap[flipped]
     else:
         # A rounded cache turns those last-bit differences into an occasional value that
         # rounds the other way (an int8 step, a bf16 ulp, a 7-bit probability), and that

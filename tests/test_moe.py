@@ -93,15 +93,16 @@ def test_prefill_logits_match_transformers(moe, attention):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_greedy_tokens_match_transformers(moe):
-    """16 greedy tokens; decode says why it runs the Python path, and each step's record counts
-    the bytes of the experts it read (the shared part plus at most top_k experts at batch 1)."""
+@pytest.mark.parametrize("step", ["fused", "reference"])
+def test_greedy_tokens_match_transformers(moe, step):
+    """16 greedy tokens, every decode step the fused C++ step (the router's top-k and the
+    experts in C++) or the Python layers; each step's record counts the bytes of the experts
+    it read (the shared part plus at most top_k experts at batch 1)."""
     name, ref, ours, ids, _ = moe
     expected = ref.generate(torch.tensor([ids[:60]]), max_new_tokens=16, do_sample=False)[0, 60:].tolist()
-    out = ours.generate(ids[:60], max_new_tokens=16, stop_at_eos=False)
-    assert out.token_ids == expected, name
-    blocker = ours.llama.fused_decode_blocker(ours.switches, ours.llama.new_cache(1, 256, "fp32"))
-    assert "mixture of experts" in blocker
+    out = ours.generate(ids[:60], max_new_tokens=16, stop_at_eos=False, step=step)
+    assert out.token_ids == expected, (name, step)
+    assert {s.path for s in out.timings.decode_steps} == {step}
     layer = ours.llama.layers[0]
     expert = layer.experts[0][0].nbytes + layer.experts[0][1].nbytes
     step = out.timings.decode_steps[-1]

@@ -315,7 +315,9 @@ class KernelSet:
         layers: the model's Layer objects (attn_norm, mlp_norm, the Linear wqkv, wo,
         w_gate_up, w_down, and what the family adds: qkv_bias, q_norm, k_norm,
         post_attn_norm, post_mlp_norm, None where absent; rope: which RoPE table the layer
-        reads, 0 global, 1 local); caches: one (k, v, k_scale, v_scale) per layer, the scales
+        reads, 0 global, 1 local; a mixture of experts' router, experts, top_k and norm_topk in
+        place of w_gate_up and w_down: then step's expert_hits [layers, experts] says which
+        experts the last step ran); caches: one (k, v, k_scale, v_scale) per layer, the scales
         None unless int8; int8_kernel: decode_attention's. Returns an object whose
         step(x, cos, sin, positions, timers, comm, cos_local, sin_local) runs every layer for
         one new token per sequence in one call with the GIL released: x [B, dim] fp32 updated
@@ -342,12 +344,20 @@ class KernelSet:
         def parts(linear):  # each row-wise part of a workbench.model.llama.Linear
             return [self.ext.WeightPart(p.weight, p.scale, p.fmt.kernel if p.fmt.blocks else "") for p in linear.parts]
 
+        def mixture(layer) -> dict:  # a mixture of experts' router and experts (workbench.model.llama.Layer)
+            if getattr(layer, "router", None) is None:
+                return {}
+            return {"router": parts(layer.router), "experts_gate_up": [parts(g) for g, _ in layer.experts],
+                    "experts_down": [parts(d) for _, d in layer.experts], "top_k": layer.top_k,
+                    "norm_topk": bool(layer.norm_topk)}
+
         records = [self.ext.DecodeLayer(layer.attn_norm, layer.mlp_norm,
-                                        *(parts(getattr(layer, n)) for n in ("wqkv", "wo", "w_gate_up", "w_down")),
+                                        *(parts(getattr(layer, n)) if getattr(layer, n) is not None else []
+                                          for n in ("wqkv", "wo", "w_gate_up", "w_down")),
                                         *cache, qkv_bias=getattr(layer, "qkv_bias", None),
                                         **{n: getattr(layer, n, None) for n in ("q_norm", "k_norm", "post_attn_norm",
                                                                                "post_mlp_norm")},
-                                        window=window, rope=getattr(layer, "rope", 0))
+                                        window=window, rope=getattr(layer, "rope", 0), **mixture(layer))
                    for layer, cache, window in zip(layers, caches, windows)]
         group, q_offset = _head_map("decode_stack", group, q_offset)
         if (not isinstance(kv_handoff, tuple) or len(kv_handoff) != 2

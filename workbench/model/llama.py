@@ -784,8 +784,6 @@ class LlamaModel:
             return f"kv_cache {switches.kv_cache!r} runs on the torch reference path"
         if self.parallel is not None and self.collective is None:  # the step would skip the all-reduces
             return "tensor parallel without a collective for the fused step (model.collective)"
-        if self.layers[0].router is not None:
-            return "a mixture of experts decodes on the Python path (its routed experts are not in the fused step yet)"
         return None
 
     def _fused_stack(self, cache: KVCache):
@@ -830,7 +828,11 @@ class LlamaModel:
             timers = torch.zeros(len(self.layers), len(parts), dtype=torch.float64) if record else None
             # x updated in place; with a collective, the all-reduces run inside the same call
             local = tables[1] if len(tables) > 1 else (None, None)
-            wake_s = self._fused_stack(cache).step(x, *tables[0], positions, timers, self.collective, *local)
+            stack = self._fused_stack(cache)
+            wake_s = stack.step(x, *tables[0], positions, timers, self.collective, *local)
+            if self.layers[0].router is not None:  # which experts each layer's step ran (what it read)
+                for layer, hits in zip(self.layers, stack.expert_hits.tolist()):
+                    layer.last_experts = [e for e, hit in enumerate(hits) if hit]
             if record:
                 for i, row in enumerate(timers.tolist()):
                     for part, seconds in zip(parts, row):
