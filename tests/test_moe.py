@@ -58,7 +58,7 @@ def tokenizer():
 def moe(request, tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     ref = save_tiny_moe(request.param, folder, tokenizer)
-    ours = wb.load_model(str(folder), max_seq_len=256)
+    ours = wb.load_model(str(folder), max_seq_len=256, max_batch=2)
     ids = ours.tokenizer.encode(TEXT)[:140]
     return request.param, ref, ours, ids, folder
 
@@ -122,6 +122,17 @@ def test_a_batch_reads_the_experts_its_tokens_route_to(moe):
     out = ours.generate(ids, max_new_tokens=3, stop_at_eos=False)
     assert out.timings.prefill.weight_bytes[0] == layer.weight_bytes
     assert out.timings.decode_steps[-1].weight_bytes[0] < layer.weight_bytes
+
+
+def test_batched_decode_matches_one_sequence_at_a_time(moe):
+    """Two sequences decoded together through the fused step (an expert chosen by both runs
+    once on both rows) give each one's own tokens."""
+    name, _, ours, ids, _ = moe
+    a, b = ids[:70], ids[10:41]
+    together = ours.generate([a, b], max_new_tokens=8, stop_at_eos=False)
+    assert {s.path for s in together.timings.decode_steps} == {"fused"}
+    for prompt, got in zip((a, b), together.token_ids):
+        assert got == ours.generate(prompt, max_new_tokens=8, stop_at_eos=False).token_ids, name
 
 
 def test_every_token_routed_to_one_expert_still_computes_the_model(tokenizer, tmp_path):
