@@ -64,6 +64,10 @@ def test_an_interrupt_cancels_the_coroutine_and_reaches_the_caller():
 
     # A loop of its own, as ipykernel's: asyncio.run would turn SIGINT into cancelling `cell`
     # instead of raising KeyboardInterrupt in the waiting thread, as the kernel does.
+    # SIGINT as a kernel handles it (Python's own handler), whatever the test runner was started
+    # with: a shell's background job (`cmd &`) starts with SIGINT ignored, and a Python started
+    # so keeps it ignored, so no KeyboardInterrupt would ever come (the sleep ran its 600 s).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     loop = asyncio.new_event_loop()
     timer = threading.Thread(target=lambda: (started.wait(), os.kill(os.getpid(), signal.SIGINT)))
     timer.start()
@@ -73,4 +77,5 @@ def test_an_interrupt_cancels_the_coroutine_and_reaches_the_caller():
     finally:
         timer.join()
         loop.close()
+        signal.signal(signal.SIGINT, before)
     assert seen == {"cancelled": True}
