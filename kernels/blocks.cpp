@@ -937,6 +937,21 @@ float dot_q4k_q5k(const uint8_t* row, const A& a, int64_t K) {
   return reduce_add(even + odd) - reduce_add(off);
 }
 
+// A q6_k super-block's sixteen factors (each sub-block's int8 scale times d times its chunk's
+// activation scale) into factor, and its offsets' share (those scales times the sums of x over
+// each sub-block) added to off: both activation widths alike.
+template <typename A>
+inline void q6k_factors(const uint8_t* blk, const A& a, int64_t sb, float* factor, Vec8F& off) {
+  const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  const Vec8F d = Vec8F::set1(f16_at(blk + 208));
+  const Vec8F sc_lo = Vec8F::from_i8(sc) * d, sc_hi = Vec8F::from_i8(sc + 8) * d;
+  const float* xs = a.scale + 8 * sb;
+  (sc_lo * Vec8F::load4_doubled(xs)).store(factor);  // sub-block i reads chunk i / 2
+  (sc_hi * Vec8F::load4_doubled(xs + 4)).store(factor + 8);
+  off = fmadd(sc_lo, Vec8F::load(a.sum16 + 16 * sb), off);
+  off = fmadd(sc_hi, Vec8F::load(a.sum16 + 16 * sb + 8), off);
+}
+
 // q6_k: per super-block, sixteen 16-weight sub-blocks (6-bit q, 0-63), each scaled by its int8
 // scale and its chunk's activation scale; the -32 of every q is taken off in fp32 with the
 // exact sums of x over each sub-block.
@@ -946,14 +961,7 @@ float dot_q6k(const uint8_t* row, const Acts& a, int64_t K) {
   for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
     const uint8_t* blk = row + sb * 210;
     const int16_t* x = a.q + sb * kSuperBlock;
-    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    const Vec8F d = Vec8F::set1(f16_at(blk + 208));
-    const Vec8F sc_lo = Vec8F::from_i8(sc) * d, sc_hi = Vec8F::from_i8(sc + 8) * d;
-    const float* xs = a.scale + 8 * sb;
-    (sc_lo * Vec8F::load4_doubled(xs)).store(factor);  // sub-block i reads chunk i / 2
-    (sc_hi * Vec8F::load4_doubled(xs + 4)).store(factor + 8);
-    off = fmadd(sc_lo, Vec8F::load(a.sum16 + 16 * sb), off);
-    off = fmadd(sc_hi, Vec8F::load(a.sum16 + 16 * sb + 8), off);
+    q6k_factors(blk, a, sb, factor, off);
     for (int n = 0; n < 2; ++n)
       for (int h = 0; h < 2; ++h) {  // weights 16 h .. 16 h + 15 of each quarter of half n
         VecS q[4];
@@ -975,14 +983,7 @@ float dot_q6k_i8(const uint8_t* row, const Acts8& a, int64_t K) {
   for (int64_t sb = 0; sb < K / kSuperBlock; ++sb) {
     const uint8_t* blk = row + sb * 210;
     const int8_t* x = a.q + sb * kSuperBlock;
-    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    const Vec8F d = Vec8F::set1(f16_at(blk + 208));
-    const Vec8F sc_lo = Vec8F::from_i8(sc) * d, sc_hi = Vec8F::from_i8(sc + 8) * d;
-    const float* xs = a.scale + 8 * sb;
-    (sc_lo * Vec8F::load4_doubled(xs)).store(factor);  // sub-block i reads chunk i / 2
-    (sc_hi * Vec8F::load4_doubled(xs + 4)).store(factor + 8);
-    off = fmadd(sc_lo, Vec8F::load(a.sum16 + 16 * sb), off);
-    off = fmadd(sc_hi, Vec8F::load(a.sum16 + 16 * sb + 8), off);
+    q6k_factors(blk, a, sb, factor, off);
     for (int n = 0; n < 2; ++n) {
       const Bytes32 la = Bytes32::load(blk + 64 * n), lb = Bytes32::load(blk + 64 * n + 32);
       const Bytes32 hh = Bytes32::load(blk + 128 + 32 * n);
@@ -1129,19 +1130,24 @@ void block_matvec(const float* x, const uint8_t* w, WeightDtype t, float* y, int
   block_matvec_with<Acts8>(x, w, t, y, M, N, K);
 }
 
+namespace {
+
+template <typename A, typename Dot>
+void int8_matvec_with(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
+                      int64_t K, Dot dot_row) {
+  const int64_t groups = K / kBlockChunk;
+  const QuantizedRows<A> acts(x, M, K);
+  rows_times_x(M, N, y, [&](int64_t n, int64_t m) {
+    return dot_row(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
+  });
+}
+
+}  // namespace
+
 void int8_matvec(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
                  int64_t K) {
-  const int64_t groups = K / kBlockChunk;
-  if (block_activation_bits() == 16) {
-    const QuantizedRows<Acts> acts(x, M, K);
-    return rows_times_x(M, N, y, [&](int64_t n, int64_t m) {
-      return dot_int8(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
-    });
-  }
-  const QuantizedRows<Acts8> acts(x, M, K);
-  rows_times_x(M, N, y, [&](int64_t n, int64_t m) {
-    return dot_int8_i8(w + n * K, group_scale ? group_scale + n * groups : nullptr, acts.at(m), K);
-  });
+  if (block_activation_bits() == 16) return int8_matvec_with<Acts>(x, w, group_scale, y, M, N, K, dot_int8);
+  int8_matvec_with<Acts8>(x, w, group_scale, y, M, N, K, dot_int8_i8);
 }
 
 }  // namespace wbk

@@ -543,8 +543,6 @@ class WorkbenchMagics(Magics):
           In [2]: %kv_quality --formats int8:widen,int8:dot,int8-block32 --text my_notes.txt
         """
         import pandas as pd
-        from pathlib import Path
-
         from IPython.display import display
 
         from workbench import report
@@ -553,12 +551,7 @@ class WorkbenchMagics(Magics):
 
         args = parse_argstring(self.kv_quality, line)
         model = self._require_model()
-        text = None
-        if args.text:
-            path = Path(args.text).expanduser()
-            if not path.is_file():
-                raise UsageError(f"--text: no such file: {path}")
-            text = path.read_text(errors="replace")
+        text = _text_file(args.text)
         try:
             rows = kv_quality(model, args.formats or ALL_CACHES, context=args.context, steps=args.steps, text=text)
         except ValueError as e:
@@ -602,8 +595,6 @@ class WorkbenchMagics(Magics):
           In [2]: %weight_quality --formats fp32,bf16,int8-g32,q4_k,q4_0,int4-g32 --rounds 5 -o wq
           In [3]: %weight_quality --formats file,q8_0,q4_0 --text my_notes.txt --context 512
         """
-        from pathlib import Path
-
         from workbench import report
         from workbench.analysis.weight_study import DEFAULT_FORMATS, format_study, study_figure, weight_study
         from workbench.distributed.cluster import DistributedModel
@@ -616,12 +607,7 @@ class WorkbenchMagics(Magics):
             raise UsageError("%weight_quality loads the model in this process: %distributed stop first")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
-        text = None
-        if args.text:
-            path = Path(args.text).expanduser()
-            if not path.is_file():
-                raise UsageError(f"--text: no such file: {path}")
-            text = path.read_text(errors="replace")
+        text = _text_file(args.text)
         bar = _Progress("weights", label=str)
         try:
             rows = weight_study(model, args.formats or DEFAULT_FORMATS, context=args.context, text=text,
@@ -839,6 +825,18 @@ def _cluster_status(cluster) -> str:
                   f"FFN {sh['ffn']}, vocabulary {sh['vocab']}, {sh['weight_bytes'] / 2**20:.0f} MiB of weights"
                   for sh in cluster.model.shards]
     return "\n".join(lines)
+
+
+def _text_file(name: str | None) -> str | None:
+    """--text's file read (None: the default text), a UsageError naming a missing one."""
+    from pathlib import Path
+
+    if not name:
+        return None
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--text: no such file: {path}")
+    return path.read_text(errors="replace")
 
 
 def _dataframe(rows: list[dict]):
