@@ -78,8 +78,11 @@ def int8_weights_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def int8_activations_reference(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K a multiple of 32) as decode's integer products see it with int8 activations
     (kernels.block_activation_bits() == 8): each 32 values rounded, half to even, to
-    multiples of their largest |x| / 127."""
+    multiples of their largest |x| / 127, in fp32 as the kernel computes them (x times
+    127 / amax, rounded: float64 would round a value on a half-step edge the other way)."""
     M, K = x.shape
-    chunks = x.double().reshape(M, K // 32, 32)
-    step = chunks.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(chunks / torch.where(step > 0, step, 1)) * step).reshape(M, K)
+    chunks = x.float().reshape(M, K // 32, 32)
+    amax = chunks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    step = (amax / 127.0).double()
+    return (torch.round(chunks * inv).double() * step).reshape(M, K)
