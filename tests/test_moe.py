@@ -15,6 +15,7 @@ import torch
 
 import workbench as wb
 from workbench.model.loaders import ModelLoadError, gguf_tokenizer
+from workbench.model.quantize import use_more_bits
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -32,12 +33,12 @@ MOE = {
 }
 
 
-def save_tiny_moe(name: str, folder: Path, tokenizer, seed: int = 0):
+def save_tiny_moe(name: str, folder: Path, tokenizer, seed: int = 0, **overrides):
     class_name, extra = MOE[name]
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=tokenizer.vocab_size, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.2)
-    cfg = getattr(transformers, class_name)(**{**common, **extra})
+    cfg = getattr(transformers, class_name)(**{**common, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -209,3 +210,147 @@ def test_the_experts_in_other_formats_stay_close(moe, dtype):
     agree = (got.argmax(-1) == expected.argmax(-1)).double().mean().item()
     assert agree > 0.55, (name, dtype, agree)
     assert len(ours.generate(ids[:20], max_new_tokens=4, stop_at_eos=False).token_ids) == 4
+
+
+# -- GGUF files: the experts stacked in one 3-D tensor per kind (ffn_gate_exps [experts, ffn,
+# dim]), the router ffn_gate_inp; Mixtral as general.architecture "llama" with an expert_count,
+# Qwen3-MoE as "qwen3moe" (llama.cpp's converter's names and layout).
+
+def hf_to_gguf(folder: Path, out: Path, cfg) -> Path:
+    """A tiny Hugging Face MoE folder written as the F32 GGUF llama.cpp's converter makes of it:
+    each kind of the experts' matrices stacked, Llama-family q / k rows in llama.cpp's RoPE order."""
+    from workbench.analysis.gguf_files import write_gguf
+    from workbench.model.arch import gguf_layer_tensors
+
+    spec, sd = cfg.spec, load_file(str(folder / "model.safetensors"))
+
+    def llama_cpp_rows(w: torch.Tensor, heads: int) -> torch.Tensor:  # rotate-half -> interleaved
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+               "output.weight": sd["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for ours in gguf_layer_tensors(spec, cfg):
+            if ours.startswith("experts."):
+                kind = ours.split(".")[1]
+                t = torch.stack([sd[p + spec.hf_name(f"experts.{e}.{kind}")] for e in range(cfg.n_experts)])
+            else:
+                t = sd[p + spec.hf_name(ours)]
+            if spec.gguf_rope_rows and ours in ("wq", "wk"):
+                t = llama_cpp_rows(t, cfg.n_heads if ours == "wq" else cfg.n_kv_heads)
+            tensors[f"blk.{i}.{spec.gguf_name(ours)}"] = t
+    arrays = {k: v.float().contiguous().numpy() for k, v in tensors.items()}
+    write_gguf(out, cfg, cfg.vocab_size, {k: (a.shape, a.dtype, lambda a=a: a) for k, a in arrays.items()}, "tiny")
+    return out
+
+
+def test_a_gguf_file_of_each_family_is_the_same_model(moe, tmp_path):
+    """The folder written as a GGUF file (Mixtral as llama with experts, Qwen3-MoE as qwen3moe)
+    loads as the same family with the same experts: the same logits as from its folder, the
+    same 16 greedy tokens as transformers through the fused step."""
+    name, ref, ours, ids, folder = moe
+    if name == "qwen3_moe-plain":
+        pytest.skip("a GGUF file has no norm_topk_prob: llama.cpp renormalizes in both families")
+    path = hf_to_gguf(folder, tmp_path / f"{name}.gguf", ours.config)
+    model = wb.load_model(str(path), max_seq_len=256)
+    cfg = model.config
+    assert (cfg.arch, cfg.n_experts, cfg.experts_per_token, cfg.norm_topk, cfg.ffn_dim) == (
+        name, 6, 2, True, ours.config.ffn_dim)
+    assert model.llama.weight_formats["gate_up"] == {"fp32": 6 * 3}
+    assert _rel(model.logits(ids), ours.logits(ids)) < 1e-5
+    expected = ref.generate(torch.tensor([ids[:60]]), max_new_tokens=16, do_sample=False)[0, 60:].tolist()
+    out = model.generate(ids[:60], max_new_tokens=16, stop_at_eos=False)
+    assert out.token_ids == expected and {s.path for s in out.timings.decode_steps} == {"fused"}
+
+
+@pytest.fixture(scope="module")
+def moe_q4_k_m(tmp_path_factory, tokenizer):
+    """A Qwen3-MoE with rows of whole K-quant super-blocks (hidden and expert FFN 256), as a
+    GGUF file requantized by our quantizer into llama.cpp's Q4_K_M mix."""
+    from workbench.model.quantize import write_quantized
+
+    folder = tmp_path_factory.mktemp("q3moe256")
+    save_tiny_moe("qwen3_moe", folder, tokenizer, hidden_size=256, moe_intermediate_size=256, head_dim=64)
+    cfg = wb.load_model(str(folder), max_seq_len=256).config
+    f32 = hf_to_gguf(folder, folder / "f32.gguf", cfg)
+    return write_quantized(f32, folder / "q4_k_m.gguf", "Q4_K_M")
+
+
+def test_a_q4_k_m_moe_file_runs_its_experts_in_their_own_blocks(moe_q4_k_m):
+    """Each expert's matrices as the file's Q4_K / Q6_K blocks (down Q6_K in the layers
+    llama.cpp gives more bits), the router F32 as llama.cpp keeps it: teacher-forced on real
+    text, the logits of the blocks as they are against the same file dequantized to fp32 agree
+    as the dense files' do, and the fused step and the Python layers give the same tokens."""
+    from workbench.analysis.forcing import forced_logits
+    from workbench.model.gguf_file import read_gguf
+    from workbench.model.switches import Switches
+
+    kinds = {n: t.tensor_type.name for n, t in read_gguf(moe_q4_k_m).tensors.items()}
+    assert kinds["blk.1.ffn_gate_exps.weight"] == kinds["blk.1.ffn_up_exps.weight"] == "Q4_K"
+    more = [i for i in range(3) if use_more_bits(i, 3)]
+    assert {kinds[f"blk.{i}.ffn_down_exps.weight"] for i in more} == {"Q6_K"}
+    assert kinds["blk.0.ffn_gate_inp.weight"] == "F32"
+    blocks, exact = wb.load_model(str(moe_q4_k_m)), wb.load_model(str(moe_q4_k_m), dtype="fp32")
+    formats = blocks.llama.weight_formats
+    assert formats["gate_up"] == {"q4_k": 3 * 6} and formats["router"] == {"fp32": 3}
+    assert formats["down"] == {"q6_k": 6 * sum(use_more_bits(i, 3) for i in range(3)),
+                               "q4_k": 6 * sum(not use_more_bits(i, 3) for i in range(3))}
+    ids = blocks.tokenizer.encode(TEXT)[:80]
+    follow = torch.tensor([ids[1:]])
+    la, lb = (forced_logits(m.llama, [ids[:1]], follow, Switches("slim", "fp32"))[0] for m in (blocks, exact))
+    agree = (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
+    assert _rel(la, lb) < 5e-3 and agree >= 0.95, (_rel(la, lb), agree)  # measured 8e-4, every argmax equal
+    fused = blocks.generate(ids[:40], max_new_tokens=12, stop_at_eos=False)
+    assert fused.token_ids == blocks.generate(ids[:40], max_new_tokens=12, stop_at_eos=False, step="reference").token_ids
+
+
+def _gguf_copy(src: Path, out: Path, change) -> Path:
+    """src's metadata and tensors with change(name, array) -> array | None (None: dropped)."""
+    import gguf
+    import numpy as np
+
+    from workbench.model.gguf_file import read_gguf
+
+    f = read_gguf(src)
+    w = gguf.GGUFWriter(out, f.fields["general.architecture"])
+    for name, value in f.fields.items():
+        if name != "general.architecture":
+            vtype, sub = f.types[name]
+            w.add_key_value(name, value, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub) if sub else None)
+    for name, t in f.tensors.items():
+        data = change(name, np.array(t.data))
+        if data is not None:
+            w.add_tensor(name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_misshapen_or_missing_gguf_expert_tensor_is_refused_by_name(moe_q4_k_m, tmp_path):
+    cut = _gguf_copy(moe_q4_k_m, tmp_path / "cut.gguf",
+                     lambda n, a: a[:5] if n == "blk.2.ffn_up_exps.weight" else a)
+    with pytest.raises(ModelLoadError, match=r"blk\.2\.ffn_up_exps\.weight has shape \(5, 256, 256\), "
+                                             r"expected \(6, 256, 256\)"):
+        wb.load_model(str(cut))
+    gone = _gguf_copy(moe_q4_k_m, tmp_path / "gone.gguf", lambda n, a: None if n == "blk.1.ffn_gate_inp.weight" else a)
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_gate_inp\.weight is missing"):
+        wb.load_model(str(gone))
+
+
+def test_a_moe_family_the_workbench_does_not_run_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "q2moe.gguf"
+    w = gguf.GGUFWriter(path, "qwen2moe")
+    w.add_block_count(1)
+    w.add_expert_count(60)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2moe' with 60 experts"):
+        wb.load_model(str(path))

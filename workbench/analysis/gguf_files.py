@@ -57,9 +57,9 @@ def shaped_gguf(preset: str = "llama2-7b", layers: int = 8, kind: str = "Q4_K_M"
 
 
 def _write_f16(preset: str, layers: int, seed: int, out: Path) -> None:
-    """A llama-architecture GGUF: the preset's shapes, F16 matrices of seeded N(0, 0.02), F32
-    norms of 1, the bundled model's tokenizer, untied output."""
-    import gguf
+    """A GGUF of the preset's family (general.architecture llama, qwen3moe, ...): the preset's
+    shapes, F16 matrices of seeded N(0, 0.02), F32 norms of 1 and an F32 router, the bundled
+    model's tokenizer, untied output."""
     import torch
 
     from workbench.kernels import random_normal
@@ -68,68 +68,86 @@ def _write_f16(preset: str, layers: int, seed: int, out: Path) -> None:
     from workbench.model.loaders import bundled_gguf_path
 
     cfg = preset_config(preset).with_layers(layers)
+    vocab = len(read_gguf(bundled_gguf_path()).fields["tokenizer.ggml.tokens"])
+    stream = iter(range(1 << 30))
+
+    def matrix(shape: tuple[int, ...]) -> np.ndarray:
+        return random_normal(shape, seed=seed, stream=next(stream), std=0.02).to(torch.float16).numpy()
+
+    def vector(shape: tuple[int, ...]) -> np.ndarray:
+        return np.ones(shape, dtype=np.float32)
+
+    def router(shape: tuple[int, ...]) -> np.ndarray:
+        return random_normal(shape, seed=seed, stream=next(stream), std=0.02).numpy()
+
+    tensors = {}
+    for name, shape in gguf_tensor_shapes(cfg, vocab).items():
+        kind = name.split(".")[-2]
+        make, dtype = ((vector, np.float32) if len(shape) == 1 else (router, np.float32) if kind == "ffn_gate_inp"
+                       else (matrix, np.float16))
+        tensors[name] = (shape, dtype, lambda make=make, shape=shape: make(shape))
+    write_gguf(out, cfg, vocab, tensors, f"{preset} shapes, {layers} layers, random weights (seed {seed})")
+
+
+def gguf_tensor_shapes(cfg, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a GGUF of cfg's family holds, by its GGUF name, with its numpy shape
+    (rows first; a mixture's experts stacked [experts, rows, cols]); the output untied."""
+    from workbench.model.arch import gguf_layer_tensors
+
+    spec = cfg.spec
+    out = {"token_embd.weight": (vocab, cfg.dim), "output_norm.weight": (cfg.dim,), "output.weight": (vocab, cfg.dim)}
+    for i in range(cfg.n_layers):
+        for ours, shape in gguf_layer_tensors(spec, cfg).items():
+            out[f"blk.{i}.{spec.gguf_name(ours)}"] = shape
+    return out
+
+
+def write_gguf(out: Path, cfg, vocab: int, tensors: dict, title: str) -> None:
+    """A GGUF file of ModelConfig cfg's family with the bundled model's tokenizer: the metadata
+    llama.cpp reads for the family, and `tensors` (GGUF name -> (numpy shape, numpy dtype, a
+    callable that makes the data)) written one at a time after the header, so a model larger
+    than memory is never in memory at once."""
+    import gguf
+
+    from workbench.model.gguf_file import read_gguf
+    from workbench.model.loaders import bundled_gguf_path
+
     src = read_gguf(bundled_gguf_path())
-    vocab = len(src.fields["tokenizer.ggml.tokens"])
     tmp = out.with_suffix(".tmp")
-    writer = gguf.GGUFWriter(tmp, "llama")
-    writer.add_name(f"{preset} shapes, {layers} layers, random weights (seed {seed})")
+    writer = gguf.GGUFWriter(tmp, cfg.spec.gguf)
+    writer.add_name(title)
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.dim)
-    writer.add_block_count(layers)
+    writer.add_block_count(cfg.n_layers)
     writer.add_feed_forward_length(cfg.ffn_dim)
     writer.add_head_count(cfg.n_heads)
     writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.rotary_dim or cfg.head_dim)
     writer.add_vocab_size(vocab)
+    if cfg.n_experts:
+        writer.add_expert_count(cfg.n_experts)
+        writer.add_expert_used_count(cfg.experts_per_token)
+        if cfg.spec.gguf != "llama":  # llama.cpp's llama (Mixtral) reads feed_forward_length
+            writer.add_expert_feed_forward_length(cfg.ffn_dim)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for name, value in src.fields.items():
         if name.startswith("tokenizer."):
             vtype, sub = src.types[name]
             writer.add_key_value(name, value, gguf.GGUFValueType(vtype),
                                  sub_type=gguf.GGUFValueType(sub) if sub is not None else None)
-    stream = iter(range(1 << 30))
-
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return random_normal((rows, cols), seed=seed, stream=next(stream), std=0.02).to(torch.float16).numpy()
-
-    ones = np.ones(cfg.dim, dtype=np.float32)
-    tensors = {"token_embd.weight": lambda: matrix(vocab, cfg.dim), "output_norm.weight": lambda: ones,
-               "output.weight": lambda: matrix(vocab, cfg.dim)}
-    for i in range(layers):
-        tensors.update({
-            f"blk.{i}.attn_norm.weight": lambda: ones, f"blk.{i}.ffn_norm.weight": lambda: ones,
-            **{f"blk.{i}.{kind}.weight": (lambda kind=kind: matrix(*_shape_of(f"blk.0.{kind}.weight", cfg, vocab)))
-               for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
-        })
-    # Header first, then each tensor's data made and written in turn: a 7B model is never in
-    # memory at once.
-    for name in tensors:
-        writer.add_tensor_info(name, _shape_of(name, cfg, vocab), np.dtype(np.float32 if "norm" in name else np.float16),
-                               _nbytes(name, cfg, vocab))
+    for name, (shape, dtype, _) in tensors.items():
+        writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for make in tensors.values():
-        writer.write_tensor_data(make())
+    for shape, dtype, make in tensors.values():
+        data = make()
+        if data.shape != tuple(shape) or data.dtype != np.dtype(dtype):
+            raise ValueError(f"write_gguf: a tensor made {data.shape} {data.dtype}, its info says {shape} {dtype}")
+        writer.write_tensor_data(data)
     writer.close()
     tmp.rename(out)
-
-
-def _shape_of(name: str, cfg, vocab: int) -> tuple[int, ...]:
-    """numpy shape of a tensor of the shaped file."""
-    hd = cfg.head_dim
-    if "norm" in name:
-        return (cfg.dim,)
-    if name in ("token_embd.weight", "output.weight"):
-        return (vocab, cfg.dim)
-    kind = name.split(".")[2]
-    return {"attn_q": (cfg.n_heads * hd, cfg.dim), "attn_k": (cfg.n_kv_heads * hd, cfg.dim),
-            "attn_v": (cfg.n_kv_heads * hd, cfg.dim), "attn_output": (cfg.dim, cfg.n_heads * hd),
-            "ffn_gate": (cfg.ffn_dim, cfg.dim), "ffn_up": (cfg.ffn_dim, cfg.dim),
-            "ffn_down": (cfg.dim, cfg.ffn_dim)}[kind]
-
-
-def _nbytes(name: str, cfg, vocab: int) -> int:
-    return int(np.prod(_shape_of(name, cfg, vocab))) * (4 if "norm" in name else 2)

@@ -35,7 +35,11 @@ ModelConfig fields, read from each checkpoint's config):
                     1) or "config" (Qwen3-MoE: renormalized where the config's norm_topk_prob
                     says); the router is "router" [experts, dim] and expert e's matrices are
                     "experts.{e}.w_gate", "experts.{e}.w_up", "experts.{e}.w_down" (names
-                    templated by "experts.w_gate" ... in hf_names, with {e} the expert)
+                    templated by "experts.w_gate" ... in hf_names, with {e} the expert). A GGUF
+                    file stacks each kind of every expert in one 3-D tensor (ffn_gate_exps:
+                    [experts, ffn, dim]) that the loader splits by expert; llama.cpp writes
+                    Mixtral as general.architecture "llama" with an expert_count, so a GGUF
+                    family is found by its name and whether it has experts (by_gguf)
 
 A layer's tensors have one set of names inside the workbench (the keys of a loader's dict,
 which workbench.model.llama.Layer reads): attn_norm, mlp_norm, wq, wk, wv, wo, w_gate, w_up,
@@ -81,7 +85,10 @@ class Architecture:
         return names[ours] if ours in names else HF_LAYER_NAMES[ours]
 
     def gguf_name(self, ours: str) -> str:
-        """... and in a GGUF file, after blk.{i}."""
+        """... and in a GGUF file, after blk.{i} (an expert's matrix: the stacked tensor of
+        every expert's, "experts.{e}.w_gate" -> "ffn_gate_exps.weight")."""
+        if ours.startswith("experts."):
+            ours = "experts." + ours.split(".")[-1]
         return dict(self.gguf_names).get(ours, GGUF_LAYER_NAMES[ours])
 
 
@@ -105,6 +112,9 @@ GGUF_LAYER_NAMES = {
     "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "w_gate_up": "ffn_up.weight",  # Phi-3's [gate; up] is one ffn_up of 2 x ffn rows
+    # a mixture's router, and every expert's matrices of a kind stacked in one 3-D tensor
+    "router": "ffn_gate_inp.weight", "experts.w_gate": "ffn_gate_exps.weight",
+    "experts.w_up": "ffn_up_exps.weight", "experts.w_down": "ffn_down_exps.weight",
 }
 # The pieces a fused checkpoint tensor is split into, in its row order.
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
@@ -128,15 +138,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("phi3", "Phi-3 / Phi-4-mini: fused qkv and gate_up projections, partial rotary dims",
                  ("phi3",), "phi3", fused_qkv=True, fused_gate_up=True, windows="all"),
     Architecture("mixtral", "Mixtral: Mistral's decoder with a mixture of SwiGLU experts in place of the MLP, the "
-                 "top k of a softmax router, their weights renormalized", ("mixtral",), None, windows="all",
-                 moe="renormalize",
+                 "top k of a softmax router, their weights renormalized", ("mixtral",), "llama", windows="all",
+                 moe="renormalize", gguf_rope_rows=True,
                  hf_names=(("router", "block_sparse_moe.gate.weight"),
                            ("experts.w_gate", "block_sparse_moe.experts.{e}.w1.weight"),
                            ("experts.w_up", "block_sparse_moe.experts.{e}.w3.weight"),
                            ("experts.w_down", "block_sparse_moe.experts.{e}.w2.weight"))),
     Architecture("qwen3_moe", "Qwen3-MoE: Qwen3's attention (per-head q / k norms) with a mixture of SwiGLU experts "
                  "in every layer, the top k of a softmax router (renormalized where the config says)",
-                 ("qwen3_moe",), None, qk_norm=True, moe="config",
+                 ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="config",
                  hf_names=(("router", "mlp.gate.weight"),
                            ("experts.w_gate", "mlp.experts.{e}.gate_proj.weight"),
                            ("experts.w_up", "mlp.experts.{e}.up_proj.weight"),
@@ -157,8 +167,10 @@ def by_hf_type(model_type: str) -> Architecture | None:
     return next((a for a in ARCHITECTURES.values() if model_type in a.hf_types), None)
 
 
-def by_gguf(arch: str) -> Architecture | None:
-    return next((a for a in ARCHITECTURES.values() if a.gguf == arch), None)
+def by_gguf(arch: str, experts: bool = False) -> Architecture | None:
+    """The family of a GGUF file's general.architecture, with experts or without (llama.cpp's
+    "llama" is Llama, or Mixtral when the file has an expert_count)."""
+    return next((a for a in ARCHITECTURES.values() if a.gguf == arch and bool(a.moe) == experts), None)
 
 
 def layer_tensors(arch: Architecture, cfg) -> dict[str, tuple[int, ...]]:
@@ -181,6 +193,16 @@ def layer_tensors(arch: Architecture, cfg) -> dict[str, tuple[int, ...]]:
         out.update({"q_norm": (hd,), "k_norm": (hd,)})
     if arch.post_norms:
         out.update({"post_attn_norm": (d,), "post_mlp_norm": (d,)})
+    return out
+
+
+def gguf_layer_tensors(arch: Architecture, cfg) -> dict[str, tuple[int, ...]]:
+    """layer_tensors as a GGUF file holds them: a mixture's experts' matrices of each kind
+    stacked in one [experts, rows, cols] tensor ("experts.w_gate", ...)."""
+    out = {k: v for k, v in layer_tensors(arch, cfg).items() if not k.startswith("experts.")}
+    if arch.moe:
+        d, f, n = cfg.dim, cfg.ffn_dim, cfg.n_experts
+        out.update({"experts.w_gate": (n, f, d), "experts.w_up": (n, f, d), "experts.w_down": (n, d, f)})
     return out
 
 

@@ -159,6 +159,14 @@ PRESETS: dict[str, ModelConfig] = {
                                tied_embeddings=True, bos_token_id=2, eos_token_id=1, head_dim=256, arch="gemma3",
                                windows=tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18)),
                                rope_local_theta=10000.0),
+    # Mixtures of experts: ffn_dim is each expert's FFN
+    "mixtral-8x7b": ModelConfig("mixtral-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                vocab_size=32000, norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=32768,
+                                bos_token_id=1, eos_token_id=2, arch="mixtral", n_experts=8, experts_per_token=2),
+    "qwen3-30b-a3b": ModelConfig("qwen3-30b-a3b", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=768,
+                                 vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                                 bos_token_id=151643, eos_token_id=151645, head_dim=128, arch="qwen3_moe",
+                                 n_experts=128, experts_per_token=8, norm_topk=True),
 }
 
 

@@ -292,7 +292,9 @@ class Layer:
         self.router, self.experts, self.top_k, self.norm_topk = None, [], 0, True
         self.last_experts: list[int] = []  # the experts the last forward ran (what it read)
         if "router" in w:
-            self.router = Linear(materialize(w.pop("router")).float(), WEIGHT_FORMATS["fp32"])
+            router = materialize(w.pop("router"))
+            router = router.dequantize() if isinstance(router, BlockTensor) else router
+            self.router = Linear(router.float(), WEIGHT_FORMATS["fp32"])
             self.experts = [(Linear([w.pop(f"experts.{e}.w_gate"), w.pop(f"experts.{e}.w_up")], fmt),
                              Linear(w.pop(f"experts.{e}.w_down"), fmt)) for e in range(self.router.out_features)]
             self.w_gate_up, self.w_down = None, None

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from workbench.cache import cache_dir
-from workbench.model.arch import (ARCHITECTURES, FUSED, by_gguf, by_hf_type, fused_rows, is_norm, layer_tensors,
-                                  layer_windows)
+from workbench.model.arch import (ARCHITECTURES, FUSED, by_gguf, by_hf_type, fused_rows, gguf_layer_tensors, is_norm,
+                                  layer_tensors, layer_windows)
 from workbench.model.config import PRESETS, ModelConfig, preset
 from workbench.model.gguf_file import GGUFError, _read_only_tensor, dequantize, read_gguf
 from workbench.model.kv_formats import kv_format
@@ -180,17 +180,18 @@ def _supported_families(kind: str) -> str:
 def _gguf_config(fields: dict, tensors: dict, name: str) -> ModelConfig:
     """The ModelConfig a GGUF file's metadata (and its RoPE factor tensors) describe."""
     arch = fields.get("general.architecture")
-    spec = by_gguf(arch)
+    experts = int(fields.get(f"{arch}.expert_count", 0) or 0)
+    spec = by_gguf(arch, experts > 0)
     if spec is None:
-        moe = f" with {fields[f'{arch}.expert_count']} experts" if f"{arch}.expert_count" in fields else ""
+        moe = f" with {experts} experts" if experts else ""
         raise ModelLoadError(f"{name}: unsupported architecture {arch!r}{moe}; the workbench runs "
                              f"general.architecture {_supported_families('gguf')}")
-    if int(fields.get(f"{arch}.expert_count", 0) or 0) > 0:
-        raise ModelLoadError(f"{name}: a mixture-of-experts {arch!r} GGUF file ({fields[f'{arch}.expert_count']} "
-                             f"experts) is not read yet; the workbench runs Mixtral and Qwen3-MoE from Hugging Face "
-                             f"folders, and dense models from GGUF")
     a = arch + "."
     try:
+        moe = {}
+        if experts:  # llama.cpp renormalizes the chosen experts' weights in both families it reads here
+            moe = {"n_experts": experts, "experts_per_token": int(fields[a + "expert_used_count"]),
+                   "norm_topk": bool(fields.get(a + "expert_weights_norm", True))}
         dim = int(fields[a + "embedding_length"])
         n_heads = int(fields[a + "attention.head_count"])
         n_layers = int(fields[a + "block_count"])
@@ -209,7 +210,7 @@ def _gguf_config(fields: dict, tensors: dict, name: str) -> ModelConfig:
         return ModelConfig(
             name=name, dim=dim, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=int(fields.get(a + "attention.head_count_kv", n_heads)),
-            ffn_dim=int(fields[a + "feed_forward_length"]),
+            ffn_dim=int(fields.get(a + "expert_feed_forward_length") or fields[a + "feed_forward_length"]),
             vocab_size=int(fields.get(a + "vocab_size", len(fields.get("tokenizer.ggml.tokens", [])))),
             norm_eps=float(fields.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(fields.get(a + "rope.freq_base", 10000.0)), rope_scaling=scaling,
@@ -220,7 +221,7 @@ def _gguf_config(fields: dict, tensors: dict, name: str) -> ModelConfig:
             head_dim=head_dim, arch=spec.name, attn_scale=None if scale is None else float(scale),
             rotary_dim=rotary if rotary != head_dim else None, windows=windows,
             rope_local_theta=(float(fields.get(a + "rope.freq_base_swa", spec.local_rope_theta))
-                              if spec.local_rope_theta else None),
+                              if spec.local_rope_theta else None), **moe,
         )
     except KeyError as e:
         raise ModelLoadError(f"{name}: the GGUF metadata lacks {e.args[0]}") from None
@@ -280,6 +281,7 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
     cfg = _fit_rope_to_context(cfg)
+    _one_process_moe(cfg, parallel, name)
     as_file = dtype in (None, AS_FILE)
     try:
         tokenizer = Tokenizer.from_gguf_fields(fields)
@@ -287,7 +289,7 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
         raise ModelLoadError(f"{path}: {e}") from None
     spec = cfg.spec
 
-    shapes = layer_tensors(spec, cfg)
+    shapes = gguf_layer_tensors(spec, cfg)
     if spec.fused_qkv and f"blk.0.{spec.gguf_name('wqkv')}" not in tensors:  # llama.cpp reads either
         shapes = {**{k: v for k, v in shapes.items() if k != "wqkv"}, **_split_shapes("wqkv", cfg)}
     wanted = {"token_embd.weight": (cfg.vocab_size, cfg.dim), "output_norm.weight": (cfg.dim,)}
@@ -303,7 +305,7 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
         if tuple(reversed(t.shape)) != shape:
             raise ModelLoadError(f"{path}: tensor {gguf_name} has shape {tuple(reversed(t.shape))}, expected {shape}")
         kind = t.tensor_type.name
-        if as_file and len(shape) == 2 and kind not in FILE_FORMATS and kind not in _FLOAT_TYPES:
+        if as_file and len(shape) >= 2 and kind not in FILE_FORMATS and kind not in _FLOAT_TYPES:
             raise ModelLoadError(
                 f"{path}: tensor {gguf_name} is {kind}, a type the workbench cannot read as it is yet (it reads "
                 f"{', '.join(sorted(FILE_FORMATS))} and F32 / F16 / BF16); load it converted, e.g. dtype='bf16', or "
@@ -334,9 +336,10 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
         t = tensors[gguf_name]
         kind = t.tensor_type.name
         shape = tuple(reversed(t.shape))
-        if kind in FILE_FORMATS and len(shape) == 2:
-            raw = torch.from_numpy(t.data.reshape(shape[0], -1)) if t.data.flags.writeable else _view(t.data, shape[0])
-            w = BlockTensor(raw, FILE_FORMATS[kind], shape[1], layout="file", release=lambda: file.release(t))
+        rows = math.prod(shape[:-1])  # a stacked experts' tensor as the rows of every expert in turn
+        if kind in FILE_FORMATS and len(shape) >= 2:
+            raw = torch.from_numpy(t.data.reshape(rows, -1)) if t.data.flags.writeable else _view(t.data, rows)
+            w = BlockTensor(raw, FILE_FORMATS[kind], shape[-1], layout="file", release=lambda: file.release(t))
             if permute_heads:
                 w = w.take_rows(_rope_row_order(shape[0], permute_heads))
                 file.release(t)
@@ -350,6 +353,8 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
         except (ValueError, IndexError) as e:
             raise ModelLoadError(f"{path}: tensor {gguf_name} is damaged or truncated ({e})") from None
         file.release(t)
+        if data.dim() == 3:
+            data = data.reshape(rows, shape[-1])
         if permute_heads:
             data = _unpermute_rope_rows(data, permute_heads)
         return data
@@ -367,6 +372,13 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
     return LlamaModel(cfg, weights, AS_FILE if as_file else dtype, parallel), tokenizer
 
 
+def _one_process_moe(cfg: ModelConfig, parallel, name: str) -> None:
+    if cfg.spec.moe and parallel is not None:
+        raise ModelLoadError(f"{name}: a mixture-of-experts model ({cfg.spec.name}) runs in one process so far: "
+                             f"neither tensor nor expert parallel splits its experts yet (%distributed stop, then "
+                             f"%load_model)")
+
+
 def _split_shapes(fused: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """The separate tensors a fused one stands for, with their shapes."""
     cols = cfg.dim
@@ -375,13 +387,20 @@ def _split_shapes(fused: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def _add_layer_tensor(weights: dict, i: int, ours: str, load, cfg: ModelConfig) -> None:
     """Put layer i's tensor `ours` (a callable that reads it) in the loader's dict, a fused one
-    as its pieces (row slices of one read: the pieces share it, read once when the first is)."""
-    if ours not in FUSED:
+    as its pieces (row slices of one read: the pieces share it, read once when the first is),
+    a GGUF file's stacked experts ("experts.w_gate") as each expert's matrix the same way."""
+    if ours in FUSED:
+        pieces, sizes = FUSED[ours], fused_rows(ours, cfg)
+    elif ours.startswith("experts.") and ours.count(".") == 1:
+        kind = ours.split(".")[1]
+        pieces = [f"experts.{e}.{kind}" for e in range(cfg.n_experts)]
+        sizes = [cfg.dim if kind == "w_down" else cfg.ffn_dim] * cfg.n_experts
+    else:
         weights[f"layers.{i}.{ours}"] = load
         return
     whole = functools.cache(load)
-    bounds = list(itertools.accumulate(fused_rows(ours, cfg), initial=0))
-    for piece, lo, hi in zip(FUSED[ours], bounds, bounds[1:]):
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    for piece, lo, hi in zip(pieces, bounds, bounds[1:]):
         weights[f"layers.{i}.{piece}"] = functools.partial(_rows_of, whole, lo, hi)
 
 
@@ -556,10 +575,7 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         raise ModelLoadError(f"{folder}: {e}") from None
     cfg = _trained_layers(cfg, layers, folder)
     spec = cfg.spec
-    if spec.moe and parallel is not None:
-        raise ModelLoadError(f"{folder.name}: a mixture-of-experts model ({spec.name}) runs in one process so far: "
-                             f"neither tensor nor expert parallel splits its experts yet (%distributed stop, then "
-                             f"%load_model)")
+    _one_process_moe(cfg, parallel, folder.name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")

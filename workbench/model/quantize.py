@@ -57,7 +57,7 @@ def tensor_format(mix: QuantMix, name: str, cols: int, layers: int, tied: bool):
     kind = mix.default
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         kind = mix.output or mix.default
-    elif mix.more_bits and name.startswith("blk.") and name.split(".")[2] in ("attn_v", "ffn_down"):
+    elif mix.more_bits and name.startswith("blk.") and name.split(".")[2] in ("attn_v", "ffn_down", "ffn_down_exps"):
         if use_more_bits(int(name.split(".")[1]), layers):
             kind = mix.more_bits
     return weight_format(kind).for_cols(cols)
@@ -92,25 +92,28 @@ def write_quantized(source: str | Path, out: str | Path, mix_name: str = "Q4_K_M
     writer.add_file_type(mix.file_type)
 
     def converted(t):
-        """(the tensor's data as the file will hold it, its GGML type or None for float)."""
+        """(the tensor's data as the file will hold it, its GGML type or None for float); a
+        mixture's stacked experts [experts, rows, cols] as the rows of each expert in turn."""
         values = dequantize(t)
-        if values.ndim != 2:
+        if values.ndim < 2 or t.name.endswith("ffn_gate_inp.weight"):  # llama.cpp keeps the router F32
             return values.astype(np.float32), None
-        fmt = tensor_format(mix, t.name, values.shape[1], layers, tied)
-        blocks = kernels.quantize_blocks(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)),
-                                         fmt.kernel, search=fmt.search)
-        return blocks.numpy(), gguf.GGMLQuantizationType[fmt.gguf_type]
+        cols = values.shape[-1]
+        fmt = tensor_format(mix, t.name, cols, layers, tied)
+        flat = np.ascontiguousarray(values.reshape(-1, cols), dtype=np.float32)
+        blocks = kernels.quantize_blocks(torch.from_numpy(flat), fmt.kernel, search=fmt.search)
+        return blocks.numpy().reshape(*values.shape[:-1], -1), gguf.GGMLQuantizationType[fmt.gguf_type]
 
     # the tensor infos first (their bytes from the formats), then each tensor made and written
     # in turn: the model is never in memory at once
     plans = []
     for t in src.tensors.values():
         shape = tuple(reversed(t.shape))
-        if len(shape) == 2:
-            fmt = tensor_format(mix, t.name, shape[1], layers, tied)
+        if len(shape) >= 2 and not t.name.endswith("ffn_gate_inp.weight"):
+            fmt = tensor_format(mix, t.name, shape[-1], layers, tied)
             qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
-            nbytes = shape[0] * fmt.row_bytes(shape[1])
-            writer.add_tensor_info(t.name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            row = fmt.row_bytes(shape[-1])
+            nbytes = int(np.prod(shape[:-1])) * row
+            writer.add_tensor_info(t.name, (*shape[:-1], row), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
         else:
             writer.add_tensor_info(t.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
         plans.append(t)
