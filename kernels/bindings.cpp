@@ -192,6 +192,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("matvec_max_rows"), py::arg("out") = py::none(),
         py::arg("scale") = py::none(), py::arg("kernel") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("grouped_matvec", &grouped_matvec, py::arg("x"), py::arg("weights"), py::arg("scales"), py::arg("kernels"),
+        py::arg("rows"), py::call_guard<py::gil_scoped_release>());
   m.def("block_row_bytes", &block_row_bytes, py::arg("kernel"), py::arg("K"));
   m.def("quantize_blocks", &quantize_blocks, py::arg("x"), py::arg("kernel"), py::arg("search") = false,
         py::call_guard<py::gil_scoped_release>());

@@ -1150,4 +1150,60 @@ void int8_matvec(const float* x, const int8_t* w, const float* group_scale, floa
   int8_matvec_with<Acts8>(x, w, group_scale, y, M, N, K, dot_int8_i8);
 }
 
+bool matvec_job_format(WeightDtype dtype, int64_t K) {
+  const bool int8 = dtype == WeightDtype::kInt8 || dtype == WeightDtype::kInt8Group;
+  return (is_block(dtype) || int8) && K % kBlockChunk == 0;
+}
+
+namespace {
+
+template <typename A>
+void matvec_jobs_with(const float* x, int64_t M, int64_t K, const MatvecJob* jobs, int64_t n_jobs) {
+  const QuantizedRows<A> acts(x, M, K);
+  const int64_t groups = K / kBlockChunk;
+  struct Task {
+    int64_t job, lo, hi;  // rows [lo, hi) of the job's W
+  };
+  std::vector<Task> tasks;
+  std::vector<RowDot<A>> dots(n_jobs);
+  for (int64_t j = 0; j < n_jobs; ++j) {
+    TORCH_CHECK(matvec_job_format(jobs[j].dtype, K), "matvec_jobs: job ", j, " has a format it does not take");
+    if (is_block(jobs[j].dtype)) dots[j] = row_dot<A>(jobs[j].dtype);
+    for (int64_t lo = 0; lo < jobs[j].N; lo += kRowsPerTask)
+      tasks.push_back({j, lo, std::min(jobs[j].N, lo + kRowsPerTask)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const MatvecJob& job = jobs[tasks[t].job];
+      for (int64_t n = tasks[t].lo; n < tasks[t].hi; ++n) {
+        for (int64_t i = 0; i < job.n_rows; ++i) {
+          const A a = acts.at(job.rows[i]);
+          float v;
+          if (is_block(job.dtype)) {
+            const auto* w = static_cast<const uint8_t*>(job.w) + n * block_row_bytes(job.dtype, K);
+            v = dots[tasks[t].job](w, a, K);
+          } else {
+            const auto* w = static_cast<const int8_t*>(job.w) + n * K;
+            const bool grouped = job.dtype == WeightDtype::kInt8Group;
+            if constexpr (std::is_same_v<A, Acts8>)
+              v = dot_int8_i8(w, grouped ? job.scale + n * groups : nullptr, a, K);
+            else
+              v = dot_int8(w, grouped ? job.scale + n * groups : nullptr, a, K);
+            if (!grouped) v *= job.scale[n];
+          }
+          job.y[i * job.ldy + n] = v;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void matvec_jobs(const float* x, int64_t M, int64_t K, const MatvecJob* jobs, int64_t n_jobs) {
+  if (n_jobs == 0) return;
+  if (block_activation_bits() == 16) return matvec_jobs_with<Acts>(x, M, K, jobs, n_jobs);
+  matvec_jobs_with<Acts8>(x, M, K, jobs, n_jobs);
+}
+
 }  // namespace wbk

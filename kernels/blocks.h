@@ -74,6 +74,15 @@ void block_matvec(const float* x, const uint8_t* w, WeightDtype dtype, float* y,
 void int8_matvec(const float* x, const int8_t* w, const float* group_scale, float* y, int64_t M, int64_t N,
                  int64_t K);
 
+// Whether matvec_jobs takes a matrix of this format and width.
+bool matvec_job_format(WeightDtype dtype, int64_t K);
+
+// Every job's product in one parallel region over all of their rows of W, x [M, K] rounded
+// once: a mixture's experts, each on the tokens routed to it, at the cost of one matrix of
+// their summed rows (one region a kind of matrix where one a matrix paid each one's start
+// and its threads' uneven ends).
+void matvec_jobs(const float* x, int64_t M, int64_t K, const MatvecJob* jobs, int64_t n_jobs);
+
 // The instructions block_matvec's dot products use in this build: with int16 activations,
 // and with int8 (block_byte_dot_isa).
 const char* block_dot_isa();

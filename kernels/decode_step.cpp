@@ -270,36 +270,69 @@ void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, 
     if (L.norm_topk)
       for (int64_t k = 0; k < K; ++k) w[k] /= chosen;
   }
-  std::fill(out, out + B * dim, 0.0f);
+  // The rows routed to each expert, expert by expert: expert e's are moe_rows[off[e], off[e + 1]).
+  auto& off = buf.moe_offsets;
+  off.assign(E + 1, 0);
+  for (int64_t i = 0; i < B * K; ++i) ++off[buf.choice[i] + 1];
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  const int64_t total = off[E];
+  buf.moe_rows.resize(total);
+  buf.moe_row_weight.resize(total);
+  buf.moe_index.assign(off.begin(), off.end() - 1);  // a cursor per expert while filling
+  for (int64_t i = 0; i < B * K; ++i) {
+    const int64_t at = buf.moe_index[buf.choice[i]]++;
+    buf.moe_rows[at] = i / K;
+    buf.moe_row_weight[at] = buf.choice_weight[i];
+  }
+  buf.moe_index.resize(total);  // then the rows 0 .. total - 1 of the down products' input
+  for (int64_t r = 0; r < total; ++r) buf.moe_index[r] = r;
+  bool grouped = true;  // every routed expert's matrices in a format matvec_jobs takes, few rows each
   for (int64_t e = 0; e < E; ++e) {
-    buf.moe_rows.clear();
-    buf.moe_row_weight.clear();
-    for (int64_t i = 0; i < B * K; ++i)
-      if (buf.choice[i] == e) {
-        buf.moe_rows.push_back(i / K);
-        buf.moe_row_weight.push_back(buf.choice_weight[i]);
-      }
-    const int64_t n = static_cast<int64_t>(buf.moe_rows.size());
+    const int64_t n = off[e + 1] - off[e];
     if (L.expert_hits) L.expert_hits[e] = n > 0;
     if (n == 0) continue;
-    buf.moe_in.resize(n * dim);
-    for (int64_t r = 0; r < n; ++r)
-      std::copy(h + buf.moe_rows[r] * dim, h + (buf.moe_rows[r] + 1) * dim, buf.moe_in.data() + r * dim);
-    buf.moe_gate_up.resize(n * 2 * F);
-    buf.moe_act.resize(n * F);
-    buf.moe_out.resize(n * dim);
-    linear(buf.moe_in.data(), L.experts[e].gate_up, buf.moe_gate_up.data(), 2 * F, n, buf.rows);
-    for (int64_t r = 0; r < n; ++r) {
-      const float* gu = buf.moe_gate_up.data() + r * 2 * F;
-      act_mul_row(s.act, gu, gu + F, buf.moe_act.data() + r * F, F);
+    for (const LinearRef* lin : {&L.experts[e].gate_up, &L.experts[e].down})
+      for (const WeightRef& part : lin->parts)
+        grouped = grouped && matvec_job_format(part.dtype, part.K) && n <= matvec_max_rows(part.dtype);
+  }
+  buf.moe_gate_up.resize(total * 2 * F);
+  buf.moe_act.resize(total * F);
+  buf.moe_out.resize(total * dim);
+  // Expert e's outputs for its rows go to rows off[e] .. of moe_gate_up and moe_out: the jobs of
+  // one kind of matrix (each expert's parts) in one parallel region, or expert by expert.
+  auto run = [&](const float* x, int64_t M, int64_t Kx, bool gate_up, const int64_t* rows_of, float* y, int64_t ldy) {
+    buf.moe_jobs.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = off[e + 1] - off[e];
+      if (n == 0) continue;
+      const LinearRef& lin = gate_up ? L.experts[e].gate_up : L.experts[e].down;
+      if (!grouped) {  // the expert's rows gathered, then its matrices as any linear layer
+        buf.moe_in.resize(n * Kx);
+        for (int64_t r = 0; r < n; ++r)
+          std::copy(x + rows_of[off[e] + r] * Kx, x + (rows_of[off[e] + r] + 1) * Kx, buf.moe_in.data() + r * Kx);
+        linear(buf.moe_in.data(), lin, y + off[e] * ldy, ldy, n, buf.rows);
+        continue;
+      }
+      int64_t col = 0;
+      for (const WeightRef& part : lin.parts) {
+        buf.moe_jobs.push_back({part.w, part.dtype, part.scale, part.N, rows_of + off[e], n, y + off[e] * ldy + col, ldy});
+        col += part.N;
+      }
     }
-    linear(buf.moe_act.data(), L.experts[e].down, buf.moe_out.data(), dim, n, buf.rows);
-    for (int64_t r = 0; r < n; ++r) {
-      float* o = out + buf.moe_rows[r] * dim;
-      const float* y = buf.moe_out.data() + r * dim;
-      const float w = buf.moe_row_weight[r];
-      for (int64_t i = 0; i < dim; ++i) o[i] += w * y[i];
-    }
+    if (grouped) matvec_jobs(x, M, Kx, buf.moe_jobs.data(), static_cast<int64_t>(buf.moe_jobs.size()));
+  };
+  run(h, B, dim, true, buf.moe_rows.data(), buf.moe_gate_up.data(), 2 * F);
+  for (int64_t r = 0; r < total; ++r) {
+    const float* gu = buf.moe_gate_up.data() + r * 2 * F;
+    act_mul_row(s.act, gu, gu + F, buf.moe_act.data() + r * F, F);
+  }
+  run(buf.moe_act.data(), total, F, false, buf.moe_index.data(), buf.moe_out.data(), dim);
+  std::fill(out, out + B * dim, 0.0f);
+  for (int64_t r = 0; r < total; ++r) {  // each token's experts' outputs, weighted
+    float* o = out + buf.moe_rows[r] * dim;
+    const float* y = buf.moe_out.data() + r * dim;
+    const float w = buf.moe_row_weight[r];
+    for (int64_t i = 0; i < dim; ++i) o[i] += w * y[i];
   }
 }
 

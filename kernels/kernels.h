@@ -256,6 +256,20 @@ struct WeightRef {  // one linear layer's weights, as linear_matvec / linear_gem
   const float* scale;  // int8 scales (per row or per 32 weights), else null
   int64_t N, K;
 };
+// One matrix of a grouped matrix-vector product (matvec_jobs): y[i * ldy + n] = W[n] . x[rows[i]]
+// for the n_rows rows of the shared activations x it takes, W [N, K] in a block format or int8
+// (scale: per row for kInt8, per 32 weights for kInt8Group, else null).
+struct MatvecJob {
+  const void* w;
+  WeightDtype dtype;
+  const float* scale;
+  int64_t N;
+  const int64_t* rows;
+  int64_t n_rows;
+  float* y;
+  int64_t ldy;
+};
+
 struct LinearRef {  // a linear layer: row-wise parts (formats may differ), outputs concatenated
   std::vector<WeightRef> parts;
   int64_t N = 0, K = 0;
@@ -352,8 +366,9 @@ struct StepBuffers {  // scratch reused from step to step
   // a mixture's router probabilities [B, E], each token's choices and weights [B, top_k],
   // one expert's rows gathered, its [gate | up], activation and output
   std::vector<float> probs, choice_weight, moe_in, moe_gate_up, moe_act, moe_out;
-  std::vector<int64_t> choice, moe_rows;
+  std::vector<int64_t> choice, moe_rows, moe_offsets, moe_index;
   std::vector<float> moe_row_weight;
+  std::vector<MatvecJob> moe_jobs;
 };
 // Wakes the thread pool (an empty parallel region) and returns the seconds it took.
 double wake_threads();

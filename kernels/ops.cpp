@@ -504,6 +504,37 @@ Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const s
   return y;
 }
 
+std::vector<Tensor> grouped_matvec(const Tensor& x, const std::vector<Tensor>& weights,
+                                   const std::vector<std::optional<Tensor>>& scales,
+                                   const std::vector<std::string>& kernels, const std::vector<Tensor>& rows) {
+  const char* fn = "grouped_matvec";
+  check_tensor(x, fn, "x", 2, "[M, K]");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  const size_t n = weights.size();
+  TORCH_CHECK_VALUE(scales.size() == n && kernels.size() == n && rows.size() == n, fn, ": weights, scales, kernels "
+                    "and rows must be lists of one length, got ", n, ", ", scales.size(), ", ", kernels.size(), ", ",
+                    rows.size());
+  std::vector<wbk::MatvecJob> jobs;
+  std::vector<Tensor> out;
+  for (size_t j = 0; j < n; ++j) {
+    const std::string at = "weights[" + std::to_string(j) + "]";
+    const wbk::WeightRef w = checked_weight(weights[j], scales[j], fn, at, K, kernels[j]);
+    TORCH_CHECK_VALUE(wbk::matvec_job_format(w.dtype, K), fn, ": ", at, " must be block rows or int8 with K a "
+                      "multiple of 32, got K = ", K);
+    check_tensor(rows[j], fn, "rows", 1, "[n]");
+    TORCH_CHECK_TYPE(rows[j].scalar_type() == at::kLong, fn, ": rows[", j, "] must be int64, got ",
+                     rows[j].scalar_type());
+    const int64_t* r = rows[j].data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows[j].numel(); ++i)
+      TORCH_CHECK_VALUE(r[i] >= 0 && r[i] < M, fn, ": rows[", j, "] holds ", r[i], ", not a row of x (0 .. ", M - 1, ")");
+    out.push_back(at::empty({rows[j].numel(), w.N}, x.options()));
+    jobs.push_back({w.w, w.dtype, w.scale, w.N, r, rows[j].numel(), out.back().data_ptr<float>(), w.N});
+  }
+  wbk::matvec_jobs(x.data_ptr<float>(), M, K, jobs.data(), static_cast<int64_t>(jobs.size()));
+  return out;
+}
+
 int64_t block_row_bytes(const std::string& kernel, int64_t K) {
   const char* fn = "block_row_bytes";
   const wbk::WeightDtype kind = weight_kernel(kernel, fn);

@@ -47,6 +47,13 @@ void kv_cache_append(Tensor& cache, const Tensor& values, const Tensor& position
 Tensor linear(const Tensor& x, const Tensor& w, int64_t matvec_max_rows, const std::optional<Tensor>& out,
               const std::optional<Tensor>& scale, const std::string& kernel);
 
+// Several matrices, each times its own rows of x [M, K], in one parallel region (matvec_jobs:
+// a mixture's experts on the tokens routed to each): y_j [rows_j, N_j] = x[rows_j] . w_j^T,
+// the weights block rows (kernel named) or int8 with scale.
+std::vector<Tensor> grouped_matvec(const Tensor& x, const std::vector<Tensor>& weights,
+                                   const std::vector<std::optional<Tensor>>& scales,
+                                   const std::vector<std::string>& kernels, const std::vector<Tensor>& rows);
+
 // Block-quantized rows (blocks.h), by the kernel's name: a row's bytes; our quantizer (x fp32
 // [rows, K] -> uint8 [rows, row bytes] in GGUF's block order, search: q4_0 with least-squares
 // scales); GGUF's order <-> the kernels' (to_kernel); the rows (all, or `rows`) as fp32.

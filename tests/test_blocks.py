@@ -176,6 +176,56 @@ def test_linear_on_blocks_matches_float64(kernels, kind, M, N, blocks, gemm, bit
     assert ((y - ref).abs() <= allowed + 1e-30).all(), ((y - ref).abs() / (allowed + 1e-30)).max()
 
 
+@given(kinds=st.lists(st.sampled_from([*KINDS, "int8-row", "int8-g32"]), min_size=1, max_size=5),
+       M=st.integers(1, 9), Ns=st.lists(st.integers(1, 40), min_size=5, max_size=5), bits=st.sampled_from([8, 16]),
+       seed=st.integers(0, 1000), data=st.data())
+def test_grouped_matvec_is_each_matrix_on_its_rows(kernels, kinds, M, Ns, bits, seed, data):
+    """A mixture's experts in one parallel region (kernels.grouped_matvec, what the decode step
+    runs): every job, of any block format or int8 and any rows of x (repeated, unordered or
+    none), gives exactly what the matrix-vector kernel gives on those rows, and so stays within
+    the float64 bound of test_linear_on_blocks_matches_float64."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 256 * (1 + seed % 2)  # whole super-blocks: every format in one call
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-2, 1, K)[torch.randperm(K, generator=gen)]
+    weights, scales, names, rows, exact = [], [], [], [], []
+    for kind, N in zip(kinds, Ns):
+        w = torch.randn(N, K, generator=gen)
+        if kind.startswith("int8"):
+            groups = K // 32 if kind == "int8-g32" else 1
+            scale = w.reshape(N, groups, -1).abs().amax(-1) / 127
+            q = (w.reshape(N, groups, -1) / scale[..., None]).round().to(torch.int8).reshape(N, K)
+            weights.append(q), names.append(""), scales.append(scale if groups > 1 else scale[:, 0].contiguous())
+            exact.append((q.reshape(N, groups, -1).double() * scale[..., None].double()).reshape(N, K))
+        else:
+            weights.append(kernels.repack_blocks(kernels.quantize_blocks(w, kind), kind, K))
+            names.append(kind), scales.append(None), exact.append(kernels.dequantize_blocks(weights[-1], kind, K).double())
+        rows.append(data.draw(st.lists(st.integers(0, M - 1), max_size=8)))
+    with activation_bits(kernels, bits):
+        ys = kernels.grouped_matvec(x, weights, rows, kernels=names, scales=scales)
+        for y, w, kind, scale, r, ex in zip(ys, weights, names, scales, rows, exact):
+            assert y.shape == (len(r), w.shape[0])
+            if not r:
+                continue
+            xs = x[torch.tensor(r)]
+            alone = kernels.linear(xs, w, kernel=kind, scale=scale, matvec_max_rows=64)
+            assert torch.equal(y, alone), (kind, (y - alone).abs().max())
+            if bits == 16:
+                ref = xs.double() @ ex.T
+                allowed = 1e-5 * (xs.abs().double() @ ex.abs().T) + 1.25 * _matvec_bound(xs, ex)
+                assert ((y.double() - ref).abs() <= allowed + 1e-30).all()
+
+
+def test_grouped_matvec_errors_name_the_argument(kernels):
+    x = torch.randn(2, 256)
+    w = kernels.repack_blocks(kernels.quantize_blocks(torch.randn(4, 256), "q4_k"), "q4_k", 256)
+    with pytest.raises(ValueError, match=r"rows\[0\] holds 2, not a row of x"):
+        kernels.grouped_matvec(x, [w], [[0, 2]], kernels=["q4_k"])
+    with pytest.raises(ValueError, match=r"weights\[1\] must be block rows or int8"):
+        kernels.grouped_matvec(x, [w, torch.randn(3, 256)], [[0], [1]], kernels=["q4_k", ""])
+    with pytest.raises(ValueError, match="lists of one length"):
+        kernels.grouped_matvec(x, [w], [[0], [1]], kernels=["q4_k"])
+
+
 def test_activation_bits_are_16_by_default_and_checked(kernels):
     assert kernels.block_activation_bits() == 16
     with activation_bits(kernels, 8):

@@ -6,9 +6,10 @@ prints {"ready": ...} as a JSON line, then answers each request line
 with {"prefill_ms", "decode_ms": [per token], "tokens": [greedy ids]} (or {"error": ...}).
 Every engine does the same thing: the prompt in one forward pass (prefill, timed), then N - 1
 greedy decode steps of one token each (each timed, argmax included), no stop at EOS. With a
-batch B (workbench and llama.cpp), B copies of the prompt are decoded together as B sequences:
-each decode step makes B tokens (llama.cpp: B parallel sequences of one context, its batched
-decode); "tokens" are the first sequence's.
+batch B (workbench and llama.cpp), B prompts are decoded together as B sequences: the prompt
+and B - 1 shifted copies (batch_prompts: different tokens, so a mixture of experts routes them
+as it would different texts); each decode step makes B tokens (llama.cpp: B parallel sequences
+of one context, its batched decode); "tokens" are the first sequence's.
 
     python -m workbench.analysis.peer_worker '{"engine": "llama.cpp", "path": "...", "threads": 2}'
 """
@@ -16,9 +17,16 @@ decode); "tokens" are the first sequence's.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
+
+
+def batch_prompts(prompt: list[int], batch: int, vocab: int) -> list[list[int]]:
+    """The B prompts of a batched run: the prompt itself, then copies with every token moved by
+    1009 s (sequence s, modulo the vocabulary)."""
+    return [[(t + 1009 * s) % vocab for t in prompt] for s in range(batch)]
 
 
 def _workbench(spec: dict):
@@ -41,17 +49,28 @@ def _workbench(spec: dict):
     from workbench.model.kv_formats import kv_format
 
     llama = model.llama
-    weights = sum(layer.weight_bytes for layer in llama.layers) + llama.head_bytes(1)  # read by every step
+    head = llama.head_bytes(1)
+    moe = llama.layers[0].router is not None
     kv_per_token = 2 * llama.n_kv_heads * kv_format(model.kv_cache).bytes_per_vector(llama.cfg.head_dim, llama.n_kv_heads)
     windows = llama.cfg.windows or (0,) * llama.cfg.n_layers
 
     def kv_tokens(length: float) -> float:  # keys every layer reads: a windowed layer at most its window
         return sum(min(w, length) if w else length for w in windows)
 
+    def step_weights() -> int:  # what the last step read: a mixture only its routed experts
+        return sum(layer.read_bytes() for layer in llama.layers) + head
+
     def run(prompt: list[int], n: int, batch: int = 1) -> dict:
-        stamps = []  # wall time at each token: the gaps are decode steps, sampling included
-        out = model.generate([prompt] * batch, max_new_tokens=n, stop_at_eos=False, record=False,
-                             on_token=lambda step, ids: stamps.append(time.perf_counter()))
+        stamps, read = [], []  # wall time at each token: the gaps are decode steps, sampling included
+
+        def on_token(step, ids):
+            stamps.append(time.perf_counter())
+            if moe:  # the experts this step's tokens were routed to
+                read.append(step_weights())
+
+        out = model.generate(batch_prompts(prompt, batch, llama.cfg.vocab_size), max_new_tokens=n,
+                             stop_at_eos=False, record=False, on_token=on_token)
+        weights = statistics.mean(read[1:]) if moe and len(read) > 1 else step_weights()
         return {"prefill_ms": 1e3 * out.timings.time_to_first_token_s,
                 "decode_ms": [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], "tokens": out.token_ids[0],
                 # what a decode step reads, as the step records count it, at the run's middle step
@@ -158,7 +177,8 @@ def _llama_cpp(spec: dict):
 
         P = len(prompt)
         t0 = time.perf_counter()  # every sequence's prompt in one batch, each last position's logits
-        decode([(tok, pos, s, pos == P - 1) for s in range(batch) for pos, tok in enumerate(prompt)])
+        decode([(tok, pos, s, pos == P - 1) for s, seq in enumerate(batch_prompts(prompt, batch, n_vocab))
+                for pos, tok in enumerate(seq)])
         last = [argmax(s * P + P - 1) for s in range(batch)]
         prefill = time.perf_counter() - t0
         tokens, steps = [last[0]], []

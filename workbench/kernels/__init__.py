@@ -217,6 +217,20 @@ class KernelSet:
         y = self.ext.linear(x.reshape(-1, x.shape[-1]), w, rows, out, scale, kernel)
         return y.reshape(*lead, w.shape[0] if w.dim() == 2 else -1)
 
+    def grouped_matvec(self, x, weights: list, rows: list, *, kernels: list[str] | None = None,
+                       scales: list | None = None) -> list[torch.Tensor]:
+        """[x[rows[j]] @ weights[j].T for each j] in one parallel region over all of the
+        matrices' rows, x fp32 [M, K] rounded once (the decode step runs a mixture's experts
+        this way, each on the tokens routed to it). Each weight is block rows with its kernel
+        named, or int8 with its scale (per row [N] or per 32 weights [N, K / 32]); K a
+        multiple of 32. rows[j]: int64 indices into x."""
+        _check_tensor_args(x=x)
+        n = len(weights)
+        kernels = list(kernels) if kernels is not None else [""] * n
+        scales = list(scales) if scales is not None else [None] * n
+        return self.ext.grouped_matvec(x, list(weights), scales, kernels, [torch.as_tensor(r, dtype=torch.int64)
+                                                                            for r in rows])
+
     # -- block-quantized weights (kernels/blocks.h) -----------------------------------------
 
     def block_row_bytes(self, kernel: str, K: int) -> int:
