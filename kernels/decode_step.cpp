@@ -289,7 +289,7 @@ void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, 
   bool grouped = true;  // every routed expert's matrices in a format matvec_jobs takes, few rows each
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = off[e + 1] - off[e];
-    if (L.expert_hits) L.expert_hits[e] = n > 0;
+    if (L.expert_hits) L.expert_hits[e] = static_cast<int32_t>(n);
     if (n == 0) continue;
     for (const LinearRef* lin : {&L.experts[e].gate_up, &L.experts[e].down})
       for (const WeightRef& part : lin->parts)

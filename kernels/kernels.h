@@ -284,7 +284,7 @@ struct LayerRef {  // one layer's weights and KV cache
   // A mixture of experts in place of the MLP (gate_up and down then unused): the router's
   // fp32 weights [E, dim], each token's top_k experts by softmax probability (their weights
   // renormalized to sum to 1 where norm_topk), each expert run once on the rows routed to it;
-  // expert_hits [E] (may be null) gets 1 for each expert the step ran.
+  // expert_hits [E] (may be null) gets the number of tokens the step routed to each expert.
   LinearRef router;
   std::vector<ExpertRef> experts;
   int64_t top_k = 0;

@@ -354,3 +354,84 @@ def test_a_moe_family_the_workbench_does_not_run_is_named(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2moe' with 60 experts"):
         wb.load_model(str(path))
+
+
+# -- routing statistics and the cost model's bytes as the batch grows (workbench.analysis.experts)
+
+def test_expert_routing_counts_where_each_layer_sends_real_text(moe):
+    from workbench.analysis.experts import ExpertRouting
+
+    name, _, ours, _, _ = moe
+    routing = wb.expert_routing(ours, text=TEXT, tokens=120)
+    assert routing.load.shape == (3, 6) and routing.tokens == 120 and routing.top_k == 2
+    assert routing.load.sum(-1).tolist() == [240] * 3  # every token's two experts, in every layer
+    assert all(0 < h <= 2.585 for h in routing.entropy())  # log2(6) when even
+    assert all(1 / 6 <= b <= 0.5 for b in routing.busiest())  # no expert takes more than all tokens' one slot
+    assert routing.expected_experts(1) == pytest.approx([2.0] * 3)  # q_e sum to top_k
+    many = routing.expected_experts(64)
+    assert all(4 < n <= 6 for n in many) and routing.expected_experts(4) < many
+    assert all(0.5 <= s <= 1 for s in routing.busiest_rank(2))
+    assert "entropy_bits" in repr(routing)
+    uniform = ExpertRouting.uniform(ours.config)
+    assert uniform.expected_experts(1) == pytest.approx([2.0] * 3)
+    assert uniform.entropy() == pytest.approx([2.585] * 3, abs=1e-3)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+        routing.expected_experts(0)
+    with pytest.raises(ValueError, match="ranks must be an integer in 1..6"):
+        routing.busiest_rank(7)
+
+
+def test_the_layers_count_their_load_in_every_step(moe):
+    """Layer.expert_load counts every token of every prefill and decode step, fused or not:
+    the same counts either way for the same tokens."""
+    from workbench.analysis.experts import ExpertRouting
+
+    _, _, ours, ids, _ = moe
+    counts = {}
+    for step in ("fused", "reference"):
+        before = ExpertRouting.of_model(ours).load
+        ours.generate(ids[:30], max_new_tokens=9, stop_at_eos=False, step=step)
+        counts[step] = ExpertRouting.of_model(ours).load - before
+    assert counts["fused"].sum(-1).tolist() == [(30 + 8) * 2] * 3  # the prompt, then 8 decode steps' tokens
+    assert torch.equal(counts["fused"], counts["reference"])
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_the_cost_models_bytes_follow_the_routing_as_the_batch_grows(moe, batch):
+    """The cost model's decode step, with the distinct experts expected under the routing
+    measured on real text, against the step records of B real-text prompts decoded together:
+    the experts a layer's step read (from the records' bytes: a tiny model's experts are a
+    small part of its step, so they are held to the 10% on their own) and the step's bytes.
+    B = 1 reads exactly top_k experts."""
+    from workbench.analysis.text import sample_prompts
+
+    name, _, ours, _, _ = moe
+    layers = ours.llama.layers
+    expert = layers[0].experts[0][0].nbytes + layers[0].experts[0][1].nbytes
+    routing = wb.expert_routing(ours, tokens=400)
+    out = ours.generate(sample_prompts(ours.tokenizer, 20, batch), max_new_tokens=12, stop_at_eos=False)
+    steps = out.timings.decode_steps[1:]
+    read = [(w - layer._shared_bytes) / expert for s in steps for w, layer in zip(s.weight_bytes, layers)]
+    measured = sum(sum(s.weight_bytes) + sum(s.kv_bytes) + s.head_bytes for s in steps) / len(steps)
+    p = wb.predict(ours, batch=batch, prompt_len=20, new_tokens=12, kv_cache=ours.kv_cache, routing=routing)
+    assert abs(p.experts["decode"] / (sum(read) / len(read)) - 1) < 0.10, (name, batch, p.experts, sum(read) / len(read))
+    assert abs(p.step_bytes("decode") / measured - 1) < 0.02
+    expected = routing.expected_experts(batch)
+    assert p.experts["decode"] == pytest.approx(sum(expected) / len(expected))  # the layers' mean
+    assert "experts read a layer's step" in repr(p) and "tokens of the license texts" in p.routing
+    if batch == 1:
+        assert p.experts["decode"] == pytest.approx(2.0) and set(read) == {2.0}
+
+
+def test_predicting_a_mixture_from_its_preset(moe):
+    p = wb.predict("qwen3-30b-a3b", batch=1)
+    assert p.experts["decode"] == pytest.approx(8.0) and p.routing == "uniform (assumed)"
+    assert p.experts["prefill"] == pytest.approx(128 * (1 - (1 - 8 / 128) ** 64))
+    many = wb.predict("qwen3-30b-a3b", batch=64)
+    assert many.experts["decode"] > 100 and many.step_bytes("decode") > 5 * p.step_bytes("decode")
+    with pytest.raises(ValueError, match="runs in one process so far"):
+        wb.predict("qwen3-30b-a3b", ranks=2, comm=(10.0, 5.0))
+    with pytest.raises(ValueError, match="routing: smollm2-135m is not a mixture of experts"):
+        wb.predict("smollm2-135m", routing=wb.expert_routing(moe[2], text=TEXT, tokens=10))
+    with pytest.raises(ValueError, match="not a mixture of experts"):
+        wb.expert_routing(wb.load_model("smollm2-135m"))

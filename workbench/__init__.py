@@ -34,7 +34,7 @@ _LAZY = {"ModelLoadError": "workbench.model.loaders", "GenerationResult": "workb
          "Scheduler": "workbench.serving.scheduler", "serve_bench": "workbench.analysis.serve_bench"}
 
 __all__ = ["GenerationResult", "Model", "ModelLoadError", "Scheduler", "cluster", "kv_quality", "load_model",
-           "measure_allreduce", "panel", "predict", "report", "serve_bench", "status_report"]
+           "expert_routing", "measure_allreduce", "panel", "predict", "report", "serve_bench", "status_report"]
 
 
 def __getattr__(name: str):
@@ -69,6 +69,15 @@ def predict(model="smollm2-135m", **kwargs):
     from workbench.analysis.costmodel import predict as run
 
     return run(model, **kwargs)
+
+
+def expert_routing(model, text: str | None = None, tokens: int = 2048):
+    """Where a loaded mixture of experts routes `tokens` tokens of real text, layer by layer:
+    tokens per expert, entropy, the busiest expert's share, and the distinct experts a batch
+    touches (see workbench.analysis.experts). wb.predict(model, routing=...) takes it."""
+    from workbench.analysis.experts import expert_routing as run
+
+    return run(model, text, tokens)
 
 
 def measure_allreduce(backend: str, ranks: int = 2, cluster=None):

@@ -15,7 +15,10 @@ configuration alone (no weights needed, so Llama-2-70B works on a laptop):
     attention   q, k, v, o weights; in decode the KV cache at the step's length, scales
                 included; FLOPs 2 x tokens x those weights + 4 x heads x head_dim per
                 (query, key) pair (Q K^T and P V)
-    mlp         gate, up, down weights; FLOPs 2 x tokens x weights
+    mlp         gate, up, down weights; FLOPs 2 x tokens x weights. A mixture of experts: its
+                fp32 router and each distinct expert the step's tokens choose (the expected
+                count under the routing given, measured by wb.expert_routing, or uniform:
+                workbench.analysis.experts); FLOPs 2 x tokens x (top_k experts + the router)
     other       the two norms' fp32 weights: almost nothing, so the roofline predicts almost
                 nothing; what is measured there is per-call overhead
     comm        tensor parallel: two all-reduces of tokens x dim fp32 per layer, each the
@@ -161,6 +164,8 @@ class Prediction:
     decode_kv_len: float
     layers: dict[str, dict[str, PartCost]] = field(default_factory=dict)  # phase -> part -> one layer's cost
     head: dict[str, PartCost] = field(default_factory=dict)  # phase -> cost
+    experts: dict[str, float] = field(default_factory=dict)  # a mixture's: phase -> distinct experts a layer's step reads
+    routing: str = ""  # what the expected experts assume (a mixture's)
 
     def layer_ms(self, phase: str) -> dict[str, float]:
         """Predicted milliseconds of each part of one layer."""
@@ -280,7 +285,11 @@ class Prediction:
                 f"{self.weight_dtype}, {self.ranks} rank(s) on {self.hardware.name}\n"
                 f"  {self.hardware.notes}\n"
                 f"  prefill {self.step_ms('prefill'):.2f} ms, decode {self.step_ms('decode'):.3f} ms per step "
-                f"({self.decode_tokens_per_s():.1f} tokens/s)>\n")
+                f"({self.decode_tokens_per_s():.1f} tokens/s)")
+        if self.experts:
+            head += (f"\n  experts read a layer's step: prefill {self.experts['prefill']:.1f}, decode "
+                     f"{self.experts['decode']:.1f} of {cfg.n_experts} (routing: {self.routing})")
+        head += ">\n"
         return head + format_table(self.rows(), ["phase", "part", "MB", "GFLOP", "predicted_ms", "bound"],
                                    {"MB": "{:.2f}", "GFLOP": "{:.3f}", "predicted_ms": "{:.3f}"})
 
@@ -359,14 +368,16 @@ class _WeightBytes:
 def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,
             kv_cache: str = "fp16", weight_dtype: str | None = None, ranks: int = 1, backend: str | None = None,
             hardware: Hardware | None = None, comm: tuple[float, float] | None = None,
-            kv_handoff: bool = False) -> Prediction:
+            kv_handoff: bool = False, routing=None) -> Prediction:
     """The roofline prediction of one rank's prefill and decode steps, per layer and part.
 
     model: a preset name, a ModelConfig or a loaded model (whose weight dtype and KV cache
     switch are then the defaults); hardware: default this machine's measured peaks shared by
     `ranks` processes, with `backend`'s all-reduce fit (or comm=(alpha_us, beta_gbps));
     kv_handoff: a KV head two ranks hold is computed by one of them in decode (the fused
-    step over shm, workbench.distributed.tp)."""
+    step over shm, workbench.distributed.tp); routing: a mixture of experts' ExpertRouting
+    (wb.expert_routing), whose expected distinct experts a step's tokens choose set the MLP's
+    bytes (default: uniform routing)."""
     from workbench.model.kv_formats import kv_format
 
     cfg = _config(model)
@@ -385,6 +396,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     mlp_params = 3 * d * f
     # Bytes of a rank's matrices in the weight format, scales included.
     mlp_bytes = wfmt.nbytes("gate_up", round(2 * f), d) + wfmt.nbytes("down", d, round(f))
+    experts = _experts_read(cfg, routing, ranks, batch, prompt_len)  # {} for a dense model
+    if experts:  # mlp_bytes is one expert's; the router (fp32) and the distinct experts are added per phase
+        mlp_params = cfg.experts_per_token * 3 * d * f + cfg.n_experts * d
     head_bytes = wfmt.nbytes("lm_head", round(cfg.vocab_size / ranks), d)
     embed_row = wfmt.embed_row(d)
     norm_bytes = 2 * d * NORM_BYTES_PER_ELEM
@@ -418,7 +432,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         layers[phase] = {
             "attention": cost(attn_bytes + kv_bytes, 2 * tokens * attn_params + 4 * heads * hd * pairs,
                               linear_flops=2 * tokens * attn_params, rows=tokens),
-            "mlp": cost(mlp_bytes, 2 * tokens * mlp_params, linear_flops=2 * tokens * mlp_params, rows=tokens),
+            "mlp": cost(4 * cfg.n_experts * d + experts[phase] * mlp_bytes if experts else mlp_bytes,
+                        2 * tokens * mlp_params, linear_flops=2 * tokens * mlp_params,
+                        rows=tokens / experts[phase] * cfg.experts_per_token if experts else tokens),
             "other": cost(norm_bytes, 0),
             "comm": PartCost(0, 0, 0.0, 0.0, 2 * _allreduce_s(4 * tokens * d, ranks, hw)),
         }
@@ -427,7 +443,27 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
         head_comm = 2 * _allreduce_s(0, ranks, hw)  # token ids out, top-k pairs back: latency only
         head[phase] = cost(tokens * embed_row + d * NORM_BYTES_PER_ELEM + head_bytes,
                            2 * head_rows * vocab * d, head_comm, linear_flops=2 * head_rows * vocab * d, rows=head_rows)
-    return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head)
+    return Prediction(cfg, hw, batch, prompt_len, new_tokens, fmt.name, weight_dtype, ranks, kv_len, layers, head,
+                      experts, routing.source if routing is not None else "uniform (assumed)" if experts else "")
+
+
+def _experts_read(cfg, routing, ranks: int, batch: int, prompt_len: int) -> dict[str, float]:
+    """A mixture's distinct experts a layer's step reads (mean over the layers), per phase,
+    under `routing` (None: uniform); {} for a dense model."""
+    if not cfg.n_experts:
+        if routing is not None:
+            raise ValueError(f"routing: {cfg.name} is not a mixture of experts")
+        return {}
+    if ranks > 1:
+        raise ValueError("predict: a mixture of experts runs in one process so far (ranks=1)")
+    from workbench.analysis.experts import ExpertRouting
+
+    routing = routing if routing is not None else ExpertRouting.uniform(cfg)
+    if not isinstance(routing, ExpertRouting) or routing.load.shape[1] != cfg.n_experts:
+        raise ValueError(f"routing must be an ExpertRouting of {cfg.n_experts} experts (wb.expert_routing(model)), "
+                         f"got {routing!r:.80}")
+    return {phase: statistics.fmean(routing.expected_experts(batch * (prompt_len if phase == "prefill" else 1)))
+            for phase in PHASES}
 
 
 def _busiest_attention(cfg, ranks: int, kv_handoff: bool = False) -> tuple[float, float, float]:
@@ -483,8 +519,14 @@ def predict_run(model, result) -> Prediction:
     if ranks > 1:
         fit = _cached_fit(cluster.backend, ranks)
         hardware = Hardware.this_machine(ranks, comm=(fit["alpha_us"], fit["beta_gbps"]))
+    routing = None
+    if getattr(model.config, "n_experts", 0) and ranks == 1:  # a mixture: the routing its layers counted so far
+        from workbench.analysis.experts import ExpertRouting
+
+        routing = ExpertRouting.of_model(model)
     return predict(model, batch=len(lengths), prompt_len=max(1, round(sum(lengths) / len(lengths))),
-                   new_tokens=len(steps) + 1, kv_cache=result.switches.kv_cache, ranks=ranks, hardware=hardware)
+                   new_tokens=len(steps) + 1, kv_cache=result.switches.kv_cache, ranks=ranks, hardware=hardware,
+                   routing=routing)
 
 
 def tp_roofline_ratio(model, ranks: int, *, backend: str | None = None, comm: tuple[float, float] | None = None,

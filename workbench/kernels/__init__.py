@@ -330,8 +330,8 @@ class KernelSet:
         w_gate_up, w_down, and what the family adds: qkv_bias, q_norm, k_norm,
         post_attn_norm, post_mlp_norm, None where absent; rope: which RoPE table the layer
         reads, 0 global, 1 local; a mixture of experts' router, experts, top_k and norm_topk in
-        place of w_gate_up and w_down: then step's expert_hits [layers, experts] says which
-        experts the last step ran); caches: one (k, v, k_scale, v_scale) per layer, the scales
+        place of w_gate_up and w_down: then step's expert_hits [layers, experts] says how
+        many tokens the last step routed to each expert); caches: one (k, v, k_scale, v_scale) per layer, the scales
         None unless int8; int8_kernel: decode_attention's. Returns an object whose
         step(x, cos, sin, positions, timers, comm, cos_local, sin_local) runs every layer for
         one new token per sequence in one call with the GIL released: x [B, dim] fp32 updated

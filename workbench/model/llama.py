@@ -291,6 +291,7 @@ class Layer:
         # [gate; up] and down in the format; top_k and norm_topk set by the model from its config.
         self.router, self.experts, self.top_k, self.norm_topk = None, [], 0, True
         self.last_experts: list[int] = []  # the experts the last forward ran (what it read)
+        self.expert_load = None  # tokens routed to each expert since the load (or reset_expert_load)
         if "router" in w:
             router = materialize(w.pop("router"))
             router = router.dequantize() if isinstance(router, BlockTensor) else router
@@ -299,6 +300,7 @@ class Layer:
                              Linear(w.pop(f"experts.{e}.w_down"), fmt)) for e in range(self.router.out_features)]
             self.w_gate_up, self.w_down = None, None
             self.ffn_dim = self.experts[0][0].piece_rows[0]
+            self.expert_load = torch.zeros(len(self.experts), dtype=torch.int64)
         else:
             self.w_gate_up = Linear([w.pop("w_gate"), w.pop("w_up")], fmt)
             self.w_down = Linear(w.pop("w_down"), fmt)
@@ -355,6 +357,7 @@ class Layer:
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
+        self.expert_load += torch.bincount(chosen.flatten(), minlength=len(self.experts))
         self.last_experts = sorted(set(chosen.flatten().tolist()))
         for e in self.last_experts:
             rows, slot = (chosen == e).nonzero(as_tuple=True)
@@ -833,8 +836,10 @@ class LlamaModel:
             stack = self._fused_stack(cache)
             wake_s = stack.step(x, *tables[0], positions, timers, self.collective, *local)
             if self.layers[0].router is not None:  # which experts each layer's step ran (what it read)
-                for layer, hits in zip(self.layers, stack.expert_hits.tolist()):
+                tokens = stack.expert_hits  # [layers, experts]: tokens routed to each
+                for layer, row, hits in zip(self.layers, tokens, tokens.tolist()):
                     layer.last_experts = [e for e, hit in enumerate(hits) if hit]
+                    layer.expert_load += row
             if record:
                 for i, row in enumerate(timers.tolist()):
                     for part, seconds in zip(parts, row):
