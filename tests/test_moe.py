@@ -435,3 +435,28 @@ def test_predicting_a_mixture_from_its_preset(moe):
         wb.predict("smollm2-135m", routing=wb.expert_routing(moe[2], text=TEXT, tokens=10))
     with pytest.raises(ValueError, match="not a mixture of experts"):
         wb.expert_routing(wb.load_model("smollm2-135m"))
+
+
+def test_the_continuous_batching_server_runs_a_mixture(moe):
+    """Requests arriving while others decode (chunked prefill, slots reused), with prompt-prefix
+    reuse: each gets the greedy tokens of generating it alone, the steps on the fused step."""
+    import random
+
+    from workbench.analysis.text import sample_prompts
+    from workbench.serving import Scheduler
+
+    name, _, ours, _, _ = moe
+    rng = random.Random(2)
+    shared = sample_prompts(ours.tokenizer, 40, 1)[0]
+    requests = [(shared[:rng.randint(20, 40)] + [400 + i], rng.randint(1, 8)) for i in range(10)]
+    s = Scheduler(ours, slots=3, max_len=64, chunk=16, kv_cache="fp32", prefix_cache_tokens=256, block=8)
+    handles, pending = [], list(requests)
+    while pending or s.busy:
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                prompt, n = pending.pop(0)
+                handles.append(s.submit(prompt, n, stop_at_eos=False))
+        s.step()
+    for (prompt, n), r in zip(requests, handles):
+        assert r.output == ours.generate([prompt], max_new_tokens=n, stop_at_eos=False).token_ids[0], name
+    assert s.stats["decode_paths"] == {"fused"} and any(r.reused for r in handles)

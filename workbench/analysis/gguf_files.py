@@ -24,19 +24,22 @@ FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K
           "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}
 
 
-def shaped_gguf(preset: str = "llama2-7b", layers: int = 8, kind: str = "Q4_K_M", seed: int = 0) -> Path:
+def shaped_gguf(preset: str = "llama2-7b", layers: int = 8, kind: str = "Q4_K_M", seed: int = 0,
+                dense_twin: bool = False) -> Path:
     """The cached GGUF with `preset`'s layer shapes, `layers` layers and the bundled tokenizer,
-    in `kind` (F16, or a llama.cpp file type it quantizes to: needs llama-cpp-python)."""
+    in `kind` (F16, or a llama.cpp file type it quantizes to: needs llama-cpp-python). With
+    dense_twin, a mixture's dense twin (workbench.model.arch.dense_twin) instead."""
     if kind not in FTYPES:
         raise ValueError(f"kind must be one of {', '.join(FTYPES)}, got {kind!r}")
     folder = cache_dir() / "models"
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{preset}-{layers}L-seed{seed}-{kind}.gguf"
+    name = f"{preset}-dense-twin" if dense_twin else preset
+    out = folder / f"{name}-{layers}L-seed{seed}-{kind}.gguf"
     if out.is_file():
         return out
-    f16 = folder / f"{preset}-{layers}L-seed{seed}-F16.gguf"
+    f16 = folder / f"{name}-{layers}L-seed{seed}-F16.gguf"
     if not f16.is_file():
-        _write_f16(preset, layers, seed, f16)
+        _write_f16(preset, layers, seed, f16, dense_twin)
     if kind == "F16":
         return f16
     try:
@@ -56,7 +59,7 @@ def shaped_gguf(preset: str = "llama2-7b", layers: int = 8, kind: str = "Q4_K_M"
     return out
 
 
-def _write_f16(preset: str, layers: int, seed: int, out: Path) -> None:
+def _write_f16(preset: str, layers: int, seed: int, out: Path, dense_twin: bool = False) -> None:
     """A GGUF of the preset's family (general.architecture llama, qwen3moe, ...): the preset's
     shapes, F16 matrices of seeded N(0, 0.02), F32 norms of 1 and an F32 router, the bundled
     model's tokenizer, untied output."""
@@ -67,7 +70,10 @@ def _write_f16(preset: str, layers: int, seed: int, out: Path) -> None:
     from workbench.model.gguf_file import read_gguf
     from workbench.model.loaders import bundled_gguf_path
 
+    from workbench.model.arch import dense_twin as twin
+
     cfg = preset_config(preset).with_layers(layers)
+    cfg = twin(cfg) if dense_twin else cfg
     vocab = len(read_gguf(bundled_gguf_path()).fields["tokenizer.ggml.tokens"])
     stream = iter(range(1 << 30))
 
@@ -86,7 +92,7 @@ def _write_f16(preset: str, layers: int, seed: int, out: Path) -> None:
         make, dtype = ((vector, np.float32) if len(shape) == 1 else (router, np.float32) if kind == "ffn_gate_inp"
                        else (matrix, np.float16))
         tensors[name] = (shape, dtype, lambda make=make, shape=shape: make(shape))
-    write_gguf(out, cfg, vocab, tensors, f"{preset} shapes, {layers} layers, random weights (seed {seed})")
+    write_gguf(out, cfg, vocab, tensors, f"{cfg.name} shapes, {layers} layers, random weights (seed {seed})")
 
 
 def gguf_tensor_shapes(cfg, vocab: int) -> dict[str, tuple[int, ...]]:

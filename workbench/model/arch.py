@@ -40,6 +40,9 @@ ModelConfig fields, read from each checkpoint's config):
                     [experts, ffn, dim]) that the loader splits by expert; llama.cpp writes
                     Mixtral as general.architecture "llama" with an expert_count, so a GGUF
                     family is found by its name and whether it has experts (by_gguf)
+    dense           a mixture's dense family of the same attention (Qwen3-MoE: Qwen3): its
+                    dense twin (dense_twin) has an MLP of top_k experts' width, the same
+                    parameters a token reads, for comparing the two at equal active size
 
 A layer's tensors have one set of names inside the workbench (the keys of a loader's dict,
 which workbench.model.llama.Layer reads): attn_norm, mlp_norm, wq, wk, wv, wo, w_gate, w_up,
@@ -75,6 +78,7 @@ class Architecture:
     hf_names: tuple[tuple[str, str], ...] = ()
     gguf_names: tuple[tuple[str, str], ...] = ()
     moe: str = ""
+    dense: str = ""
 
     def hf_name(self, ours: str) -> str:
         """A layer tensor's name in a Hugging Face checkpoint, after model.layers.{i}."""
@@ -139,14 +143,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  ("phi3",), "phi3", fused_qkv=True, fused_gate_up=True, windows="all"),
     Architecture("mixtral", "Mixtral: Mistral's decoder with a mixture of SwiGLU experts in place of the MLP, the "
                  "top k of a softmax router, their weights renormalized", ("mixtral",), "llama", windows="all",
-                 moe="renormalize", gguf_rope_rows=True,
+                 moe="renormalize", gguf_rope_rows=True, dense="mistral",
                  hf_names=(("router", "block_sparse_moe.gate.weight"),
                            ("experts.w_gate", "block_sparse_moe.experts.{e}.w1.weight"),
                            ("experts.w_up", "block_sparse_moe.experts.{e}.w3.weight"),
                            ("experts.w_down", "block_sparse_moe.experts.{e}.w2.weight"))),
     Architecture("qwen3_moe", "Qwen3-MoE: Qwen3's attention (per-head q / k norms) with a mixture of SwiGLU experts "
                  "in every layer, the top k of a softmax router (renormalized where the config says)",
-                 ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="config",
+                 ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="config", dense="qwen3",
                  hf_names=(("router", "mlp.gate.weight"),
                            ("experts.w_gate", "mlp.experts.{e}.gate_proj.weight"),
                            ("experts.w_up", "mlp.experts.{e}.up_proj.weight"),
@@ -215,6 +219,19 @@ def fused_rows(name: str, cfg) -> tuple[int, ...]:
 def is_norm(name: str) -> bool:
     """Whether a layer tensor is an RMSNorm weight (the ones a family's norm_offset applies to)."""
     return name.endswith("norm")
+
+
+def dense_twin(cfg):
+    """A mixture's ModelConfig as its dense family with one MLP of top_k experts' width: the
+    same attention, the same parameters read a token (less the router), every one of them
+    read by every token."""
+    from dataclasses import replace
+
+    spec = cfg.spec
+    if not spec.moe:
+        raise ValueError(f"{cfg.name} is not a mixture of experts: it has no dense twin")
+    return replace(cfg, name=f"{cfg.name}-dense-twin", arch=spec.dense, ffn_dim=cfg.experts_per_token * cfg.ffn_dim,
+                   n_experts=0, experts_per_token=0)
 
 
 def layer_windows(arch: Architecture, n_layers: int, window: int | None, layer_types=None,
