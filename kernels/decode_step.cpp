@@ -243,7 +243,7 @@ double qkv_projection(const float* h, const LinearRef& w, const StackShape& s, S
 // chose runs once on all of its rows (its weights read once a step), its outputs weighted
 // into those rows.
 void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, float* out, StepBuffers& buf) {
-  const int64_t dim = s.dim, E = L.router.N, K = L.top_k, F = L.experts[0].down.K;
+  const int64_t dim = s.dim, E = L.router.N, K = L.top_k, F = s.ffn;
   buf.probs.resize(B * E);
   linear(h, L.router, buf.probs.data(), E, B, buf.rows);
   buf.choice.resize(B * K);
@@ -290,7 +290,7 @@ void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, 
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = off[e + 1] - off[e];
     if (L.expert_hits) L.expert_hits[e] = static_cast<int32_t>(n);
-    if (n == 0) continue;
+    if (n == 0 || L.experts[e].gate_up.parts.empty()) continue;  // not routed to, or held by another rank
     for (const LinearRef* lin : {&L.experts[e].gate_up, &L.experts[e].down})
       for (const WeightRef& part : lin->parts)
         grouped = grouped && matvec_job_format(part.dtype, part.K) && n <= matvec_max_rows(part.dtype);
@@ -304,7 +304,7 @@ void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, 
     buf.moe_jobs.clear();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = off[e + 1] - off[e];
-      if (n == 0) continue;
+      if (n == 0 || L.experts[e].gate_up.parts.empty()) continue;  // another rank's expert: its rows stay 0
       const LinearRef& lin = gate_up ? L.experts[e].gate_up : L.experts[e].down;
       if (!grouped) {  // the expert's rows gathered, then its matrices as any linear layer
         buf.moe_in.resize(n * Kx);
@@ -321,19 +321,25 @@ void mixture(const float* h, const LayerRef& L, const StackShape& s, int64_t B, 
     }
     if (grouped) matvec_jobs(x, M, Kx, buf.moe_jobs.data(), static_cast<int64_t>(buf.moe_jobs.size()));
   };
+  // The rows of the experts this rank holds (all, in one process): [lo, hi) runs of rows.
+  auto each_held_row = [&](auto&& f) {
+    for (int64_t e = 0; e < E; ++e)
+      if (!L.experts[e].gate_up.parts.empty())
+        for (int64_t r = off[e]; r < off[e + 1]; ++r) f(r);
+  };
   run(h, B, dim, true, buf.moe_rows.data(), buf.moe_gate_up.data(), 2 * F);
-  for (int64_t r = 0; r < total; ++r) {
+  each_held_row([&](int64_t r) {
     const float* gu = buf.moe_gate_up.data() + r * 2 * F;
     act_mul_row(s.act, gu, gu + F, buf.moe_act.data() + r * F, F);
-  }
+  });
   run(buf.moe_act.data(), total, F, false, buf.moe_index.data(), buf.moe_out.data(), dim);
   std::fill(out, out + B * dim, 0.0f);
-  for (int64_t r = 0; r < total; ++r) {  // each token's experts' outputs, weighted
+  each_held_row([&](int64_t r) {  // each token's experts' outputs, weighted (expert parallel: the ones held here)
     float* o = out + buf.moe_rows[r] * dim;
     const float* y = buf.moe_out.data() + r * dim;
     const float w = buf.moe_row_weight[r];
     for (int64_t i = 0; i < dim; ++i) o[i] += w * y[i];
-  }
+  });
 }
 
 }  // namespace

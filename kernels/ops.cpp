@@ -819,8 +819,10 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
   const int64_t dim = first.attn_norm.size(0);
   const wbk::HeadMap head_map = checked_head_map(group, q_offset, heads, Hkv, fn);
   const bool moe = !first.router.empty();
-  const auto& first_gate_up = moe ? (first.experts_gate_up.empty() ? first.w_gate_up : first.experts_gate_up[0])
-                                  : first.w_gate_up;
+  // a mixture's first expert this rank holds (expert parallel: a rank holds some, the others' lists empty)
+  auto held = std::find_if(first.experts_gate_up.begin(), first.experts_gate_up.end(),
+                           [](const std::vector<WeightPart>& parts) { return !parts.empty(); });
+  const auto& first_gate_up = moe ? (held == first.experts_gate_up.end() ? first.w_gate_up : *held) : first.w_gate_up;
   TORCH_CHECK_VALUE(!first_gate_up.empty(), fn, ": layers[0].w_gate_up (or its first expert's) needs at least one "
                     "weight part");
   int64_t gate_up_rows = 0;
@@ -871,6 +873,10 @@ DecodeStack::DecodeStack(const std::vector<DecodeLayer>& layers, int64_t heads, 
                         ", got ", in.top_k);
       for (int64_t e = 0; e < n_experts; ++e) {
         const std::string ex = at + "experts[" + std::to_string(e) + "].";
+        if (in.experts_gate_up[e].empty() && in.experts_down[e].empty()) {  // held by another rank
+          r.experts.emplace_back();
+          continue;
+        }
         wbk::ExpertRef x{checked_linear(in.experts_gate_up[e], fn, ex + "gate_up", dim),
                          checked_linear(in.experts_down[e], fn, ex + "down", ffn)};
         TORCH_CHECK_VALUE(x.gate_up.N == 2 * ffn && x.down.N == dim, fn, ": ", ex, "weights do not fit dim ", dim,

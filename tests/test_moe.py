@@ -460,3 +460,46 @@ def test_the_continuous_batching_server_runs_a_mixture(moe):
     for (prompt, n), r in zip(requests, handles):
         assert r.output == ours.generate([prompt], max_new_tokens=n, stop_at_eos=False).token_ids[0], name
     assert s.stats["decode_paths"] == {"fused"} and any(r.reused for r in handles)
+
+
+# -- two ranks: expert parallel (whole experts per rank) and tensor parallel (each expert's FFN split)
+
+@pytest.fixture(scope="module")
+def cluster():
+    import os
+
+    pytest.importorskip("ipyparallel")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs for 2 ranks")
+    from workbench.distributed.cluster import Cluster
+
+    c = Cluster(2, backend="shm", pin=True, timeout_s=60).start()
+    yield c
+    c.stop()
+
+
+@pytest.mark.parametrize("split", ["expert", "tensor"])
+def test_two_ranks_give_one_process_tokens(cluster, moe, split):
+    """Expert parallel: each rank holds 3 of the 6 experts whole and runs the tokens routed to
+    them; tensor parallel: each holds half of every expert's FFN. Both end in the MLP's
+    all-reduce and give one process's greedy tokens, one sequence and two, on the fused step
+    and the Python path."""
+    from workbench.distributed.tp import TPOptions
+
+    name, _, ours, ids, folder = moe
+    model = cluster.load_model(str(folder), max_seq_len=256, max_batch=2, options=TPOptions(experts=split))
+    shards = model.shards
+    if split == "expert":
+        assert [tuple(s["experts"]) for s in shards] == [(0, 3), (3, 6)]
+    else:
+        assert [tuple(s["experts"]) for s in shards] == [(0, 6), (0, 6)] and shards[0]["ffn"] != shards[1]["ffn"]
+    assert sum(s["weight_bytes"] for s in shards) < 2 * ours.llama.weight_bytes
+    prompt = ids[:40]
+    for step in ("fused", "reference"):
+        got = model.generate(prompt, max_new_tokens=12, stop_at_eos=False, step=step)
+        assert got.token_ids == ours.generate(prompt, max_new_tokens=12, stop_at_eos=False).token_ids, (name, split, step)
+    two = model.generate([prompt, ids[50:61]], max_new_tokens=6, stop_at_eos=False)
+    assert two.token_ids == ours.generate([prompt, ids[50:61]], max_new_tokens=6, stop_at_eos=False).token_ids
+    assert all(s.path == "fused" for s in two.timings.decode_steps)
+    with pytest.raises(ValueError, match="fixed at load"):
+        model.set_options(experts="tensor" if split == "expert" else "expert")

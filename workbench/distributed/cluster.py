@@ -393,10 +393,15 @@ class DistributedModel(SwitchProperties):
                 listener(switches)
 
     def set_options(self, **changes) -> TPOptions:
-        """token_broadcast / lm_head / zero_copy / kv_handoff / topk for the next generations."""
+        """token_broadcast / lm_head / zero_copy / kv_handoff / topk for the next generations
+        (a mixture's `experts` split is fixed at load)."""
         from dataclasses import replace
 
         options = replace(self.options, **changes)  # validated here first
+        if options.experts != self.options.experts:
+            raise ValueError(f"experts={options.experts!r}: a mixture's split is fixed at load (it decides which "
+                             f"weights each rank keeps); load again with options=TPOptions(experts="
+                             f"{options.experts!r})")
         self.cluster.run(engine.set_options, changes, what="setting options")
         self.options = options
         return options

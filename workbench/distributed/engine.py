@@ -110,7 +110,7 @@ def load(name: str, kwargs: dict, options: dict) -> dict:
     p = tp.plan
     return {"rank": rank, "description": model.description, "weight_bytes": model.llama.weight_bytes,
             "kv_heads": p.kv_heads, "q_heads": p.q_heads, "q_offset": p.q_offset, "kv_handoff": p.kv_handoff,
-            "ffn": p.ffn, "vocab": p.vocab,
+            "ffn": p.ffn, "vocab": p.vocab, "experts": p.experts, "expert_split": p.expert_split,
             "config": model.config, "tokenizer": model.tokenizer if rank == 0 else None,
             "weight_dtype": model.llama.weight_dtype, "bytes_per_weight": model.llama.bytes_per_weight()}
 

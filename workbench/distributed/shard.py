@@ -13,6 +13,11 @@
                 256: Llama-2-7B's 11008 features are 43 of them, so two ranks keep 22 and 21)
     after       o_proj and down_proj give partial sums on every rank: an all-reduce follows
                 (workbench.distributed.tp)
+    experts     a mixture's router replicated (every rank routes every token alike); the experts
+                either whole, a contiguous run of them per rank (expert parallel: a rank runs
+                the tokens routed to its experts, zeros for the others'), or each expert's FFN
+                split as a dense MLP's (tensor parallel); both end in the MLP's all-reduce,
+                which brings every token the sum over its experts (TPOptions.experts)
     norms       replicated
     embedding   replicated (every rank embeds the broadcast token ids itself)
     LM head     by vocabulary rows (each rank scores its slice: local top-k, then a gather);
@@ -95,6 +100,8 @@ class ShardPlan:
     # its KV head (h + q_offset) // group.
     q_offset: int = 0
     group: int = 1
+    experts: tuple[int, int] = (0, 0)  # a mixture's: [lo, hi) of the experts this rank keeps (all: tensor split)
+    expert_split: str = ""  # "expert" or "tensor" for a mixture (each expert's FFN then split by `ffn`)
 
     @property
     def kv_handoff(self) -> tuple[bool, bool]:
@@ -139,7 +146,7 @@ def attention_split(cfg: ModelConfig, world: int, rank: int) -> tuple[tuple[int,
     return (by_q if busiest(by_q) < busiest(by_kv) else by_kv)(rank)
 
 
-def plan(cfg: ModelConfig, rank: int, world: int, align: int = FFN_ALIGN) -> ShardPlan:
+def plan(cfg: ModelConfig, rank: int, world: int, align: int = FFN_ALIGN, expert_split: str = "expert") -> ShardPlan:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"ranks must be a positive integer, got {world!r}")
     if world > cfg.n_heads or _most_holders(cfg, world) > 2:
@@ -148,8 +155,18 @@ def plan(cfg: ModelConfig, rank: int, world: int, align: int = FFN_ALIGN) -> Sha
                          f"{world} ranks would give some rank no query head or some KV head to more than two ranks "
                          f"(the handoff of a shared head is between neighbours); at most {most} tensor-parallel ranks")
     q, kv, q_offset = attention_split(cfg, world, rank)
-    return ShardPlan(rank, world, kv, q, ffn_split(cfg, world, rank, align), split(cfg.vocab_size, world, rank),
-                     split(cfg.dim, world, rank), q_offset, cfg.n_heads // cfg.n_kv_heads)
+    ffn, experts, how = ffn_split(cfg, world, rank, align), (0, cfg.n_experts), ""
+    if cfg.n_experts:
+        how = expert_split
+        if how == "expert":
+            if world > cfg.n_experts:
+                raise ValueError(f"{cfg.name} has {cfg.n_experts} experts: expert parallel over {world} ranks would "
+                                 f"leave some rank none")
+            ffn, experts = (0, cfg.ffn_dim), split(cfg.n_experts, world, rank)
+        elif how != "tensor":
+            raise ValueError(f"expert_split must be 'expert' or 'tensor', got {expert_split!r}")
+    return ShardPlan(rank, world, kv, q, ffn, split(cfg.vocab_size, world, rank), split(cfg.dim, world, rank),
+                     q_offset, cfg.n_heads // cfg.n_kv_heads, experts, how)
 
 
 def _most_holders(cfg: ModelConfig, world: int) -> int:
@@ -186,9 +203,16 @@ def take(p: ShardPlan, head_dim: int, layer: int | None, w: dict[str, torch.Tens
                 "lm_head": _rows(head, slice(*p.vocab)), "lm_head_hidden_split": hidden}
     out = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"],
            "wq": _rows(w["wq"], slice(*q)), "wk": _rows(w["wk"], kv), "wv": _rows(w["wv"], kv),
-           "wo": _cols(w["wo"], *q, f"layer {layer}'s wo"),
-           "w_gate": _rows(w["w_gate"], slice(*ffn)), "w_up": _rows(w["w_up"], slice(*ffn)),
-           "w_down": _cols(w["w_down"], *ffn, f"layer {layer}'s w_down")}
+           "wo": _cols(w["wo"], *q, f"layer {layer}'s wo")}
+    if "router" in w:  # a mixture: the router whole; the experts this rank keeps, whole or their FFN slice
+        out["router"] = w["router"]
+        for e in range(*p.experts):
+            out.update({f"experts.{e}.w_gate": _rows(w[f"experts.{e}.w_gate"], slice(*ffn)),
+                        f"experts.{e}.w_up": _rows(w[f"experts.{e}.w_up"], slice(*ffn)),
+                        f"experts.{e}.w_down": _cols(w[f"experts.{e}.w_down"], *ffn, f"layer {layer}'s expert {e}")})
+    else:
+        out.update({"w_gate": _rows(w["w_gate"], slice(*ffn)), "w_up": _rows(w["w_up"], slice(*ffn)),
+                    "w_down": _cols(w["w_down"], *ffn, f"layer {layer}'s w_down")})
     # what a family adds: q / k / v biases split with their rows; the per-head q / k norms and
     # the norms after the all-reduced o_proj and down_proj whole on every rank
     out.update({name: w[name][rows].contiguous() for name, rows in (("bq", slice(*q)), ("bk", kv), ("bv", kv))

@@ -54,6 +54,7 @@ from workbench.model.llama import Linear, embed_rows, rms_norm
 
 TOKEN_BROADCAST = ("ids", "embeddings")
 LM_HEAD = ("topk", "gather", "hidden-split")
+EXPERT_SPLITS = ("expert", "tensor")  # a mixture's experts: whole experts per rank, or each one's FFN split
 
 
 @dataclass
@@ -64,6 +65,11 @@ class TPOptions:
     kv_handoff: bool = True
     topk: int = 8  # (value, id) pairs each rank contributes in the topk and hidden-split modes
     check_topk: bool = False
+    # A mixture of experts' split, fixed at load (it decides which weights a rank keeps):
+    # "expert" (expert parallel: each rank holds a contiguous run of whole experts and runs
+    # the tokens routed to them; the all-reduce brings every token its experts' outputs) or
+    # "tensor" (each expert's FFN split over the ranks as a dense MLP's is)
+    experts: str = "expert"
 
     def __post_init__(self):
         if self.token_broadcast not in TOKEN_BROADCAST:
@@ -73,6 +79,8 @@ class TPOptions:
         for name in ("zero_copy", "kv_handoff"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.experts not in EXPERT_SPLITS:
+            raise ValueError(f"experts must be one of {', '.join(EXPERT_SPLITS)}, got {self.experts!r}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ValueError(f"topk must be a positive integer, got {self.topk!r}")
 
@@ -93,8 +101,9 @@ class TensorParallel:
     # -- at load ------------------------------------------------------------------------------
     def keep(self, cfg: ModelConfig, layer: int | None, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.plan is None:  # every rank loads the same file, so finds the same FFN step
-            align = ffn_align(w["w_down"]) if layer is not None else FFN_ALIGN
-            self.plan = plan(cfg, self.comm.rank, self.comm.world, align)
+            down = w.get("w_down", w.get("experts.0.w_down"))  # a mixture: its first expert's
+            align = ffn_align(down) if layer is not None else FFN_ALIGN
+            self.plan = plan(cfg, self.comm.rank, self.comm.world, align, self.options.experts)
         return take(self.plan, cfg.head_dim, layer, w)
 
     def attach(self, model) -> None:

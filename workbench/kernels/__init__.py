@@ -361,8 +361,9 @@ class KernelSet:
         def mixture(layer) -> dict:  # a mixture of experts' router and experts (workbench.model.llama.Layer)
             if getattr(layer, "router", None) is None:
                 return {}
-            return {"router": parts(layer.router), "experts_gate_up": [parts(g) for g, _ in layer.experts],
-                    "experts_down": [parts(d) for _, d in layer.experts], "top_k": layer.top_k,
+            held = [pair or ([], []) for pair in layer.experts]  # another rank's expert (expert parallel): none
+            return {"router": parts(layer.router), "experts_gate_up": [parts(g) if g else [] for g, _ in held],
+                    "experts_down": [parts(d) if d else [] for _, d in held], "top_k": layer.top_k,
                     "norm_topk": bool(layer.norm_topk)}
 
         records = [self.ext.DecodeLayer(layer.attn_norm, layer.mlp_norm,

@@ -265,6 +265,19 @@ class ExpertGroup:
         return [f for lin in self.members for f in lin.formats]
 
 
+class _Mixture:
+    """A layer's mixture of experts called as the MLP's last linear layer is (y = f(x), or into
+    `out`), so a tensor-parallel rank's all-reduce applies to it alike."""
+
+    def __init__(self, layer: Layer, activation: str):
+        self.layer, self.activation = layer, activation
+        self.out_features = layer.attn_norm.numel()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.layer.moe(x, self.activation)
+        return y if out is None else out.copy_(y)
+
+
 class Layer:
     """One decoder layer's weights. Q, K and V are stored as one [q; k; v] matrix and the
     MLP's gate and up as one [gate; up] matrix: one matrix product each instead of three
@@ -296,10 +309,13 @@ class Layer:
             router = materialize(w.pop("router"))
             router = router.dequantize() if isinstance(router, BlockTensor) else router
             self.router = Linear(router.float(), WEIGHT_FORMATS["fp32"])
+            # expert e's pair, or None where another rank holds it (expert parallel: the shard
+            # keeps some experts whole and drops the others' tensors)
             self.experts = [(Linear([w.pop(f"experts.{e}.w_gate"), w.pop(f"experts.{e}.w_up")], fmt),
-                             Linear(w.pop(f"experts.{e}.w_down"), fmt)) for e in range(self.router.out_features)]
+                             Linear(w.pop(f"experts.{e}.w_down"), fmt)) if f"experts.{e}.w_gate" in w else None
+                            for e in range(self.router.out_features)]
             self.w_gate_up, self.w_down = None, None
-            self.ffn_dim = self.experts[0][0].piece_rows[0]
+            self.ffn_dim = next(pair for pair in self.experts if pair)[0].piece_rows[0]
             self.expert_load = torch.zeros(len(self.experts), dtype=torch.int64)
         else:
             self.w_gate_up = Linear([w.pop("w_gate"), w.pop("w_up")], fmt)
@@ -314,12 +330,17 @@ class Layer:
         self.weight_bytes = sum(lin.nbytes for lin in linears) + NORM_BYTES_PER_ELEM * norms
         self.linear_params = sum(lin.params for lin in linears)
         # a step of a mixture reads the attention, the router and the experts it routes to
-        self._shared_bytes = self.weight_bytes - sum(a.nbytes + b.nbytes for a, b in self.experts)
-        self._shared_params = self.linear_params - sum(a.params + b.params for a, b in self.experts)
+        self._shared_bytes = self.weight_bytes - sum(a.nbytes + b.nbytes for a, b in self.held_experts)
+        self._shared_params = self.linear_params - sum(a.params + b.params for a, b in self.held_experts)
+
+    @property
+    def held_experts(self) -> list[tuple[Linear, Linear]]:
+        """The ([gate; up], down) pairs of the experts this process holds (all, in one process)."""
+        return [pair for pair in self.experts if pair is not None]
 
     def stream(self) -> list[Linear]:
         """Every matrix of the layer in the order a decode step reads them."""
-        mlp = ([self.router] + [lin for pair in self.experts for lin in pair] if self.router is not None
+        mlp = ([self.router] + [lin for pair in self.held_experts for lin in pair] if self.router is not None
                else [self.w_gate_up, self.w_down])
         return [self.wqkv, self.wo, *mlp]
 
@@ -329,7 +350,8 @@ class Layer:
         [gate; up] and down as one group each (ExpertGroup: their bytes, parameters, formats)."""
         if self.router is not None:
             return {"qkv": self.wqkv, "o": self.wo, "router": self.router,
-                    "gate_up": ExpertGroup([g for g, _ in self.experts]), "down": ExpertGroup([d for _, d in self.experts])}
+                    "gate_up": ExpertGroup([g for g, _ in self.held_experts]),
+                    "down": ExpertGroup([d for _, d in self.held_experts])}
         return {"qkv": self.wqkv, "o": self.wo, "gate_up": self.w_gate_up, "down": self.w_down}
 
     def read_bytes(self) -> int:
@@ -337,15 +359,15 @@ class Layer:
         part and the experts its tokens were routed to (top_k of them before any step)."""
         if self.router is None:
             return self.weight_bytes
-        used = self.last_experts or range(self.top_k)
-        return self._shared_bytes + sum(self.experts[e][0].nbytes + self.experts[e][1].nbytes for e in used)
+        used = [self.experts[e] for e in (self.last_experts or range(self.top_k))]
+        return self._shared_bytes + sum(pair[0].nbytes + pair[1].nbytes for pair in used if pair)
 
     def read_params(self) -> int:
         """The parameters behind read_bytes (the products' FLOPs are 2 per token and parameter)."""
         if self.router is None:
             return self.linear_params
-        used = self.last_experts or range(self.top_k)
-        return self._shared_params + sum(self.experts[e][0].params + self.experts[e][1].params for e in used)
+        used = [self.experts[e] for e in (self.last_experts or range(self.top_k))]
+        return self._shared_params + sum(pair[0].params + pair[1].params for pair in used if pair)
 
     def moe(self, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """The mixture in place of the MLP, x [T, dim] -> [T, dim]: the router's softmax, each
@@ -360,6 +382,8 @@ class Layer:
         self.expert_load += torch.bincount(chosen.flatten(), minlength=len(self.experts))
         self.last_experts = sorted(set(chosen.flatten().tolist()))
         for e in self.last_experts:
+            if self.experts[e] is None:  # another rank's (expert parallel): its share comes in the all-reduce
+                continue
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             gate_up, down = self.experts[e]
             gu = gate_up(x[rows])
@@ -614,8 +638,8 @@ class LlamaModel:
             x += o
             h = rms_norm(x, layer.mlp_norm, eps)
             t3 = clock.t()
-            if layer.router is not None:  # a mixture of experts (one process: load_model refuses a cluster)
-                m = layer.moe(h, act)
+            if layer.router is not None:  # a mixture of experts (on a rank: its experts or slices, then the all-reduce)
+                m = self._project(_Mixture(layer, act), h, i, "mlp")
             else:
                 m = self._project(layer.w_down, layer.mlp_input(h, act, one_pass), i, "mlp")
             t4 = clock.t()

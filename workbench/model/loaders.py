@@ -281,7 +281,6 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
     if max_seq_len:
         cfg = replace(cfg, max_seq_len=max_seq_len)
     cfg = _fit_rope_to_context(cfg)
-    _one_process_moe(cfg, parallel, name)
     as_file = dtype in (None, AS_FILE)
     try:
         tokenizer = Tokenizer.from_gguf_fields(fields)
@@ -370,13 +369,6 @@ def load_gguf(path: Path, dtype: str | None, layers: int | None, name: str | Non
             load = functools.partial(get, f"blk.{i}.{spec.gguf_name(ours)}", heads.get(ours))
             _add_layer_tensor(weights, i, ours, load, cfg)
     return LlamaModel(cfg, weights, AS_FILE if as_file else dtype, parallel), tokenizer
-
-
-def _one_process_moe(cfg: ModelConfig, parallel, name: str) -> None:
-    if cfg.spec.moe and parallel is not None:
-        raise ModelLoadError(f"{name}: a mixture-of-experts model ({cfg.spec.name}) runs in one process so far: "
-                             f"neither tensor nor expert parallel splits its experts yet (%distributed stop, then "
-                             f"%load_model)")
 
 
 def _split_shapes(fused: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -575,7 +567,6 @@ def load_hf_directory(folder: Path, dtype: str, layers: int | None, max_batch: i
         raise ModelLoadError(f"{folder}: {e}") from None
     cfg = _trained_layers(cfg, layers, folder)
     spec = cfg.spec
-    _one_process_moe(cfg, parallel, folder.name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")
