@@ -310,6 +310,9 @@ class WorkbenchMagics(Magics):
     @argument("--zero-copy", type=_csv("--zero-copy", str, ["on", "off"]), default=None)
     @argument("--kv-handoff", type=_csv("--kv-handoff", str, ["on", "off"]), default=None,
               help="a KV head two ranks hold: handed over (on) or computed on both (off); shm only")
+    @argument("--experts", type=_csv("--experts", str, ["expert", "tensor"]), default=None,
+              help="a mixture of experts' split over the ranks: whole experts per rank (expert) or each expert's "
+                   "FFN split (tensor); each a load of its own (default expert)")
     @argument("--repeats", type=int, default=None,
               help="measured runs per setting, interleaved (default 3; with --ranks 2); rows show median and min-max")
     @argument("-o", dest="output", default=None, help="store the results DataFrame in this variable")
@@ -318,7 +321,8 @@ class WorkbenchMagics(Magics):
         """Run a grid of configurations and show one row per configuration: prefill ms,
         decode tokens/s, GB/s, % of the measured peak bandwidth, top-1 agreement with the
         naive / fp32-cache reference. With --ranks (and --backend, --token-broadcast,
-        --lm-head, --zero-copy, --kv-handoff), a tensor-parallel grid instead: decode ms/token, comm
+        --lm-head, --zero-copy, --kv-handoff, and a mixture's --experts split), a tensor-parallel
+        grid instead: decode ms/token, comm
         ms/token, % comm, bytes per token, whether the tokens equal one process's, then
         each switch's saving: its optimization against the setting without it in rows
         matched on the other switches, bytes and ms per token with the spread over the
@@ -331,6 +335,7 @@ class WorkbenchMagics(Magics):
           In [1]: %ablate --attention slim,flash --kvcache int8,fp32 --prompt-len 128,1024 --batch 1,16
           In [2]: %ablate --kvcache int8,fp16 --new-tokens 32 -o results
           In [3]: %ablate --ranks 1,2 --backend gloo,shm --zero-copy on,off -o tp
+          In [4]: %ablate --ranks 1,2 --backend shm --experts expert,tensor     # a mixture of experts
         """
         from workbench.analysis.ablation import rows_as_dicts, run_ablation, spread_warnings
         from workbench.distributed.cluster import DistributedModel, running
@@ -339,7 +344,8 @@ class WorkbenchMagics(Magics):
         model = self._require_model()
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a Python variable name, got {args.output!r}")
-        tp_options = (args.ranks, args.backend, args.token_broadcast, args.lm_head, args.zero_copy, args.kv_handoff)
+        tp_options = (args.ranks, args.backend, args.token_broadcast, args.lm_head, args.zero_copy, args.kv_handoff,
+                      args.experts)
         if any(v is not None for v in tp_options):
             return self._tp_ablate(args, line)
         if isinstance(model, DistributedModel) or running() is not None:
@@ -393,6 +399,7 @@ class WorkbenchMagics(Magics):
                                token_broadcast=args.token_broadcast or ["ids"], lm_head=args.lm_head or ["topk"],
                                zero_copy=[z == "on" for z in (args.zero_copy or ["on"])],
                                kv_handoff=[h == "on" for h in (args.kv_handoff or ["on"])],
+                               experts=args.experts or ["expert"],
                                prompt_len=args.prompt_len[0], new_tokens=args.new_tokens,
                                repeats=2 if args.repeats is None else args.repeats,
                                progress=print)

@@ -2,7 +2,9 @@
 as transformers 5 saves them, loaded from their folders and held to transformers' fp32 logits on
 a 140-token real text and its 16 greedy tokens; a routing that sends every token to one expert
 still computes the model; the step records count the experts a step read; and the refusals:
-a misshapen or missing expert tensor, dense layers among the sparse ones, a cluster."""
+a misshapen or missing expert tensor, dense layers among the sparse ones. GGUF files (stacked
+experts), routing statistics and the cost model's bytes as the batch grows, serving, and two
+ranks split by expert or by tensor."""
 
 from __future__ import annotations
 
@@ -187,14 +189,6 @@ def test_dense_layers_among_the_experts_and_shared_experts_are_refused(tokenizer
         (edited / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ModelLoadError, match=message):
             wb.load_model(str(edited))
-
-
-def test_a_cluster_load_is_refused_with_the_reason(moe):
-    from workbench.model.loaders import load_hf_directory
-
-    _, _, _, _, folder = moe
-    with pytest.raises(ModelLoadError, match="runs in one process so far"):
-        load_hf_directory(folder, "fp32", None, parallel=object())
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8-g32", "q8_0"])
@@ -429,8 +423,6 @@ def test_predicting_a_mixture_from_its_preset(moe):
     assert p.experts["prefill"] == pytest.approx(128 * (1 - (1 - 8 / 128) ** 64))
     many = wb.predict("qwen3-30b-a3b", batch=64)
     assert many.experts["decode"] > 100 and many.step_bytes("decode") > 5 * p.step_bytes("decode")
-    with pytest.raises(ValueError, match="runs in one process so far"):
-        wb.predict("qwen3-30b-a3b", ranks=2, comm=(10.0, 5.0))
     with pytest.raises(ValueError, match="routing: smollm2-135m is not a mixture of experts"):
         wb.predict("smollm2-135m", routing=wb.expert_routing(moe[2], text=TEXT, tokens=10))
     with pytest.raises(ValueError, match="not a mixture of experts"):
@@ -465,17 +457,27 @@ def test_the_continuous_batching_server_runs_a_mixture(moe):
 # -- two ranks: expert parallel (whole experts per rank) and tensor parallel (each expert's FFN split)
 
 @pytest.fixture(scope="module")
-def cluster():
+def clusters():
+    """The module's 2-rank cluster, started when first asked for (and again after the ablation
+    test, whose own clusters need it stopped); stopped at the end."""
+    held = []
+    yield held
+    for c in held:
+        c.stop()
+
+
+@pytest.fixture
+def cluster(clusters):
     import os
 
     pytest.importorskip("ipyparallel")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs for 2 ranks")
-    from workbench.distributed.cluster import Cluster
+    from workbench.distributed.cluster import Cluster, running
 
-    c = Cluster(2, backend="shm", pin=True, timeout_s=60).start()
-    yield c
-    c.stop()
+    if running() is None:
+        clusters.append(Cluster(2, backend="shm", pin=True, timeout_s=60).start())
+    return running()
 
 
 @pytest.mark.parametrize("split", ["expert", "tensor"])
@@ -503,3 +505,44 @@ def test_two_ranks_give_one_process_tokens(cluster, moe, split):
     assert all(s.path == "fused" for s in two.timings.decode_steps)
     with pytest.raises(ValueError, match="fixed at load"):
         model.set_options(experts="tensor" if split == "expert" else "expert")
+
+
+def test_the_tensor_parallel_ablation_measures_both_splits(moe):
+    """tp_ablation (what %ablate --ranks ... --experts runs) loads the cluster once per split and
+    reports each rank's load: the busiest rank's share of the routed tokens under expert
+    parallel (its experts' share in the single process's run), 1 / 2 under the tensor split;
+    the same tokens as one process in both, and the cost model's ratio for each."""
+    from workbench.analysis.tp_ablation import tp_ablation
+
+    from workbench.distributed.cluster import running
+
+    name, _, _, _, folder = moe
+    if name != "qwen3_moe":
+        pytest.skip("one family is enough for the ablation's plumbing")
+    if running() is not None:  # the ablation starts its own clusters: the 2-rank tests' one goes first
+        running().stop()
+    rows = tp_ablation(str(folder), {"max_seq_len": 256}, ranks=(1, 2), backends=("shm",), experts=("expert", "tensor"),
+                       token_broadcast=("ids",), lm_head=("topk",), zero_copy=(True,), prompt_len=16, new_tokens=4,
+                       repeats=1)
+    assert [(r["ranks"], r["experts"]) for r in rows] == [(1, "-"), (2, "expert"), (2, "tensor")]
+    assert all(r["same_tokens_as_tp1"] and r["path"] == "fused" for r in rows)
+    expert, tensor = rows[1], rows[2]
+    assert 0.5 <= expert["busiest_rank_share"] <= 1 and tensor["busiest_rank_share"] == 0.5
+    assert expert["roofline_vs_tp1"] is not None and tensor["roofline_vs_tp1"] is not None
+    assert expert["comm_bytes_per_token"] > 0 and tensor["comm_bytes_per_token"] > 0
+    with pytest.raises(ValueError, match="experts must be some of expert, tensor"):
+        tp_ablation(str(folder), {"max_seq_len": 256}, ranks=(2,), backends=("shm",), experts=("rows",))
+
+
+def test_the_cost_model_splits_a_mixture_by_expert_or_by_tensor():
+    """Uniform routing of Qwen3-30B-A3B at batch 1: expert parallel's busiest rank reads half
+    of the 8 experts a token chooses, whole; the tensor split reads all 8, half of each."""
+    one = wb.predict("qwen3-30b-a3b", batch=1)
+    ep = wb.predict("qwen3-30b-a3b", batch=1, ranks=2, comm=(10.0, 5.0), expert_split="expert")
+    tp = wb.predict("qwen3-30b-a3b", batch=1, ranks=2, comm=(10.0, 5.0), expert_split="tensor")
+    assert ep.experts["decode"] == pytest.approx(4.0) and tp.experts["decode"] == pytest.approx(8.0)
+    expert_mb = (one.layers["decode"]["mlp"].bytes - 4 * 128 * 2048) / 8
+    for p in (ep, tp):
+        assert p.layers["decode"]["mlp"].bytes - 4 * 128 * 2048 == pytest.approx(4 * expert_mb, rel=0.01)
+    with pytest.raises(ValueError, match="expert_split must be 'expert' or 'tensor'"):
+        wb.predict("qwen3-30b-a3b", ranks=2, comm=(10.0, 5.0), expert_split="rows")

@@ -368,7 +368,7 @@ class _WeightBytes:
 def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_tokens: int = 32,
             kv_cache: str = "fp16", weight_dtype: str | None = None, ranks: int = 1, backend: str | None = None,
             hardware: Hardware | None = None, comm: tuple[float, float] | None = None,
-            kv_handoff: bool = False, routing=None) -> Prediction:
+            kv_handoff: bool = False, routing=None, expert_split: str = "expert") -> Prediction:
     """The roofline prediction of one rank's prefill and decode steps, per layer and part.
 
     model: a preset name, a ModelConfig or a loaded model (whose weight dtype and KV cache
@@ -377,7 +377,9 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     kv_handoff: a KV head two ranks hold is computed by one of them in decode (the fused
     step over shm, workbench.distributed.tp); routing: a mixture of experts' ExpertRouting
     (wb.expert_routing), whose expected distinct experts a step's tokens choose set the MLP's
-    bytes (default: uniform routing)."""
+    bytes (default: uniform routing); expert_split: a mixture's on ranks > 1 ("expert": the
+    busiest rank's whole experts, its run of them as the shard plan splits them; "tensor":
+    every expert read, each rank its FFN slice)."""
     from workbench.model.kv_formats import kv_format
 
     cfg = _config(model)
@@ -392,11 +394,12 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
     hw = hardware or Hardware.this_machine(ranks, backend, comm)
 
     d, hd = cfg.dim, cfg.head_dim
-    f = _busiest_ffn(cfg, ranks)
+    whole_experts = bool(cfg.n_experts) and expert_split == "expert"
+    f = cfg.ffn_dim if whole_experts else _busiest_ffn(cfg, ranks)
     mlp_params = 3 * d * f
     # Bytes of a rank's matrices in the weight format, scales included.
     mlp_bytes = wfmt.nbytes("gate_up", round(2 * f), d) + wfmt.nbytes("down", d, round(f))
-    experts = _experts_read(cfg, routing, ranks, batch, prompt_len)  # {} for a dense model
+    experts = _experts_read(cfg, routing, ranks, batch, prompt_len, expert_split)  # {} for a dense model
     if experts:  # mlp_bytes is one expert's; the router (fp32) and the distinct experts are added per phase
         mlp_params = cfg.experts_per_token * 3 * d * f + cfg.n_experts * d
     head_bytes = wfmt.nbytes("lm_head", round(cfg.vocab_size / ranks), d)
@@ -447,23 +450,32 @@ def predict(model="smollm2-135m", batch: int = 1, prompt_len: int = 64, new_toke
                       experts, routing.source if routing is not None else "uniform (assumed)" if experts else "")
 
 
-def _experts_read(cfg, routing, ranks: int, batch: int, prompt_len: int) -> dict[str, float]:
-    """A mixture's distinct experts a layer's step reads (mean over the layers), per phase,
-    under `routing` (None: uniform); {} for a dense model."""
+def _experts_read(cfg, routing, ranks: int, batch: int, prompt_len: int, expert_split: str) -> dict[str, float]:
+    """A mixture's distinct experts a layer's step reads on the busiest rank (mean over the
+    layers), per phase, under `routing` (None: uniform); {} for a dense model. Expert parallel:
+    the most any rank's run of experts expects; tensor parallel: every distinct expert (each
+    rank its FFN slice of each)."""
     if not cfg.n_experts:
         if routing is not None:
             raise ValueError(f"routing: {cfg.name} is not a mixture of experts")
         return {}
-    if ranks > 1:
-        raise ValueError("predict: a mixture of experts runs in one process so far (ranks=1)")
+    if expert_split not in ("expert", "tensor"):
+        raise ValueError(f"expert_split must be 'expert' or 'tensor', got {expert_split!r}")
     from workbench.analysis.experts import ExpertRouting
+    from workbench.distributed.shard import split
 
     routing = routing if routing is not None else ExpertRouting.uniform(cfg)
     if not isinstance(routing, ExpertRouting) or routing.load.shape[1] != cfg.n_experts:
         raise ValueError(f"routing must be an ExpertRouting of {cfg.n_experts} experts (wb.expert_routing(model)), "
                          f"got {routing!r:.80}")
-    return {phase: statistics.fmean(routing.expected_experts(batch * (prompt_len if phase == "prefill" else 1)))
-            for phase in PHASES}
+    runs = [split(cfg.n_experts, ranks, r) for r in range(ranks)] if expert_split == "expert" else [(0, cfg.n_experts)]
+    out = {}
+    for phase in PHASES:
+        tokens = batch * (prompt_len if phase == "prefill" else 1)
+        q = routing.inclusion().clamp(0.0, 1.0)
+        read = 1.0 - (1.0 - q) ** tokens  # [layers, experts]: the chance each expert is read
+        out[phase] = max(read[:, lo:hi].sum(-1).mean().item() for lo, hi in runs)
+    return out
 
 
 def _busiest_attention(cfg, ranks: int, kv_handoff: bool = False) -> tuple[float, float, float]:
@@ -531,7 +543,8 @@ def predict_run(model, result) -> Prediction:
 
 def tp_roofline_ratio(model, ranks: int, *, backend: str | None = None, comm: tuple[float, float] | None = None,
                       batch: int = 1, prompt_len: int = 64, new_tokens: int = 32, kv_cache: str = "fp16",
-                      weight_dtype: str | None = None, kv_handoff: bool = False) -> float:
+                      weight_dtype: str | None = None, kv_handoff: bool = False, expert_split: str = "expert",
+                      routing=None) -> float:
     """The roofline's decode step on `ranks` ranks over one process's on the same machine:
     what a tensor-parallel run's "time / 1 rank" would be if both ran at their roofs. Each
     rank gets 1 / ranks of the measured triad and FMA peak, so an even split costs only the
@@ -541,9 +554,11 @@ def tp_roofline_ratio(model, ranks: int, *, backend: str | None = None, comm: tu
     overstates the fused step's small all-reduces where Python's overhead is most of a call
     (tp_ablation passes the step's own instead: distributed.allreduce.step_fit). backend's
     all-reduce fit as cached (a ValueError saying how to measure one if there is none), or
-    comm=(alpha_us, beta_gbps). kv_handoff: predict's, on the ranks."""
-    kw = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype)
-    many = predict(model, ranks=ranks, backend=backend, comm=comm, kv_handoff=kv_handoff, **kw)
+    comm=(alpha_us, beta_gbps). kv_handoff, expert_split (a mixture's), routing: predict's."""
+    kw = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache, weight_dtype=weight_dtype,
+              routing=routing)
+    many = predict(model, ranks=ranks, backend=backend, comm=comm, kv_handoff=kv_handoff, expert_split=expert_split,
+                   **kw)
     one = predict(model, ranks=1, **kw)
     return many.step_ms("decode") / one.step_ms("decode")
 

@@ -3,6 +3,12 @@ run on a real cluster (the all-reduce's own latency and fit are in
 workbench.distributed.allreduce).
 
 tp_ablation rows (decode phase, batch 1 unless given):
+    experts                     a mixture's split over the ranks ("expert": whole experts per
+                                rank; "tensor": each expert's FFN split; "-" for a dense model or
+                                one process): each setting is its own load of the cluster
+    busiest_rank_share          a mixture's: the share of the routed tokens the busiest rank's
+                                experts took in the single process's run (expert parallel; 1 /
+                                ranks under the tensor split, where every rank runs every token)
     ranks, backend, token_broadcast, lm_head, zero_copy ("n/a" where the backend's fused
                                 step has no buffer to write into, gloo and ccl: both settings
                                 would decode on the same code, so one runs; switch_settings),
@@ -144,7 +150,8 @@ STEP_FIT_SOURCE = ("the step's own all-reduce, each call after a cache sweep, me
 
 def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ranks=(1, 2),
                 backends=("gloo", "shm"), token_broadcast=("ids", "embeddings"), lm_head=("topk", "gather"),
-                zero_copy=(True, False), kv_handoff=(True,), prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3,
+                zero_copy=(True, False), kv_handoff=(True,), experts=("expert",), prompt_len: int = 64,
+                new_tokens: int = 32, repeats: int = 3,
                 threads_per_rank: int = 1, batch: int = 1, seed: int = 0,
                 comm: dict[str, tuple[float, float]] | None = None,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
@@ -154,6 +161,7 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     import workbench as wb
     from workbench.analysis.costmodel import tp_roofline_ratio
     from workbench.distributed.allreduce import step_fit
+    from workbench.distributed.tp import TPOptions
     from workbench.distributed.shard import shares_kv_head
     from workbench.model.loaders import available_memory_bytes
     from workbench.runtime.threads import set_threads
@@ -169,6 +177,15 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     ref = single.generate(prompts, **run)  # also the warm-up
     set_threads(before)
     cfg, weight_dtype, kv_cache = single.config, single.weight_dtype, single.switches.kv_cache
+    routing = None
+    if cfg.n_experts:  # where the single process's run sent its tokens: each rank's load under each split
+        from workbench.analysis.experts import ExpertRouting
+        from workbench.distributed.tp import EXPERT_SPLITS
+
+        if not experts or any(e not in EXPERT_SPLITS for e in experts):
+            raise ValueError(f"experts must be some of {', '.join(EXPERT_SPLITS)}, got {list(experts)!r}")
+        routing = ExpertRouting.of_model(single)
+    splits = list(experts) if cfg.n_experts else ["-"]
     # what the cost model needs of the weights (a file's own formats: their bytes per weight), kept
     # apart from the model, which may be freed before the clusters start
     weights = SimpleNamespace(config=cfg, weight_dtype=weight_dtype, bytes_per_weight=single.llama.bytes_per_weight())
@@ -188,13 +205,14 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
             return {"source": f"measurement failed: {e}"}
         return {"alpha_us": measured["alpha_us"], "beta_gbps": measured["beta_gbps"], "source": STEP_FIT_SOURCE}
 
-    def roofline(ranks_: int, fit: dict, handoff: bool) -> float | None:
-        """The cost model's vs_tp1 for these ranks, all-reduce fit and KV handoff."""
+    def roofline(ranks_: int, fit: dict, handoff: bool, split: str) -> float | None:
+        """The cost model's vs_tp1 for these ranks, all-reduce fit, KV handoff and expert split."""
         if "alpha_us" not in fit:
             return None
         return tp_roofline_ratio(weights, ranks_, comm=(fit["alpha_us"], fit["beta_gbps"]), batch=batch,
                                  prompt_len=prompt_len, new_tokens=new_tokens, kv_cache=kv_cache,
-                                 weight_dtype=weight_dtype, kv_handoff=handoff)
+                                 weight_dtype=weight_dtype, kv_handoff=handoff,
+                                 expert_split=split if split != "-" else "expert", routing=routing)
 
     def one_rank() -> dict:
         set_threads(one_threads)
@@ -211,51 +229,55 @@ def tp_ablation(name: str = "smollm2-135m", load_kwargs: dict | None = None, ran
     if 1 in ranks and not interleave:
         one_samples = [one_rank() for _ in range(repeats)]
         del single
-    one_config = {"ranks": 1, "backend": "-", "token_broadcast": "-", "lm_head": "-", "zero_copy": "-",
+    one_config = {"ranks": 1, "backend": "-", "experts": "-", "token_broadcast": "-", "lm_head": "-", "zero_copy": "-",
                   "kv_handoff": "-", "threads": one_threads}
     rows = []
     order = random.Random(seed)
-    for r in multi:
-        for backend in backends:
-            combos = switch_settings(backend, token_broadcast, lm_head, zero_copy, kv_handoff, shares_kv_head(cfg, r))
-            cluster = Cluster(r, backend=backend, threads_per_rank=threads_per_rank, pin=True).start()
-            try:
-                model = cluster.load_model(name, **load_kwargs)
-                model.generate(prompts, **run)  # warm-up
-                samples = {c: [] for c in combos}
-                same = {c: True for c in combos}
-                one_here: dict[int, dict] = {}
-                cases = combos + ([ONE_RANK] if interleave else [])
-                for round_, c in interleaved_rounds(cases, repeats, seed=order.randrange(2**31)):
-                    if c == ONE_RANK:
-                        one_here[round_] = one_rank()
-                        continue
-                    model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2], kv_handoff=c[4])
-                    out = model.generate(prompts, **run)
-                    samples[c].append((round_, _row(out, batch)))
-                    same[c] = same[c] and out.token_ids == ref.token_ids
-                one_samples.extend(one_here.values())
-                one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
-                fit = allreduce_fit(cluster)  # one per cluster: the switches do not enter it
-                for c in combos:
-                    config = {"ranks": r, "backend": backend, "token_broadcast": c[0], "lm_head": c[1],
-                              "zero_copy": c[3], "kv_handoff": c[5], "threads": threads_per_rank}
-                    row = _summarize(config, [s for _, s in samples[c]], same[c])  # in round order, as they ran
-                    row["roofline_vs_tp1"] = roofline(r, fit, c[5] == "on")
-                    row["allreduce_fit"] = fit
-                    row["allreduce_bytes_per_token"] = 2 * cfg.n_layers * cfg.dim * 4 * batch  # fp32 residual rows
-                    if 1 in ranks:
-                        ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
-                        row["vs_tp1"] = ratio_by_round(ms, one_ms) if interleave else ratio_of_runs(
-                            list(ms.values()), [s["decode_ms_per_token"] for s in one_samples])
-                        row["tp1_interleaved"] = interleave
-                    rows.append(row)
-                    say(f"ranks {r} {backend} {c[0]} / {c[1]} / zero copy {c[3]} / KV handoff {c[5]}: "
-                        f"{row['decode_ms_per_token']:.2f} ms/token, "
-                        f"comm {row['comm_ms_per_token']:.2f}"
-                        + (f", {row['vs_tp1']['median']:.2f}x one process" if "vs_tp1" in row else ""))
-            finally:
-                cluster.stop()
+    for r, backend, split in itertools.product(multi, backends, splits):
+        combos = switch_settings(backend, token_broadcast, lm_head, zero_copy, kv_handoff, shares_kv_head(cfg, r))
+        cluster = Cluster(r, backend=backend, threads_per_rank=threads_per_rank, pin=True).start()
+        try:
+            options = TPOptions(experts=split) if split != "-" else None
+            model = cluster.load_model(name, options=options, **load_kwargs)
+            model.generate(prompts, **run)  # warm-up
+            samples = {c: [] for c in combos}
+            same = {c: True for c in combos}
+            one_here: dict[int, dict] = {}
+            cases = combos + ([ONE_RANK] if interleave else [])
+            for round_, c in interleaved_rounds(cases, repeats, seed=order.randrange(2**31)):
+                if c == ONE_RANK:
+                    one_here[round_] = one_rank()
+                    continue
+                model.set_options(token_broadcast=c[0], lm_head=c[1], zero_copy=c[2], kv_handoff=c[4])
+                out = model.generate(prompts, **run)
+                samples[c].append((round_, _row(out, batch)))
+                same[c] = same[c] and out.token_ids == ref.token_ids
+            one_samples.extend(one_here.values())
+            one_ms = {round_: s["decode_ms_per_token"] for round_, s in one_here.items()}
+            fit = allreduce_fit(cluster)  # one per cluster: the switches do not enter it
+            for c in combos:
+                config = {"ranks": r, "backend": backend, "experts": split, "token_broadcast": c[0],
+                          "lm_head": c[1], "zero_copy": c[3], "kv_handoff": c[5], "threads": threads_per_rank}
+                row = _summarize(config, [s for _, s in samples[c]], same[c])  # in round order, as they ran
+                row["roofline_vs_tp1"] = roofline(r, fit, c[5] == "on", split)
+                if routing is not None:
+                    row["busiest_rank_share"] = (statistics.fmean(routing.busiest_rank(r)) if split == "expert"
+                                                 else 1 / r)
+                row["allreduce_fit"] = fit
+                row["allreduce_bytes_per_token"] = 2 * cfg.n_layers * cfg.dim * 4 * batch  # fp32 residual rows
+                if 1 in ranks:
+                    ms = {round_: s["decode_ms_per_token"] for round_, s in samples[c]}
+                    row["vs_tp1"] = ratio_by_round(ms, one_ms) if interleave else ratio_of_runs(
+                        list(ms.values()), [s["decode_ms_per_token"] for s in one_samples])
+                    row["tp1_interleaved"] = interleave
+                rows.append(row)
+                say(f"ranks {r} {backend}{'' if split == '-' else f' {split} split'} {c[0]} / {c[1]} / zero copy "
+                    f"{c[3]} / KV handoff {c[5]}: "
+                    f"{row['decode_ms_per_token']:.2f} ms/token, "
+                    f"comm {row['comm_ms_per_token']:.2f}"
+                    + (f", {row['vs_tp1']['median']:.2f}x one process" if "vs_tp1" in row else ""))
+        finally:
+            cluster.stop()
     if 1 in ranks:
         rows.insert(0, _summarize(one_config, one_samples, True))
         say(f"ranks 1: {rows[0]['decode_ms_per_token']:.2f} ms/token")

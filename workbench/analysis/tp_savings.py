@@ -30,8 +30,11 @@ def switch_savings(rows: list[dict]) -> list[dict]:
     """Each switch's saving in bytes and in ms, with its spread (the module docstring)."""
     out = []
     multi = [r for r in rows if r["ranks"] > 1]
-    for ranks, backend in dict.fromkeys((r["ranks"], r["backend"]) for r in multi):
-        group = [r for r in multi if (r["ranks"], r["backend"]) == (ranks, backend)]
+    def cluster(r):  # the rows of one cluster load: a mixture's expert split is a load of its own
+        return r["ranks"], r["backend"], r.get("experts", "-")
+
+    for ranks, backend, split in dict.fromkeys(map(cluster, multi)):
+        group = [r for r in multi if cluster(r) == (ranks, backend, split)]
         for switch, baseline in BASELINES.items():
             others = [k for k in BASELINES if k != switch]
             # rows from before a switch existed do not name it
@@ -44,7 +47,8 @@ def switch_savings(rows: list[dict]) -> list[dict]:
                          for r_ms, b_ms in zip(r["decode_ms_by_round"], b["decode_ms_by_round"])]
                 without = statistics.median(b["decode_ms_per_token"] for _, b in pairs)
                 out.append({
-                    "ranks": ranks, "backend": backend, "switch": switch, "setting": setting, "against": baseline,
+                    "ranks": ranks, "backend": backend, **({"experts": split} if split != "-" else {}),
+                    "switch": switch, "setting": setting, "against": baseline,
                     "pairs": len(pairs), "rounds": len(saved),
                     "sent_bytes_saved_per_token": statistics.median(
                         b["comm_bytes_per_token"] - r["comm_bytes_per_token"] for r, b in pairs),
