@@ -546,3 +546,40 @@ def test_the_cost_model_splits_a_mixture_by_expert_or_by_tensor():
         assert p.layers["decode"]["mlp"].bytes - 4 * 128 * 2048 == pytest.approx(4 * expert_mb, rel=0.01)
     with pytest.raises(ValueError, match="expert_split must be 'expert' or 'tensor'"):
         wb.predict("qwen3-30b-a3b", ranks=2, comm=(10.0, 5.0), expert_split="rows")
+
+
+def test_a_runs_expert_load_is_in_its_records_the_live_figures_and_the_report(moe, tmp_path):
+    """Every step record carries the tokens it routed to each expert of each layer; a run's
+    Timings sums them; LivePlots shows the heat map (only for a mixture); the report's
+    generation entry keeps the table and draws it; a step's FLOPs count each token's own
+    experts (2 per weight of the shared part and of the experts it was routed to)."""
+    from workbench import report
+    from workbench.ui.plots import LivePlots
+
+    name, _, ours, ids, _ = moe
+    out = ours.generate([ids[:30], ids[40:52]], max_new_tokens=5, stop_at_eos=False)
+    load = out.timings.expert_load()
+    assert len(load) == 3 and all(len(row) == 6 for row in load)
+    assert [sum(row) for row in load] == [(30 + 12 + 2 * 4) * 2] * 3  # both prompts, then 4 decode steps of 2 tokens
+    step = out.timings.decode_steps[-1]
+    assert {s.tokens for s in out.timings.decode_steps} == {2}
+    layer = ours.llama.layers[0]
+    expert_params = [g.params + d.params for g, d in layer.experts]
+    routed = sum(n * p for n, p in zip(step.expert_tokens[0], expert_params))
+    attention = step.flops[0] - 2 * (2 * layer._shared_params + routed)
+    assert 0 < attention < 4 * ours.config.n_heads * ours.config.head_dim * 2 * 60  # Q K^T and P V over at most 60 keys
+    plots = LivePlots(widget=True, peak_gbps=40.0)
+    plots.finish(out.timings, "moe", batch=2)
+    assert plots.experts_output.layout.display is None
+    fig = plots.experts_output.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert fig["data"][0]["type"] == "heatmap" and fig["data"][0]["z"] == load
+    assert "entropy" in fig["layout"]["title"]["text"] and "busiest of 2 ranks" in fig["layout"]["title"]["text"]
+    report.clear()
+    entry = report.record(out, ours, command="model.generate(...)")
+    assert entry["expert_load"] == load
+    page = report.write(tmp_path / "r.html")
+    assert "fig-experts-" in (tmp_path / "r.html").read_text()
+    report.clear()
+    dense = LivePlots(widget=True, peak_gbps=40.0)
+    dense.finish(wb.load_model("smollm2-135m", random=True, layers=1).generate("hi", max_new_tokens=2).timings, "d")
+    assert dense.experts_output.layout.display == "none"

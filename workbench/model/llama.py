@@ -304,7 +304,8 @@ class Layer:
         # [gate; up] and down in the format; top_k and norm_topk set by the model from its config.
         self.router, self.experts, self.top_k, self.norm_topk = None, [], 0, True
         self.last_experts: list[int] = []  # the experts the last forward ran (what it read)
-        self.expert_load = None  # tokens routed to each expert since the load (or reset_expert_load)
+        self.expert_load = None  # a mixture's: tokens routed to each expert since the load
+        self.last_load: list[int] = []  # ... and in the last forward
         if "router" in w:
             router = materialize(w.pop("router"))
             router = router.dequantize() if isinstance(router, BlockTensor) else router
@@ -362,12 +363,14 @@ class Layer:
         used = [self.experts[e] for e in (self.last_experts or range(self.top_k))]
         return self._shared_bytes + sum(pair[0].nbytes + pair[1].nbytes for pair in used if pair)
 
-    def read_params(self) -> int:
-        """The parameters behind read_bytes (the products' FLOPs are 2 per token and parameter)."""
+    def step_flops(self, tokens: int) -> int:
+        """The linear layers' FLOPs of a step of `tokens` tokens: 2 per token and weight of a
+        dense layer; of a mixture, the shared part for every token and each expert this process
+        holds for the tokens the step routed to it."""
         if self.router is None:
-            return self.linear_params
-        used = [self.experts[e] for e in (self.last_experts or range(self.top_k))]
-        return self._shared_params + sum(pair[0].params + pair[1].params for pair in used if pair)
+            return 2 * tokens * self.linear_params
+        routed = sum(n * (pair[0].params + pair[1].params) for n, pair in zip(self.last_load, self.experts) if pair)
+        return 2 * (tokens * self._shared_params + routed)
 
     def moe(self, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """The mixture in place of the MLP, x [T, dim] -> [T, dim]: the router's softmax, each
@@ -379,7 +382,9 @@ class Layer:
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
-        self.expert_load += torch.bincount(chosen.flatten(), minlength=len(self.experts))
+        load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
+        self.expert_load += load
+        self.last_load = load.tolist()
         self.last_experts = sorted(set(chosen.flatten().tolist()))
         for e in self.last_experts:
             if self.experts[e] is None:  # another rank's (expert parallel): its share comes in the all-reduce
@@ -666,9 +671,11 @@ class LlamaModel:
                              kv_bytes=kv_bytes if isinstance(kv_bytes, list) else [kv_bytes] * len(self.layers),
                              head_bytes=self.head_bytes(tokens),
                              total_s=total,
-                             flops=[2 * tokens * layer.read_params() + attention_flops for layer in self.layers],
+                             flops=[layer.step_flops(tokens) + attention_flops for layer in self.layers],
                              head_flops=2 * head_rows * self.lm_head.params, wake_s=wake_s, path=path,
-                             comm_bytes=comm_bytes)
+                             comm_bytes=comm_bytes,
+                             expert_tokens=[list(layer.last_load) for layer in self.layers] if self.layers[0].router
+                             is not None else [])
         return self.parallel.end(rec) if self.parallel is not None else rec
 
     def _tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -860,9 +867,10 @@ class LlamaModel:
             stack = self._fused_stack(cache)
             wake_s = stack.step(x, *tables[0], positions, timers, self.collective, *local)
             if self.layers[0].router is not None:  # which experts each layer's step ran (what it read)
-                tokens = stack.expert_hits  # [layers, experts]: tokens routed to each
-                for layer, row, hits in zip(self.layers, tokens, tokens.tolist()):
+                routed = stack.expert_hits  # [layers, experts]: tokens routed to each
+                for layer, row, hits in zip(self.layers, routed, routed.tolist()):
                     layer.last_experts = [e for e, hit in enumerate(hits) if hit]
+                    layer.last_load = hits
                     layer.expert_load += row
             if record:
                 for i, row in enumerate(timers.tolist()):

@@ -85,6 +85,9 @@ class StepRecord:
     # Which path ran a decode step: "fused" (every layer in one C++ call, LlamaModel.decode)
     # or "reference" (the Python loop over the same kernels); "" for a prefill.
     path: str = ""
+    # A mixture of experts: per layer, the tokens the step routed to each expert ([] for a
+    # dense model); on a rank of a cluster, every token's routing (each rank routes them all).
+    expert_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def comm_s(self) -> float:
@@ -181,6 +184,14 @@ class Timings:
         return [{"layer": i, **{f"{p}_ms": 1e3 * statistics.median(s.parts_s[p][i] for s in steps)
                                 for p in PART_NAMES}}
                 for i in range(steps[0].n_layers)]
+
+    def expert_load(self, phase: str | None = None) -> list[list[int]]:
+        """A mixture of experts' tokens per expert per layer ([layers][experts]), summed over
+        the phase's steps (None: every step); [] for a dense model."""
+        steps = [s for s in (self.steps if phase is None else self.phase_steps(phase)) if s.expert_tokens]
+        if not steps:
+            return []
+        return [[sum(col) for col in zip(*(s.expert_tokens[i] for s in steps))] for i in range(len(steps[0].expert_tokens))]
 
     def per_part_ms(self, phase: str = "decode") -> dict[str, float]:
         """Each part's milliseconds per step, all layers: the median over steps of the part's

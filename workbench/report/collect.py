@@ -110,6 +110,8 @@ def generation_entry(result, model=None, command: str | None = None, prompt: str
     }
     if getattr(result, "topk_log", None):
         entry["topk_checks"] = result.topk_log
+    if t.expert_load():  # a mixture of experts: tokens routed to each expert of each layer
+        entry["expert_load"] = t.expert_load()
     if model is not None and decode:
         entry["predicted"] = prediction_entry(model, result)
     return entry

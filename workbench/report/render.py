@@ -162,7 +162,7 @@ def _timings_table(e: dict) -> str:
 
 
 def _generation_section(i: int, e: dict, figures: list, peak_gbps: float) -> str:
-    from workbench.ui.plots import per_layer_spec, topk_spec  # here: plotly loads only when a page is made
+    from workbench.ui.plots import expert_load_spec, per_layer_spec, topk_spec  # plotly loads only when a page is made
 
     w = e["workload"]
     predicted = e.get("predicted") or {}
@@ -173,6 +173,8 @@ def _generation_section(i: int, e: dict, figures: list, peak_gbps: float) -> str
         body += _figure(figures, f"fig-bandwidth-{i}", _bandwidth_spec(i, e, peak_gbps))
     if e.get("topk_checks"):
         body += _figure(figures, f"fig-topk-{i}", topk_spec(e["topk_checks"]))
+    if e.get("expert_load"):
+        body += _figure(figures, f"fig-experts-{i}", expert_load_spec(e["expert_load"], title=f"Entry {i}: expert load"))
     if e.get("decode_comm_ms_per_step"):
         body += _figure(figures, f"fig-comm-{i}", _comm_compute_spec(
             f"Entry {i}: communication vs compute", ["decode step"], [e["decode_step_ms"]["median"]],

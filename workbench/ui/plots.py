@@ -11,7 +11,10 @@ Each takes earlier runs as `previous` (label, Timings) pairs, newest first, draw
 lines (a shade and a dash per run, EARLIER_LINES) so settings can be compared by eye. The figures are plain plotly Figures, rebuilt from the
 Timings: nothing is patched in place, so a figure can never hold half an update.
 
-LivePlots shows the three in a notebook while a generation runs:
+    expert_load_spec(timings.expert_load())   a mixture of experts: tokens per expert per layer
+
+LivePlots shows the three in a notebook while a generation runs (and, where they apply, the
+tensor-parallel figures and a mixture's expert load):
 
     plots = LivePlots()
     display(plots.box())
@@ -27,6 +30,7 @@ updates did not survive a reload.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 
@@ -189,6 +193,31 @@ def comm_spec(timings: Timings) -> dict:
     return {"data": data, "layout": layout}
 
 
+def expert_load_spec(load: list[list[int]], ranks: int = 2, title: str = "Expert load") -> dict:
+    """A mixture of experts: tokens routed to each expert of each layer ([layers][experts]: a
+    run's Timings.expert_load(), prefill and decode), as a heat map; the title gives the
+    routing's entropy (bits, of the even log2 E), the busiest expert's share and, were the
+    experts split over `ranks` ranks by expert (each a contiguous run), the busiest rank's
+    share (workbench.analysis.experts)."""
+    import torch
+
+    from workbench.analysis.experts import ExpertRouting
+
+    if not load:
+        return _no_run_yet()
+    table = torch.tensor(load, dtype=torch.int64)
+    n_experts = table.shape[1]
+    routing = ExpertRouting(table, 1, 1, "this run")
+    entropy, busiest = statistics.fmean(routing.entropy()), statistics.fmean(routing.busiest())
+    rank = f"; busiest of {ranks} ranks {statistics.fmean(routing.busiest_rank(ranks)):.0%}" if ranks <= n_experts else ""
+    data = [{"type": "heatmap", "z": load, "x": list(range(n_experts)), "y": list(range(len(load))),
+             "colorscale": "Blues", "colorbar": {"title": {"text": "tokens"}}}]
+    layout = {"title": {"text": f"{title}: {int(table.sum())} routings; entropy {entropy:.2f} of "
+                                f"{math.log2(n_experts):.2f} bits, busiest expert {busiest:.1%}{rank} (means over layers)"},
+              "height": 300, "margin": MARGIN, "xaxis": _axis("expert"), "yaxis": _axis("layer")}
+    return {"data": data, "layout": layout}
+
+
 def topk_spec(topk_log: list[dict]) -> dict:
     """Tensor parallel with check_topk: the distributed top-1's agreement with the true top-1
     (running share) and the top-k overlap of each position."""
@@ -300,7 +329,7 @@ class LivePlots:
         self.batch = 1
         self.updates = 0
         self._last = float("-inf")  # the first step always draws (perf_counter may start near 0)
-        self.outputs = self.distributed_outputs = None
+        self.outputs = self.distributed_outputs = self.experts_output = None
         if widget:
             import ipywidgets
 
@@ -308,6 +337,8 @@ class LivePlots:
             # Tensor parallel only: compute vs communication, and the top-k checks.
             self.distributed_outputs = [ipywidgets.Output(layout=ipywidgets.Layout(width="100%", display="none"))
                                         for _ in range(2)]
+            # A mixture of experts only: each layer's expert load.
+            self.experts_output = ipywidgets.Output(layout=ipywidgets.Layout(width="100%", display="none"))
         self.topk_log: list[dict] = []
         self.predicted: dict[str, list[dict]] | None = None  # the cost model's per-layer rows, drawn dashed
         self.n_layers: int | None = None  # the model's, for the axes of figures with no run yet
@@ -334,7 +365,8 @@ class LivePlots:
         """The figures in one ipywidgets VBox (widget mode)."""
         import ipywidgets
 
-        return ipywidgets.VBox(self.outputs + self.distributed_outputs, layout=ipywidgets.Layout(width="100%"))
+        return ipywidgets.VBox(self.outputs + self.distributed_outputs + [self.experts_output],
+                               layout=ipywidgets.Layout(width="100%"))
 
     def set_layers(self, n_layers: int) -> None:
         """The model's layer count: a figure with no run yet spans them."""
@@ -378,13 +410,18 @@ class LivePlots:
         for out, spec in zip(self.outputs, specs):
             out.outputs = (figure_output(spec),)  # one message per figure, replacing what was there
         distributed = any(s.comm_bytes for s in self.timings.steps)
+        moe = any(s.expert_tokens for s in self.timings.steps)
         comm_out, topk_out = self.distributed_outputs
+        experts_out = self.experts_output
         comm_out.layout.display = None if distributed else "none"
         topk_out.layout.display = None if self.topk_log else "none"
+        experts_out.layout.display = None if moe else "none"
         if distributed:
             comm_out.outputs = (figure_output(comm_spec(self.timings)),)
         if self.topk_log:
             topk_out.outputs = (figure_output(topk_spec(self.topk_log)),)
+        if moe:
+            experts_out.outputs = (figure_output(expert_load_spec(self.timings.expert_load())),)
 
 
 def ablation_figure(rows) -> go.Figure:
