@@ -8,6 +8,7 @@ records' weight bytes), the step's bytes (weights read, KV cache, head) measured
 (with the measured routing, and with uniform routing), the ratio, and the step's time and
 tokens/s measured against the roofline's. The step records count exactly the experts each step
 ran; the prediction knows only the routing's statistics, so the ratio is the cost model's error.
+The figure (results/moe_batch.html, workbench.ui.plots.moe_bytes_spec) sets both side by side.
 
     python bench/moe_batch.py                       # Qwen3-30B-A3B shapes, 4 layers, Q4_K_M
     python bench/moe_batch.py --model path/to/moe.gguf --batches 1,4,16,64
@@ -113,9 +114,18 @@ def main() -> int:
     print_table(rows, cols, title=f"{cfg.name}: {cfg.n_layers} layers, {cfg.n_experts} experts, top "
                                   f"{cfg.experts_per_token}; {args.threads} threads; decode steps of B real-text "
                                   f"prompts; median (min-max) over {args.rounds} rounds")
-    write_results("moe_batch", {"model": path, "description": model.description,
-                                "routing": {"source": routing.source, "rows": routing.rows()},
-                                "rows": [r["_raw"] for r in rows]}, args.out)
+    raw = [r["_raw"] for r in rows]
+    out = write_results("moe_batch", {"model": path, "description": model.description,
+                                      "routing": {"source": routing.source, "rows": routing.rows()}, "rows": raw},
+                        args.out)
+    import plotly.graph_objects as go
+
+    from workbench.ui.plots import moe_bytes_spec
+
+    figure = out.with_suffix(".html")  # plotly.js inside: opens offline
+    go.Figure(moe_bytes_spec(raw, title=f"{cfg.name}: a decode step's bytes and experts as the batch grows, "
+                                        f"predicted and measured")).write_html(figure, include_plotlyjs=True)
+    print(f"wrote {figure}")
     return 0
 
 

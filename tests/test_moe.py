@@ -583,3 +583,21 @@ def test_a_runs_expert_load_is_in_its_records_the_live_figures_and_the_report(mo
     dense = LivePlots(widget=True, peak_gbps=40.0)
     dense.finish(wb.load_model("smollm2-135m", random=True, layers=1).generate("hi", max_new_tokens=2).timings, "d")
     assert dense.experts_output.layout.display == "none"
+
+
+def test_the_batch_figure_sets_prediction_beside_measurement():
+    """bench/moe_batch.py's figure from its rows: the measured bytes with their spread, both
+    predictions, and the experts read, on a log batch axis."""
+    import plotly.graph_objects as go
+
+    from workbench.ui.plots import moe_bytes_spec
+
+    rows = [{"batch": b, "measured_bytes": [m * 0.99e6, m * 1e6, m * 1.02e6], "predicted_bytes": m * 1.01e6,
+             "uniform_bytes": m * 1.2e6, "measured_experts": [e, e], "predicted_experts": e + 0.5,
+             "uniform_experts": e + 2} for b, m, e in ((1, 222, 8), (4, 444, 27), (16, 861, 63), (64, 1427, 110))]
+    spec = moe_bytes_spec(rows)
+    measured = spec["data"][0]
+    assert measured["y"] == [222, 444, 861, 1427] and measured["error_y"]["array"][0] == pytest.approx(222 * 0.02)
+    assert [t["name"] for t in spec["data"][1:3]] == ["predicted, measured routing", "predicted, uniform routing"]
+    assert spec["data"][3]["y"] == [8, 27, 63, 110] and spec["layout"]["xaxis"]["type"] == "log"
+    go.Figure(spec)  # valid plotly

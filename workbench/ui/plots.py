@@ -218,6 +218,39 @@ def expert_load_spec(load: list[list[int]], ranks: int = 2, title: str = "Expert
     return {"data": data, "layout": layout}
 
 
+def moe_bytes_spec(rows: list[dict], title: str = "A mixture's decode step as the batch grows") -> dict:
+    """Predicted against measured: per batch B, the MB a decode step reads (the step records'
+    median over rounds with its min-max, the cost model's with the measured routing and with
+    uniform routing) and the distinct experts a layer's step read. rows: bench/moe_batch.py's
+    ({"batch", "measured_bytes": [per round], "predicted_bytes", "uniform_bytes",
+    "measured_experts": [per round], "predicted_experts", "uniform_experts"})."""
+    b = [r["batch"] for r in rows]
+    mb = [[x / 1e6 for x in r["measured_bytes"]] for r in rows]
+    mid = [statistics.median(m) for m in mb]
+
+    def line(name, key, axis, dash, scale=1e6):
+        return {"type": "scatter", "name": name, "x": b, "y": [r[key] / scale for r in rows], "mode": "lines",
+                "line": {"dash": dash}, "xaxis": "x" if axis == "" else "x2", "yaxis": "y" + axis}
+
+    data = [{"type": "scatter", "name": "measured (step records)", "x": b, "y": mid, "mode": "markers",
+             "marker": {"size": 9, "color": "#222"},
+             "error_y": {"type": "data", "symmetric": False, "array": [max(m) - c for m, c in zip(mb, mid)],
+                         "arrayminus": [c - min(m) for m, c in zip(mb, mid)]}},
+            line("predicted, measured routing", "predicted_bytes", "", "solid"),
+            line("predicted, uniform routing", "uniform_bytes", "", "dash"),
+            {"type": "scatter", "name": "experts read, measured", "x": b, "xaxis": "x2", "yaxis": "y2",
+             "y": [statistics.median(r["measured_experts"]) for r in rows], "mode": "markers",
+             "marker": {"size": 9, "color": "#222"}, "showlegend": False},
+            {**line("experts, measured routing", "predicted_experts", "2", "solid", 1), "showlegend": False},
+            {**line("experts, uniform routing", "uniform_experts", "2", "dash", 1), "showlegend": False}]
+    layout = {"title": {"text": title}, "height": 360, "margin": MARGIN, "legend": BELOW,
+              "xaxis": _axis("batch (tokens a step)", type="log", domain=[0, 0.46]),
+              "yaxis": _axis("MB a decode step reads", rangemode="tozero"),
+              "xaxis2": _axis("batch (tokens a step)", type="log", domain=[0.54, 1]),
+              "yaxis2": _axis("distinct experts a layer's step reads", anchor="x2", rangemode="tozero")}
+    return {"data": data, "layout": layout}
+
+
 def topk_spec(topk_log: list[dict]) -> dict:
     """Tensor parallel with check_topk: the distributed top-1's agreement with the true top-1
     (running share) and the top-k overlap of each position."""
