@@ -117,9 +117,21 @@ def _peers_rows(data: dict):
                        "peer": r["engine"], "ratio": r[key]}
 
 
+def _gguf_model(command: str) -> str:
+    """Which file a bench/gguf_formats.py run timed, from its command line: --model, or the
+    preset's shapes and layers (its defaults: llama2-7b, 8 layers)."""
+    words = command.split()
+
+    def arg(name: str, default: str) -> str:
+        return words[words.index(name) + 1] if name in words[:-1] else default
+
+    return arg("--model", "") or f"{arg('--preset', 'llama2-7b')} shapes, {arg('--layers', '8')} layers"
+
+
 def _gguf_formats_rows(data: dict):
     """bench/gguf_formats.py: the same GGUF file in the workbench and in llama.cpp."""
     ttft = next((c for t in data["tables"] for c in t["columns"] if c.startswith("TTFT ")), "TTFT")
+    model = _gguf_model(data["environment"]["command"])
     for r in data.get("rows", []):
         if not str(r.get("engine")).startswith("workbench"):
             continue
@@ -127,7 +139,8 @@ def _gguf_formats_rows(data: dict):
         for metric, key in (("decode tokens/s, batch 1", "decode_ratio"), (f"{ttft.replace(' ms', '')} tokens", "prefill_ratio"),
                             (f"decode tokens/s, batch {r.get('batch')}", "batch_ratio")):
             if r.get(key):
-                yield {"comparison": f"{r['file']}: {metric}", "ours": f"workbench, the file's formats{acts}",
+                which = r["file"] if r["file"] in model else f"{model}, {r['file']}"  # --model names its file
+                yield {"comparison": f"{which}: {metric}", "ours": f"workbench, the file's formats{acts}",
                        "peer": "llama.cpp, the same file", "ratio": r[key]}
 
 
