@@ -149,6 +149,9 @@ class WorkbenchMagics(Magics):
     @argument("name", help="preset name (smollm2-135m, llama2-7b, ...), a .gguf file or a model directory")
     @magic_options(LOAD_OPTIONS)
     @argument("--seed", type=int, default=0, help="seed for --random weights")
+    @argument("--experts", choices=["expert", "tensor"], default=None,
+              help="on a cluster, a mixture of experts' split: whole experts per rank (expert, the default) or each "
+                   "expert's FFN split (tensor)")
     @line_magic
     def load_model(self, line):
         """Load a model; it replaces the current one only if loading succeeds.
@@ -158,15 +161,21 @@ class WorkbenchMagics(Magics):
           In [1]: %load_model smollm2-135m
           In [2]: %load_model llama2-7b --random --layers 4 --dtype bf16
           In [3]: %load_model ~/models/TinyLlama-1.1B-Chat-v1.0
+          In [4]: %load_model ~/models/Qwen3-30B-A3B-Q4_K_M.gguf --experts tensor   # on a cluster
         """
+        import functools
         import warnings
 
         import workbench as wb
         from workbench.distributed.cluster import DistributedError, running
+        from workbench.distributed.tp import TPOptions
 
         args = parse_argstring(self.load_model, line)
         cluster = running()  # with %distributed start, every engine loads the model and keeps its shard
-        load = cluster.load_model if cluster is not None else wb.load_model
+        if args.experts is not None and cluster is None:
+            raise UsageError("--experts splits a mixture of experts over ranks: %distributed start first")
+        load = (functools.partial(cluster.load_model, options=TPOptions(experts=args.experts or "expert"))
+                if cluster is not None else wb.load_model)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

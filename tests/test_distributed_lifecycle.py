@@ -203,7 +203,7 @@ def test_distributed_magics_in_a_real_shell(magic):
     assert first["workload"]["tensor_parallel"] == {
         "ranks": 2, "backend": "shm", "threads_per_rank": 1, "pin": True, "launcher": "local",
         "token_broadcast": "embeddings", "lm_head": "gather", "zero_copy": False, "kv_handoff": False, "topk": 8,
-        "check_topk": True}
+        "check_topk": True, "experts": "expert"}
     assert again["model"]["ranks"] == 2 and again["text"] == first["text"]
     assert running() is None and sh.user_ns["wb_model"] is single  # the commands stopped their cluster
     report.clear()

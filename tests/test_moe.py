@@ -569,8 +569,10 @@ def test_a_runs_expert_load_is_in_its_records_the_live_figures_and_the_report(mo
     attention = step.flops[0] - 2 * (2 * layer._shared_params + routed)
     assert 0 < attention < 4 * ours.config.n_heads * ours.config.head_dim * 2 * 60  # Q K^T and P V over at most 60 keys
     plots = LivePlots(widget=True, peak_gbps=40.0)
+    box = plots.box()
+    assert plots.experts_output not in box.children  # until a run has an expert load
     plots.finish(out.timings, "moe", batch=2)
-    assert plots.experts_output.layout.display is None
+    assert plots.experts_output.layout.display is None and box.children[-1] is plots.experts_output
     fig = plots.experts_output.outputs[0]["data"]["application/vnd.plotly.v1+json"]
     assert fig["data"][0]["type"] == "heatmap" and fig["data"][0]["z"] == load
     assert "entropy" in fig["layout"]["title"]["text"] and "busiest of 2 ranks" in fig["layout"]["title"]["text"]
@@ -581,8 +583,9 @@ def test_a_runs_expert_load_is_in_its_records_the_live_figures_and_the_report(mo
     assert "fig-experts-" in (tmp_path / "r.html").read_text()
     report.clear()
     dense = LivePlots(widget=True, peak_gbps=40.0)
+    box = dense.box()
     dense.finish(wb.load_model("smollm2-135m", random=True, layers=1).generate("hi", max_new_tokens=2).timings, "d")
-    assert dense.experts_output.layout.display == "none"
+    assert dense.experts_output.layout.display == "none" and dense.experts_output not in box.children
 
 
 def test_the_batch_figure_sets_prediction_beside_measurement():
@@ -601,3 +604,43 @@ def test_the_batch_figure_sets_prediction_beside_measurement():
     assert [t["name"] for t in spec["data"][1:3]] == ["predicted, measured routing", "predicted, uniform routing"]
     assert spec["data"][3]["y"] == [8, 27, 63, 110] and spec["layout"]["xaxis"]["type"] == "log"
     go.Figure(spec)  # valid plotly
+
+
+def test_the_magics_load_a_mixture_on_a_cluster_split_either_way(moe, magic):
+    """In a real IPython shell: %load_model --experts on a cluster (refused without one, by
+    name), %generate on the ranks gives one process's tokens, the Reproduce commands carry the
+    split, and %distributed refuses to change it after the load."""
+    import os
+
+    from IPython.core.error import UsageError
+
+    from workbench.distributed.cluster import running
+
+    name, _, ours, ids, folder = moe
+    if name != "mixtral" or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one family is enough for the magics; 2 ranks need 2 CPUs")
+    pytest.importorskip("ipyparallel")
+    _, err = magic(f"%load_model {folder} --experts tensor")
+    assert isinstance(err, UsageError) and "%distributed start first" in str(err)
+    if running() is not None:  # the 2-rank tests' cluster: the magic starts its own
+        running().stop()
+    out, err = magic("%distributed start -n 2 --backend shm --pin")
+    assert err is None, err
+    try:
+        out, err = magic(f"%load_model {folder} --experts tensor")
+        assert err is None, err
+        model = magic.shell.user_ns["wb_model"]
+        assert [tuple(s["experts"]) for s in model.shards] == [(0, 6), (0, 6)] and model.options.experts == "tensor"
+        out, err = magic("%generate -n 6 Licensed under the Apache License, Version 2.0")
+        assert err is None, err
+        from workbench import report
+
+        entry = report.recorded()[-1]
+        assert entry["workload"]["tensor_parallel"]["experts"] == "tensor" and entry["expert_load"]
+        assert "--experts tensor" in entry["command"]
+        _, err = magic("%distributed --lm-head gather")
+        assert err is None
+        assert model.options.experts == "tensor"
+    finally:
+        magic("%distributed stop")
+    assert running() is None

@@ -398,8 +398,16 @@ class LivePlots:
         """The figures in one ipywidgets VBox (widget mode)."""
         import ipywidgets
 
-        return ipywidgets.VBox(self.outputs + self.distributed_outputs + [self.experts_output],
-                               layout=ipywidgets.Layout(width="100%"))
+        self._box = ipywidgets.VBox(self.outputs + self.distributed_outputs, layout=ipywidgets.Layout(width="100%"))
+        self._box_experts()
+        return self._box
+
+    def _box_experts(self) -> None:
+        """The expert-load figure joins the box once a run has some (a mixture of experts only:
+        a dense model's panel keeps the children it always had)."""
+        box = getattr(self, "_box", None)
+        if box is not None and self.experts_output.layout.display is None and self.experts_output not in box.children:
+            box.children += (self.experts_output,)
 
     def set_layers(self, n_layers: int) -> None:
         """The model's layer count: a figure with no run yet spans them."""
@@ -455,6 +463,7 @@ class LivePlots:
             topk_out.outputs = (figure_output(topk_spec(self.topk_log)),)
         if moe:
             experts_out.outputs = (figure_output(expert_load_spec(self.timings.expert_load())),)
+            self._box_experts()
 
 
 def ablation_figure(rows) -> go.Figure:
