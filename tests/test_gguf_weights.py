@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import workbench as wb
+from gguf_edit import copy_gguf
 from workbench.model.gguf_file import read_gguf
 from workbench.model.loaders import ModelLoadError, bundled_gguf_path
 from workbench.model.quantize import MIXES, tensor_format, use_more_bits, write_quantized
@@ -106,24 +107,7 @@ def _write(path, tensors: dict, fields: dict | None = None):
 
 def _copy_with(src, out, replace: dict):
     """src's metadata and tensors, with tensors in `replace` swapped for (data, raw type)."""
-    f = read_gguf(src)
-    w = gguf.GGUFWriter(out, f.fields["general.architecture"])
-    for name, value in f.fields.items():
-        if name == "general.architecture":
-            continue
-        vtype, sub = f.types[name]
-        w.add_key_value(name, value, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub) if sub else None)
-    for name, t in f.tensors.items():
-        if name in replace:
-            data, raw = replace[name]
-            w.add_tensor(name, data, raw_dtype=raw)
-        else:
-            w.add_tensor(name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return copy_gguf(src, out, lambda name, data, kind: replace.get(name, (data, kind)))
 
 
 def test_a_type_the_kernels_cannot_read_is_named_and_converts_when_asked(tmp_path, q4_k_m):

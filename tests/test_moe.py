@@ -18,6 +18,7 @@ import torch
 import workbench as wb
 from workbench.model.loaders import ModelLoadError, gguf_tokenizer
 from workbench.model.quantize import use_more_bits
+from gguf_edit import copy_gguf  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -299,37 +300,14 @@ def test_a_q4_k_m_moe_file_runs_its_experts_in_their_own_blocks(moe_q4_k_m):
     assert fused.token_ids == blocks.generate(ids[:40], max_new_tokens=12, stop_at_eos=False, step="reference").token_ids
 
 
-def _gguf_copy(src: Path, out: Path, change) -> Path:
-    """src's metadata and tensors with change(name, array) -> array | None (None: dropped)."""
-    import gguf
-    import numpy as np
-
-    from workbench.model.gguf_file import read_gguf
-
-    f = read_gguf(src)
-    w = gguf.GGUFWriter(out, f.fields["general.architecture"])
-    for name, value in f.fields.items():
-        if name != "general.architecture":
-            vtype, sub = f.types[name]
-            w.add_key_value(name, value, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub) if sub else None)
-    for name, t in f.tensors.items():
-        data = change(name, np.array(t.data))
-        if data is not None:
-            w.add_tensor(name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
 def test_a_misshapen_or_missing_gguf_expert_tensor_is_refused_by_name(moe_q4_k_m, tmp_path):
-    cut = _gguf_copy(moe_q4_k_m, tmp_path / "cut.gguf",
-                     lambda n, a: a[:5] if n == "blk.2.ffn_up_exps.weight" else a)
+    cut = copy_gguf(moe_q4_k_m, tmp_path / "cut.gguf",
+                    lambda n, a, kind: (a[:5] if n == "blk.2.ffn_up_exps.weight" else a, kind))
     with pytest.raises(ModelLoadError, match=r"blk\.2\.ffn_up_exps\.weight has shape \(5, 256, 256\), "
                                              r"expected \(6, 256, 256\)"):
         wb.load_model(str(cut))
-    gone = _gguf_copy(moe_q4_k_m, tmp_path / "gone.gguf", lambda n, a: None if n == "blk.1.ffn_gate_inp.weight" else a)
+    gone = copy_gguf(moe_q4_k_m, tmp_path / "gone.gguf",
+                     lambda n, a, kind: None if n == "blk.1.ffn_gate_inp.weight" else (a, kind))
     with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_gate_inp\.weight is missing"):
         wb.load_model(str(gone))
 
@@ -434,6 +412,7 @@ def test_the_continuous_batching_server_runs_a_mixture(moe):
     reuse: each gets the greedy tokens of generating it alone, the steps on the fused step."""
     import random
 
+    from test_serving import arrive_and_run
     from workbench.analysis.text import sample_prompts
     from workbench.serving import Scheduler
 
@@ -442,13 +421,7 @@ def test_the_continuous_batching_server_runs_a_mixture(moe):
     shared = sample_prompts(ours.tokenizer, 40, 1)[0]
     requests = [(shared[:rng.randint(20, 40)] + [400 + i], rng.randint(1, 8)) for i in range(10)]
     s = Scheduler(ours, slots=3, max_len=64, chunk=16, kv_cache="fp32", prefix_cache_tokens=256, block=8)
-    handles, pending = [], list(requests)
-    while pending or s.busy:
-        for _ in range(rng.randint(0, 2)):
-            if pending:
-                prompt, n = pending.pop(0)
-                handles.append(s.submit(prompt, n, stop_at_eos=False))
-        s.step()
+    handles = arrive_and_run(s, requests, seed=2)
     for (prompt, n), r in zip(requests, handles):
         assert r.output == ours.generate([prompt], max_new_tokens=n, stop_at_eos=False).token_ids[0], name
     assert s.stats["decode_paths"] == {"fused"} and any(r.reused for r in handles)

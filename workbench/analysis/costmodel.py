@@ -469,10 +469,10 @@ def _experts_read(cfg, routing, ranks: int, batch: int, prompt_len: int, expert_
         raise ValueError(f"routing must be an ExpertRouting of {cfg.n_experts} experts (wb.expert_routing(model)), "
                          f"got {routing!r:.80}")
     runs = [split(cfg.n_experts, ranks, r) for r in range(ranks)] if expert_split == "expert" else [(0, cfg.n_experts)]
+    q = routing.inclusion().clamp(0.0, 1.0)
     out = {}
     for phase in PHASES:
         tokens = batch * (prompt_len if phase == "prefill" else 1)
-        q = routing.inclusion().clamp(0.0, 1.0)
         read = 1.0 - (1.0 - q) ** tokens  # [layers, experts]: the chance each expert is read
         out[phase] = max(read[:, lo:hi].sum(-1).mean().item() for lo, hi in runs)
     return out
